@@ -1,0 +1,54 @@
+// Planning speed through the public API. Run with --benchmark_format=json for JSON.
+//   build/bin/eplbx_plan_bench --benchmark_format=json
+#include <benchmark/benchmark.h>
+
+#include <cmath>
+#include <random>
+
+#include "eplbx/policy.h"
+
+namespace {
+
+// A Zipf-like load (exponent 1.0, experts shuffled per layer), integer token counts.
+eplbx::LoadMatrix ZipfLoad(int layers, int experts, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<double> v(static_cast<size_t>(layers) * experts);
+  std::vector<int> perm(experts);
+  for (int l = 0; l < layers; ++l) {
+    for (int e = 0; e < experts; ++e) perm[e] = e;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int e = 0; e < experts; ++e) {
+      v[static_cast<size_t>(l) * experts + e] = std::round(100000.0 / (perm[e] + 1));
+    }
+  }
+  return *eplbx::LoadMatrix::Create(layers, experts, std::move(v));
+}
+
+void PlanDeepSeek(benchmark::State& state, eplbx::Topology topology, int layers, int experts) {
+  const eplbx::LoadMatrix load = ZipfLoad(layers, experts, 1);
+  for (auto _ : state) {
+    eplbx::Result<eplbx::Placement> p = eplbx::Plan(load, topology);
+    benchmark::DoNotOptimize(p);
+    if (!p.ok()) state.SkipWithError(p.status().ToString().c_str());
+  }
+  state.counters["layers"] = layers;
+  state.counters["experts"] = experts;
+  state.counters["slots"] = topology.slots;
+}
+
+// DeepSeek-V3 size: 58 layers x 256 experts -> 288 slots, 32 ranks, 4 nodes, 8 groups.
+BENCHMARK_CAPTURE(PlanDeepSeek, dsv3_hierarchical,
+                  eplbx::Topology{.ranks = 32, .nodes = 4, .slots = 288, .groups = 8}, 58, 256)
+    ->Unit(benchmark::kMillisecond);
+// The same shape in global mode (decode): 1 node of 32 ranks.
+BENCHMARK_CAPTURE(PlanDeepSeek, dsv3_global,
+                  eplbx::Topology{.ranks = 32, .nodes = 1, .slots = 288, .groups = 1}, 58, 256)
+    ->Unit(benchmark::kMillisecond);
+// A large decode deployment: 256 experts -> 320 slots on 64 ranks.
+BENCHMARK_CAPTURE(PlanDeepSeek, ep64_global,
+                  eplbx::Topology{.ranks = 64, .nodes = 1, .slots = 320, .groups = 1}, 58, 256)
+    ->Unit(benchmark::kMillisecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();

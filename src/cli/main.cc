@@ -1,0 +1,50 @@
+// The `eplbx` command: a thin layer over the public API. Errors are one line on stderr
+// ("eplbx: error: ...") and a non-zero exit: 2 for bad usage, 1 for everything else.
+#include <exception>
+#include <iostream>
+#include <new>
+
+#include "cli/commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"eplbx: expert-parallel load balancing for Mixture-of-Experts inference"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "eplbx 0.1.0");
+  eplbx::cli::Action run;
+  eplbx::cli::AddPlanCommand(app, run);
+  if (argc > 1 && argv[1][0] != '-') {
+    bool known = false;
+    for (const CLI::App* sub : app.get_subcommands({})) known |= sub->get_name() == argv[1];
+    if (!known) {
+      std::cerr << "eplbx: error: unknown command '" << argv[1]
+                << "' (expected one of: plan; see eplbx --help)\n";
+      return 2;
+    }
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::cerr << "eplbx: error: " << e.what() << " (see eplbx --help)\n";
+    return 2;
+  }
+  try {
+    const eplbx::Status status = run ? run() : eplbx::Status::InvalidArgument("no command");
+    if (!status.ok()) {
+      std::cerr << "eplbx: error: " << status.message() << "\n";
+      return 1;
+    }
+  } catch (const std::bad_alloc&) {
+    std::cerr << "eplbx: error: out of memory (is the input far larger than intended?)\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "eplbx: error: internal: " << e.what() << " (please report this)\n";
+    return 1;
+  }
+  return 0;
+}

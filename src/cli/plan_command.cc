@@ -1,0 +1,119 @@
+// `eplbx plan`: a placement for a load file.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <sstream>
+#include <string>
+
+#include "cli/commands.h"
+#include "common/strings.h"
+#include "eplbx/policy.h"
+#include "io/json_output.h"
+#include "io/load_file.h"
+
+namespace eplbx::cli {
+
+namespace {
+
+struct PlanArgs {
+  std::string load;
+  std::string out = "-";
+  std::string policy = "deepseek";
+  std::string format = "json";
+  Topology topology;
+};
+
+std::string Fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
+  return buf;
+}
+
+std::string FormatTable(const Placement& p, const LoadMatrix& load, const Topology& t,
+                        const Balance& balance, std::string_view policy, double plan_ms) {
+  std::ostringstream out;
+  out << "policy " << policy << ": " << p.layers() << " layers, " << p.experts() << " experts -> "
+      << p.slots() << " slots on " << t.ranks << " ranks / " << t.nodes << " nodes ("
+      << (IsHierarchical(t) ? "hierarchical" : "global") << "), planned in " << Fixed(plan_ms, 3)
+      << " ms\n";
+  for (int l = 0; l < p.layers(); ++l) {
+    const std::vector<double> loads = RankLoads(p, load, l, t.ranks);
+    double max = 0, total = 0;
+    for (double v : loads) {
+      max = std::max(max, v);
+      total += v;
+    }
+    out << "\nlayer " << l << "  balancedness " << Fixed(balance.per_layer[l], 4)
+        << "  max rank load " << Fixed(max, 1) << "  mean " << Fixed(total / t.ranks, 1) << "\n";
+    out << "  rank loads:";
+    for (double v : loads) out << " " << Fixed(v, 0);
+    out << "\n  replicated (expert x replicas):";
+    bool any = false;
+    for (int e = 0; e < p.experts(); ++e) {
+      if (p.logcnt(l, e) > 1) {
+        out << " " << e << "x" << p.logcnt(l, e);
+        any = true;
+      }
+    }
+    out << (any ? "\n" : " none\n");
+    out << "  slots by rank:";
+    for (int r = 0; r < t.ranks; ++r) {
+      out << (r ? " |" : " ");
+      for (int s = r * t.slots_per_rank(); s < (r + 1) * t.slots_per_rank(); ++s) {
+        out << " " << p.phy2log(l, s);
+      }
+    }
+    out << "\n";
+  }
+  out << "\nbalancedness_total " << Fixed(balance.total, 4) << "\n";
+  return out.str();
+}
+
+Status RunPlan(const PlanArgs& args) {
+  if (args.format != "json" && args.format != "table") {
+    return Status::InvalidArgument(
+        internal::StrCat("--format is '", args.format, "' (expected json or table)"));
+  }
+  Result<Policy> policy = ParsePolicy(args.policy);
+  if (!policy.ok()) return policy.status().WithPrefix("--policy");
+  Result<LoadMatrix> load = io::ReadLoadFile(args.load);
+  if (!load.ok()) return load.status();
+  EPLBX_RETURN_IF_ERROR(
+      args.topology.Validate(load->experts())
+          .WithPrefix(internal::StrCat(args.load, " (", load->experts(), " experts)")));
+  PlanOptions options;
+  options.policy = *policy;
+  const auto start = std::chrono::steady_clock::now();
+  Result<Placement> placement = Plan(*load, args.topology, options);
+  const double plan_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  if (!placement.ok()) return placement.status();
+  Result<Balance> balance = ComputeBalance(*placement, *load, args.topology.ranks);
+  if (!balance.ok()) return balance.status();
+  const std::string text =
+      args.format == "json"
+          ? io::PlanToJson(args.policy, *placement, *balance, plan_ms).dump() + "\n"
+          : FormatTable(*placement, *load, args.topology, *balance, args.policy, plan_ms);
+  return io::WriteOutput(args.out, text);
+}
+
+}  // namespace
+
+void AddPlanCommand(CLI::App& app, Action& run) {
+  auto args = std::make_shared<PlanArgs>();
+  CLI::App* cmd = app.add_subcommand("plan", "Place experts into slots for a load file");
+  cmd->add_option("--load", args->load,
+                  "Load per layer and logical expert: .json (2-D array or {\"load\": ...}), "
+                  ".csv (one layer per line) or .npy (2-D)")
+      ->required();
+  cmd->add_option("--slots", args->topology.slots, "Physical slots in total (P)")->required();
+  cmd->add_option("--ranks", args->topology.ranks, "Expert-parallel ranks (GPUs)")->required();
+  cmd->add_option("--nodes", args->topology.nodes, "Nodes (hosts)")->capture_default_str();
+  cmd->add_option("--groups", args->topology.groups, "Expert groups")->capture_default_str();
+  cmd->add_option("--policy", args->policy, "Placement policy: deepseek")->capture_default_str();
+  cmd->add_option("--out", args->out, "Output file ('-' for stdout)")->capture_default_str();
+  cmd->add_option("--format", args->format, "json or table")->capture_default_str();
+  cmd->callback([&run, args] { run = [args] { return RunPlan(*args); }; });
+}
+
+}  // namespace eplbx::cli

@@ -1,0 +1,24 @@
+// Internal: the JSON documents the CLI writes.
+#ifndef EPLBX_SRC_IO_JSON_OUTPUT_H_
+#define EPLBX_SRC_IO_JSON_OUTPUT_H_
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+
+#include "eplbx/placement.h"
+#include "eplbx/status.h"
+
+namespace eplbx::io {
+
+// {"policy", "phy2log", "log2phy", "logcnt", "balancedness", "balancedness_total", "plan_ms"}
+nlohmann::json PlanToJson(std::string_view policy, const Placement& placement,
+                          const Balance& balance, double plan_ms);
+
+// Writes `text` to `path` through a temporary file and a rename, so a failed write never
+// leaves a half-written file behind. "-" means stdout.
+Status WriteOutput(const std::string& path, std::string_view text);
+
+}  // namespace eplbx::io
+
+#endif  // EPLBX_SRC_IO_JSON_OUTPUT_H_

@@ -1,0 +1,173 @@
+// Runs the real `eplbx` binary as a user would and checks stdout, stderr and the exit code.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "io/npy.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct CliRun {
+  int exit_code;
+  std::string out, err;
+};
+
+std::string Slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+class CliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("eplbx_cli_test_" +
+            std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  CliRun Eplbx(const std::string& args) {
+    const fs::path out = dir_ / "stdout", err = dir_ / "stderr";
+    const std::string cmd =
+        std::string(EPLBX_CLI) + " " + args + " >" + out.string() + " 2>" + err.string();
+    const int rc = std::system(cmd.c_str());
+    return {WIFEXITED(rc) ? WEXITSTATUS(rc) : 128 + WTERMSIG(rc), Slurp(out), Slurp(err)};
+  }
+
+  std::string Write(const std::string& name, const std::string& text) {
+    const fs::path p = dir_ / name;
+    std::ofstream(p, std::ios::binary) << text;
+    return p.string();
+  }
+
+  // Exactly one line on stderr, starting "eplbx: error: ", containing `needle`.
+  void ExpectOneLineError(const CliRun& r, const std::string& needle) {
+    EXPECT_NE(r.exit_code, 0);
+    EXPECT_TRUE(r.out.empty()) << r.out;
+    EXPECT_EQ(r.err.rfind("eplbx: error: ", 0), 0u) << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
+  }
+
+  fs::path dir_;
+};
+
+const char* kReadme =
+    "[[90,132,40,61,104,165,39,4,73,56,183,86],[20,107,104,64,19,197,187,157,172,86,16,27]]";
+
+TEST_F(CliTest, PlanReadmeVectorAsJson) {
+  const std::string load = Write("load.json", kReadme);
+  CliRun r = Eplbx("plan --load " + load + " --slots 16 --ranks 8 --nodes 2 --groups 4");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(r.err.empty()) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["policy"], "deepseek");
+  EXPECT_EQ(j["phy2log"][0], nlohmann::json::parse("[5,6,5,7,8,4,3,4,10,9,10,2,0,1,11,1]"));
+  EXPECT_EQ(j["phy2log"][1], nlohmann::json::parse("[7,10,6,8,6,11,8,9,2,4,5,1,5,0,3,1]"));
+  EXPECT_EQ(j["logcnt"][0], nlohmann::json::parse("[1,2,1,1,2,2,1,1,1,1,2,1]"));
+  EXPECT_EQ(j["log2phy"][0][5], nlohmann::json::parse("[0,2]"));
+  EXPECT_EQ(j["log2phy"][0][0], nlohmann::json::parse("[12,-1]"));
+  EXPECT_EQ(j["balancedness"].size(), 2u);
+  EXPECT_TRUE(j["balancedness_total"].is_number_float());
+  EXPECT_TRUE(j["plan_ms"].is_number_float());
+  EXPECT_GE(j["plan_ms"].get<double>(), 0.0);
+}
+
+TEST_F(CliTest, SameAnswerFromEveryFileFormat) {
+  const std::string json = Write("l.json", std::string("{\"load\": ") + kReadme + "}");
+  const std::string csv = Write("l.csv",
+                                "90,132,40,61,104,165,39,4,73,56,183,86\n"
+                                "20,107,104,64,19,197,187,157,172,86,16,27\n");
+  const std::string npy = Write(
+      "l.npy",
+      eplbx::io::EncodeNpyF64(2, 12, {90, 132, 40,  61, 104, 165, 39,  4,   73,  56, 183, 86,
+                                      20, 107, 104, 64, 19,  197, 187, 157, 172, 86, 16,  27}));
+  nlohmann::json first;
+  for (const std::string& f : {json, csv, npy}) {
+    CliRun r = Eplbx("plan --load " + f + " --slots 16 --ranks 8 --nodes 2 --groups 4");
+    ASSERT_EQ(r.exit_code, 0) << f << ": " << r.err;
+    nlohmann::json j = nlohmann::json::parse(r.out);
+    if (first.is_null()) first = j["phy2log"];
+    EXPECT_EQ(j["phy2log"], first) << f;
+  }
+}
+
+TEST_F(CliTest, OutFileAndTableFormat) {
+  const std::string load = Write("load.json", kReadme);
+  const std::string out = (dir_ / "plan.json").string();
+  CliRun r =
+      Eplbx("plan --load " + load + " --slots 16 --ranks 8 --nodes 2 --groups 4 --out " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(r.out.empty());
+  EXPECT_EQ(nlohmann::json::parse(Slurp(out))["phy2log"].size(), 2u);
+  CliRun t = Eplbx("plan --load " + load + " --slots 16 --ranks 8 --format table");
+  ASSERT_EQ(t.exit_code, 0) << t.err;
+  EXPECT_NE(t.out.find("layer 1  balancedness"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("rank loads:"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("replicated (expert x replicas): 1x2"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("balancedness_total"), std::string::npos) << t.out;
+}
+
+TEST_F(CliTest, ShippedExampleWorks) {
+  CliRun r = Eplbx(std::string("plan --load ") + EPLBX_EXAMPLES +
+                   "/dsv3_load.json --slots 288 --ranks 32 --nodes 4 --groups 8");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["phy2log"].size(), 58u);
+  EXPECT_EQ(j["phy2log"][0].size(), 288u);
+}
+
+TEST_F(CliTest, EveryBadInputIsOneClearLine) {
+  const std::string load = Write("load.json", kReadme);
+  const std::string base = "plan --load " + load + " ";
+  ExpectOneLineError(Eplbx(base + "--slots 15 --ranks 8"),
+                     "slots (15) is not a multiple of ranks (8)");
+  ExpectOneLineError(Eplbx(base + "--slots 16 --ranks 8 --nodes 3"),
+                     "ranks (8) is not a multiple of nodes (3)");
+  ExpectOneLineError(Eplbx(base + "--slots 16 --ranks 8 --groups 5"),
+                     "experts (12) is not a multiple of groups (5)");
+  ExpectOneLineError(Eplbx(base + "--slots 8 --ranks 8"), "slots (8) is less than experts (12)");
+  ExpectOneLineError(Eplbx(base + "--slots 16 --ranks 0"), "ranks is 0");
+  ExpectOneLineError(Eplbx(base + "--slots 16 --ranks 8 --policy magic"),
+                     "--policy: unknown policy 'magic'");
+  ExpectOneLineError(Eplbx(base + "--slots 16 --ranks 8 --format xml"), "--format is 'xml'");
+  ExpectOneLineError(Eplbx(base + "--slots abc --ranks 8"), "--slots");
+  ExpectOneLineError(Eplbx("plan --slots 16 --ranks 8"), "--load is required");
+  ExpectOneLineError(Eplbx("plan --load /nonexistent/x.json --slots 16 --ranks 8"),
+                     "/nonexistent/x.json: no such file");
+  ExpectOneLineError(Eplbx("frobnicate"), "frobnicate");
+  ExpectOneLineError(Eplbx(""), "subcommand");
+  ExpectOneLineError(
+      Eplbx("plan --load " + Write("bad.json", "[[1,2],[3]]") + " --slots 4 --ranks 2"),
+      "bad.json: layer 1 has 1 experts but layer 0 has 2");
+  ExpectOneLineError(
+      Eplbx("plan --load " + Write("neg.csv", "1,2\n3,-4\n") + " --slots 4 --ranks 2"),
+      "neg.csv: layer 1, expert 1: load is -4");
+  ExpectOneLineError(
+      Eplbx("plan --load " + Write("junk.npy", "not numpy at all") + " --slots 4 --ranks 2"),
+      "junk.npy: not a .npy file");
+  ExpectOneLineError(Eplbx("plan --load " + Write("x.yaml", "a: 1") + " --slots 4 --ranks 2"),
+                     "unknown extension '.yaml'");
+  ExpectOneLineError(Eplbx(base + "--slots 16 --ranks 8 --out " + (dir_ / "no/dir/x").string()),
+                     "cannot open for writing");
+}
+
+TEST_F(CliTest, HelpAndVersion) {
+  CliRun h = Eplbx("plan --help");
+  EXPECT_EQ(h.exit_code, 0);
+  EXPECT_NE(h.out.find("--slots"), std::string::npos);
+  CliRun v = Eplbx("--version");
+  EXPECT_EQ(v.exit_code, 0);
+  EXPECT_NE(v.out.find("eplbx"), std::string::npos);
+}
+
+}  // namespace

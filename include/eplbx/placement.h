@@ -13,6 +13,7 @@
 #define EPLBX_PLACEMENT_H_
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "eplbx/status.h"
@@ -86,13 +87,23 @@ class Placement {
   int32_t logcnt(int layer, int expert) const { return logcnt_[Expert(layer, expert)]; }
   // k-th slot (ascending) holding `expert`, or -1 when k >= logcnt.
   int32_t log2phy(int layer, int expert, int k) const {
-    return log2phy_[Expert(layer, expert) * static_cast<size_t>(max_replicas_) +
-                    static_cast<size_t>(k)];
+    return k < logcnt(layer, expert) ? replica_slots_[replica_offset_[Expert(layer, expert)] +
+                                                      static_cast<size_t>(k)]
+                                     : -1;
+  }
+  // The slots holding `expert`, ascending (logcnt entries).
+  std::span<const int32_t> replicas(int layer, int expert) const {
+    return {replica_slots_.data() + replica_offset_[Expert(layer, expert)],
+            static_cast<size_t>(logcnt(layer, expert))};
   }
 
+  // Row-major layers x slots.
   const std::vector<int32_t>& phy2log() const { return phy2log_; }
-  const std::vector<int32_t>& log2phy() const { return log2phy_; }
+  // Row-major layers x experts.
   const std::vector<int32_t>& logcnt() const { return logcnt_; }
+  // The field's dense log2phy: row-major layers x experts x max_replicas(), ascending,
+  // -1 padded. Built on each call (the Placement itself stores replicas compactly).
+  std::vector<int32_t> Log2PhyPadded() const;
 
   // Error (naming layer and expert) when some expert has no replica.
   Status CheckEveryExpertPlaced() const;
@@ -115,8 +126,11 @@ class Placement {
   int experts_ = 0;
   int max_replicas_ = 1;
   std::vector<int32_t> phy2log_;
-  std::vector<int32_t> log2phy_;
   std::vector<int32_t> logcnt_;
+  // Replicas in CSR form: the slots of (layer, expert) i, ascending, are
+  // replica_slots_[replica_offset_[i] .. replica_offset_[i] + logcnt_[i]).
+  std::vector<uint32_t> replica_offset_;
+  std::vector<int32_t> replica_slots_;
 };
 
 // Load of each rank in one layer: the sum over the rank's slots of

@@ -9,6 +9,10 @@
 
 namespace eplbx::internal {
 
+// Indices of `weight` by descending weight, equal weights in ascending index order.
+// REQUIRES: every weight >= 0 (or -0).
+std::vector<int32_t> DescendingOrder(std::span<const float> weight);
+
 // Packs n = weight.size() items into `packs` packs of exactly n / packs items each.
 // Items are visited by descending weight (ties: lower index first); each goes to the
 // lightest pack that still has room (ties: lowest pack index). Pack weights accumulate in

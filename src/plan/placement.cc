@@ -12,7 +12,8 @@ using internal::StrCat;
 
 namespace {
 
-constexpr int kMaxDimension = 1 << 20;  // far above any deployment; keeps products in range
+constexpr int kMaxDimension = 1 << 20;       // far above any deployment
+constexpr size_t kMaxEntries = size_t{1} << 28;  // per matrix; keeps offsets in 32 bits
 
 Status CheckPositive(const char* field, int value) {
   if (value < 1 || value > kMaxDimension) {
@@ -62,6 +63,10 @@ Result<LoadMatrix> LoadMatrix::Create(int layers, int experts, std::vector<doubl
                                           " experts; each dimension must be <= ", kMaxDimension));
   }
   const size_t expected = static_cast<size_t>(layers) * static_cast<size_t>(experts);
+  if (expected > kMaxEntries) {
+    return Status::InvalidArgument(StrCat("load is ", layers, " layers x ", experts,
+                                          " experts; at most ", kMaxEntries, " values"));
+  }
   if (values.size() != expected) {
     return Status::InvalidArgument(StrCat("load has ", values.size(), " values; expected ", layers,
                                           " layers x ", experts, " experts = ", expected));
@@ -114,6 +119,12 @@ Result<Placement> Placement::FromPhy2Log(int layers, int slots, int experts,
                " experts is invalid (each must be in [1, ", kMaxDimension, "])"));
   }
   const size_t expected = static_cast<size_t>(layers) * static_cast<size_t>(slots);
+  if (expected > kMaxEntries ||
+      static_cast<size_t>(layers) * static_cast<size_t>(experts) > kMaxEntries) {
+    return Status::InvalidArgument(StrCat("placement of ", layers, " layers x ", slots,
+                                          " slots x ", experts, " experts is too large (at most ",
+                                          kMaxEntries, " entries per matrix)"));
+  }
   if (phy2log.size() != expected) {
     return Status::InvalidArgument(StrCat("phy2log has ", phy2log.size(), " entries; expected ",
                                           layers, " layers x ", slots, " slots = ", expected));
@@ -135,19 +146,33 @@ Result<Placement> Placement::FromPhy2Log(int layers, int slots, int experts,
       if (e >= 0) p.max_replicas_ = std::max(p.max_replicas_, ++p.logcnt_[p.Expert(l, e)]);
     }
   }
-  const size_t width = static_cast<size_t>(p.max_replicas_);
-  p.log2phy_.assign(p.logcnt_.size() * width, -1);
-  std::vector<int32_t> filled(p.logcnt_.size(), 0);
+  // Replicas in CSR form; a per-layer cursor keeps the scratch memory to one layer.
+  p.replica_offset_.resize(p.logcnt_.size() + 1);
+  p.replica_offset_[0] = 0;
+  for (size_t i = 0; i < p.logcnt_.size(); ++i) {
+    p.replica_offset_[i + 1] = p.replica_offset_[i] + static_cast<uint32_t>(p.logcnt_[i]);
+  }
+  p.replica_slots_.resize(p.replica_offset_.back());
+  std::vector<uint32_t> cursor(static_cast<size_t>(experts));
   for (int l = 0; l < layers; ++l) {
-    for (int s = 0; s < slots; ++s) {  // ascending slots give ascending log2phy rows
+    std::copy_n(p.replica_offset_.begin() + static_cast<ptrdiff_t>(p.Expert(l, 0)), experts,
+                cursor.begin());
+    for (int s = 0; s < slots; ++s) {  // ascending slots give ascending replica lists
       const int32_t e = phy2log[p.Slot(l, s)];
-      if (e < 0) continue;
-      const size_t cell = p.Expert(l, e);
-      p.log2phy_[cell * width + static_cast<size_t>(filled[cell]++)] = s;
+      if (e >= 0) p.replica_slots_[cursor[static_cast<size_t>(e)]++] = s;
     }
   }
   p.phy2log_ = std::move(phy2log);
   return p;
+}
+
+std::vector<int32_t> Placement::Log2PhyPadded() const {
+  const size_t width = static_cast<size_t>(max_replicas_);
+  std::vector<int32_t> out(logcnt_.size() * width, -1);
+  for (size_t i = 0; i < logcnt_.size(); ++i) {
+    std::copy_n(replica_slots_.begin() + replica_offset_[i], logcnt_[i], out.begin() + i * width);
+  }
+  return out;
 }
 
 Status Placement::CheckEveryExpertPlaced() const {

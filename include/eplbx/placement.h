@@ -87,9 +87,9 @@ class Placement {
   int32_t logcnt(int layer, int expert) const { return logcnt_[Expert(layer, expert)]; }
   // k-th slot (ascending) holding `expert`, or -1 when k >= logcnt.
   int32_t log2phy(int layer, int expert, int k) const {
-    return k < logcnt(layer, expert) ? replica_slots_[replica_offset_[Expert(layer, expert)] +
-                                                      static_cast<size_t>(k)]
-                                     : -1;
+    return k < logcnt(layer, expert)
+               ? replica_slots_[replica_offset_[Expert(layer, expert)] + static_cast<size_t>(k)]
+               : -1;
   }
   // The slots holding `expert`, ascending (logcnt entries).
   std::span<const int32_t> replicas(int layer, int expert) const {

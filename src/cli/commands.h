@@ -14,6 +14,7 @@ namespace eplbx::cli {
 using Action = std::function<Status()>;
 
 void AddPlanCommand(CLI::App& app, Action& run);
+void AddMigrateCommand(CLI::App& app, Action& run);
 
 }  // namespace eplbx::cli
 

@@ -40,6 +40,53 @@ json PlanToJson(std::string_view policy, const Placement& placement, const Balan
               {"plan_ms", plan_ms}};
 }
 
+json MigrationToJson(const MigrationPlan& plan, const MigrationOptions& options) {
+  json layers = json::array();
+  for (const LayerMigration& m : plan.layers) {
+    json transfers = json::array(), copies = json::array();
+    for (const RemoteRead& t : m.transfers) {
+      transfers.push_back({{"src", t.src},
+                           {"src_row", t.src_row},
+                           {"dst", t.dst},
+                           {"dst_row", t.dst_row},
+                           {"expert", t.expert},
+                           {"round", t.round}});
+    }
+    for (const LocalCopy& c : m.local_copies) {
+      copies.push_back({{"rank", c.rank},
+                        {"src_row", c.src_row},
+                        {"dst_row", c.dst_row},
+                        {"expert", c.expert},
+                        {"source", c.source == CopySource::kOld ? "old" : "new"}});
+    }
+    layers.push_back({{"layer", m.layer},
+                      {"transfers", std::move(transfers)},
+                      {"local_copies", std::move(copies)},
+                      {"rounds", m.rounds},
+                      {"rounds_lower_bound", m.rounds_lower_bound},
+                      {"bytes_moved", m.bytes_remote},
+                      {"cross_node_bytes", m.bytes_cross_node},
+                      {"max_bytes_in", m.max_bytes_in},
+                      {"max_bytes_out", m.max_bytes_out}});
+  }
+  const MigrationSummary& s = plan.summary;
+  json summary = {{"layers", plan.layers.size()},
+                  {"remote_transfers", s.remote_transfers},
+                  {"local_copies", s.local_copies},
+                  {"bytes_per_expert", options.bytes_per_expert},
+                  {"bytes_moved", s.bytes_moved},
+                  {"local_copy_bytes", s.local_copy_bytes},
+                  {"cross_node_bytes", s.cross_node_bytes},
+                  {"rounds", s.rounds},
+                  {"rounds_lower_bound", s.rounds_lower_bound},
+                  {"max_rounds_per_layer", s.max_rounds_per_layer},
+                  {"max_bytes_in", s.max_bytes_in},
+                  {"max_bytes_out", s.max_bytes_out},
+                  {"link_gbps", options.link_gbps},
+                  {"time_lower_bound_s", s.time_lower_bound_s}};
+  return json{{"layers", std::move(layers)}, {"summary", std::move(summary)}};
+}
+
 Status WriteOutput(const std::string& path, std::string_view text) {
   if (path.empty() || path == "-") {
     std::cout << text;

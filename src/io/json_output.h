@@ -6,6 +6,7 @@
 #include <string>
 #include <string_view>
 
+#include "eplbx/migration.h"
 #include "eplbx/placement.h"
 #include "eplbx/status.h"
 
@@ -14,6 +15,10 @@ namespace eplbx::io {
 // {"policy", "phy2log", "log2phy", "logcnt", "balancedness", "balancedness_total", "plan_ms"}
 nlohmann::json PlanToJson(std::string_view policy, const Placement& placement,
                           const Balance& balance, double plan_ms);
+
+// {"layers": [{"layer", "transfers": [...], "local_copies": [...], per-layer figures}],
+//  "summary": {...}} (docs/cli.md).
+nlohmann::json MigrationToJson(const MigrationPlan& plan, const MigrationOptions& options);
 
 // Writes `text` to `path` through a temporary file and a rename, so a failed write never
 // leaves a half-written file behind. "-" means stdout.

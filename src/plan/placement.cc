@@ -12,7 +12,7 @@ using internal::StrCat;
 
 namespace {
 
-constexpr int kMaxDimension = 1 << 20;       // far above any deployment
+constexpr int kMaxDimension = 1 << 20;           // far above any deployment
 constexpr size_t kMaxEntries = size_t{1} << 28;  // per matrix; keeps offsets in 32 bits
 
 Status CheckPositive(const char* field, int value) {
@@ -121,9 +121,9 @@ Result<Placement> Placement::FromPhy2Log(int layers, int slots, int experts,
   const size_t expected = static_cast<size_t>(layers) * static_cast<size_t>(slots);
   if (expected > kMaxEntries ||
       static_cast<size_t>(layers) * static_cast<size_t>(experts) > kMaxEntries) {
-    return Status::InvalidArgument(StrCat("placement of ", layers, " layers x ", slots,
-                                          " slots x ", experts, " experts is too large (at most ",
-                                          kMaxEntries, " entries per matrix)"));
+    return Status::InvalidArgument(StrCat("placement of ", layers, " layers x ", slots, " slots x ",
+                                          experts, " experts is too large (at most ", kMaxEntries,
+                                          " entries per matrix)"));
   }
   if (phy2log.size() != expected) {
     return Status::InvalidArgument(StrCat("phy2log has ", phy2log.size(), " entries; expected ",

@@ -161,6 +161,60 @@ TEST_F(CliTest, EveryBadInputIsOneClearLine) {
                      "cannot open for writing");
 }
 
+TEST_F(CliTest, MigrateBetweenTwoPlans) {
+  // vLLM's example through files, then a plan's own output as input.
+  const std::string from = Write("old.json", R"({"phy2log": [[0, 0, 1, 1, 1]]})");
+  const std::string to = Write("new.json", R"({"phy2log": [[0, 0, 0, 0, 0]]})");
+  CliRun r = Eplbx("migrate --old " + from + " --new " + to +
+                   " --ranks 5 --bytes-per-expert 1048576 --link-gbps 8");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  const nlohmann::json& layer = j["layers"][0];
+  EXPECT_EQ(layer["layer"], 0);
+  ASSERT_EQ(layer["transfers"].size(), 3u);
+  for (const auto& t : layer["transfers"]) {
+    EXPECT_EQ(t["expert"], 0);
+    EXPECT_TRUE(t.contains("src_row") && t.contains("dst_row") && t.contains("round"));
+  }
+  EXPECT_EQ(j["summary"]["remote_transfers"], 3);
+  EXPECT_EQ(j["summary"]["bytes_moved"], 3 * 1048576);
+  EXPECT_EQ(j["summary"]["rounds"], 2);
+  EXPECT_EQ(j["summary"]["rounds_lower_bound"], 2);
+  EXPECT_EQ(j["summary"]["max_bytes_out"], 2 * 1048576);
+  EXPECT_DOUBLE_EQ(j["summary"]["time_lower_bound_s"].get<double>(), 2 * 1048576 / 1e9);
+
+  const std::string load = Write("load.json", kReadme);
+  const std::string a = (dir_ / "a.json").string(), b = (dir_ / "b.json").string();
+  ASSERT_EQ(Eplbx("plan --load " + load + " --slots 16 --ranks 8 --out " + a).exit_code, 0);
+  ASSERT_EQ(Eplbx("plan --load " + load + " --slots 16 --ranks 8 --nodes 2 --groups 4 --out " + b)
+                .exit_code,
+            0);
+  CliRun t = Eplbx("migrate --old " + a + " --new " + b + " --ranks 8 --nodes 2 --format table");
+  ASSERT_EQ(t.exit_code, 0) << t.err;
+  EXPECT_NE(t.out.find("layer 1: "), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("total: "), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("round 0:"), std::string::npos) << t.out;
+}
+
+TEST_F(CliTest, MigrateErrors) {
+  const std::string a = Write("a.json", R"({"phy2log": [[0, 1, 2, 3]]})");
+  const std::string b = Write("b.json", R"({"phy2log": [[0, 1, 2, 4]]})");
+  const std::string c = Write("c.json", R"({"phy2log": [[0, 1]]})");
+  ExpectOneLineError(Eplbx("migrate --old " + a + " --new " + b + " --ranks 2"),
+                     "layer 0: expert 4 is placed on rank 1 (row 1) in the new placement but no "
+                     "rank holds it in the old placement");
+  ExpectOneLineError(Eplbx("migrate --old " + a + " --new " + c + " --ranks 2"),
+                     "old placement is 1 layers x 4 slots but new placement is 1 layers x 2 slots");
+  ExpectOneLineError(Eplbx("migrate --old " + a + " --new " + a + " --ranks 3"),
+                     "slots (4) is not a multiple of ranks (3)");
+  ExpectOneLineError(
+      Eplbx("migrate --old " + Write("x.json", "{\"load\": []}") + " --new " + a + " --ranks 2"),
+      "x.json: JSON object has no key \"phy2log\"");
+  ExpectOneLineError(
+      Eplbx("migrate --old " + a + " --new " + a + " --ranks 2 --bytes-per-expert 0"),
+      "bytes per expert is 0");
+}
+
 TEST_F(CliTest, HelpAndVersion) {
   CliRun h = Eplbx("plan --help");
   EXPECT_EQ(h.exit_code, 0);

@@ -16,15 +16,42 @@ enum class Policy {
   // DeepSeek's EPLB algorithm, output identical to its reference implementation:
   // hierarchical when groups % nodes == 0, global otherwise.
   kDeepSeek,
+  // Replica counts and packing chosen together, then local search; never worse than
+  // kDeepSeek on any layer. Hierarchical mode keeps each group on one node and chooses
+  // which node well (docs/placement.md).
+  kBalanced,
+  // Starts from PlanOptions::previous and moves as few expert copies as possible while
+  // every layer stays within `tolerance` of kBalanced's balancedness.
+  kIncremental,
 };
 
-// "deepseek" -> kDeepSeek. The error lists the known names.
+// "deepseek", "balanced", "incremental". The error lists the known names.
 Result<Policy> ParsePolicy(std::string_view name);
 std::string_view PolicyName(Policy policy);
 
 struct PlanOptions {
   Policy policy = Policy::kDeepSeek;
+  // The placement in force (same layers and slots). With any policy, an expert that stays
+  // on a rank keeps its old row, so unchanged rows never move. Required by kIncremental.
+  // Not owned; must outlive the call.
+  const Placement* previous = nullptr;
+  // kIncremental: allowed balancedness loss per layer against kBalanced.
+  double tolerance = 0.002;
 };
+
+// What a new placement costs to reach from the previous one.
+struct LayerMoves {
+  int64_t remote_copies = 0;    // (rank, expert) pairs in the new placement absent before
+  int64_t local_copies = 0;     // changed rows whose expert the rank already held
+  int64_t unchanged_slots = 0;  // rows holding the same expert as before
+};
+struct Moves {
+  std::vector<LayerMoves> per_layer;
+  LayerMoves total;
+};
+
+// REQUIRES nothing: shapes are checked (same layers and slots, ranks divides slots).
+Result<Moves> CountMoves(const Placement& previous, const Placement& next, int ranks);
 
 // True when DeepSeek's hierarchical mode applies (groups % nodes == 0).
 bool IsHierarchical(const Topology& topology);

@@ -20,6 +20,8 @@ struct PlanArgs {
   std::string out = "-";
   std::string policy = "deepseek";
   std::string format = "json";
+  std::string previous;
+  double tolerance = 0.002;
   Topology topology;
 };
 
@@ -83,6 +85,17 @@ Status RunPlan(const PlanArgs& args) {
           .WithPrefix(internal::StrCat(args.load, " (", load->experts(), " experts)")));
   PlanOptions options;
   options.policy = *policy;
+  options.tolerance = args.tolerance;
+  Result<Placement> previous = Status::NotFound("no previous placement");
+  if (!args.previous.empty()) {
+    previous = io::ReadPlacementFile(args.previous, load->experts());
+    if (!previous.ok()) return previous.status();
+    options.previous = &*previous;
+  } else if (*policy == Policy::kIncremental) {
+    return Status::InvalidArgument(
+        "--policy incremental needs --previous FILE (the placement in force, e.g. an earlier "
+        "plan's output)");
+  }
   const auto start = std::chrono::steady_clock::now();
   Result<Placement> placement = Plan(*load, args.topology, options);
   const double plan_ms =
@@ -90,10 +103,20 @@ Status RunPlan(const PlanArgs& args) {
   if (!placement.ok()) return placement.status();
   Result<Balance> balance = ComputeBalance(*placement, *load, args.topology.ranks);
   if (!balance.ok()) return balance.status();
-  const std::string text =
-      args.format == "json"
-          ? io::PlanToJson(args.policy, *placement, *balance, plan_ms).dump() + "\n"
-          : FormatTable(*placement, *load, args.topology, *balance, args.policy, plan_ms);
+  nlohmann::json json = io::PlanToJson(args.policy, *placement, *balance, plan_ms);
+  std::string moves_line;
+  if (options.previous != nullptr) {
+    Result<Moves> moves = CountMoves(*options.previous, *placement, args.topology.ranks);
+    if (!moves.ok()) return moves.status();
+    json["moves"] = io::MovesToJson(*moves);
+    moves_line = internal::StrCat("\nmoves from --previous: ", moves->total.remote_copies,
+                                  " remote copies, ", moves->total.local_copies, " local copies, ",
+                                  moves->total.unchanged_slots, " unchanged slots\n");
+  }
+  const std::string text = args.format == "json" ? json.dump() + "\n"
+                                                 : FormatTable(*placement, *load, args.topology,
+                                                               *balance, args.policy, plan_ms) +
+                                                       moves_line;
   return io::WriteOutput(args.out, text);
 }
 
@@ -110,7 +133,14 @@ void AddPlanCommand(CLI::App& app, Action& run) {
   cmd->add_option("--ranks", args->topology.ranks, "Expert-parallel ranks (GPUs)")->required();
   cmd->add_option("--nodes", args->topology.nodes, "Nodes (hosts)")->capture_default_str();
   cmd->add_option("--groups", args->topology.groups, "Expert groups")->capture_default_str();
-  cmd->add_option("--policy", args->policy, "Placement policy: deepseek")->capture_default_str();
+  cmd->add_option("--policy", args->policy, "Placement policy: deepseek, balanced or incremental")
+      ->capture_default_str();
+  cmd->add_option("--previous", args->previous,
+                  "The placement in force (JSON with key \"phy2log\"): kept rows stay put; "
+                  "required by --policy incremental; adds \"moves\" to the output");
+  cmd->add_option("--tolerance", args->tolerance,
+                  "incremental: allowed balancedness loss per layer against balanced")
+      ->capture_default_str();
   cmd->add_option("--out", args->out, "Output file ('-' for stdout)")->capture_default_str();
   cmd->add_option("--format", args->format, "json or table")->capture_default_str();
   cmd->callback([&run, args] { run = [args] { return RunPlan(*args); }; });

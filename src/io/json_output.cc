@@ -40,6 +40,19 @@ json PlanToJson(std::string_view policy, const Placement& placement, const Balan
               {"plan_ms", plan_ms}};
 }
 
+json MovesToJson(const Moves& moves) {
+  auto one = [](const LayerMoves& m) {
+    return json{{"remote_copies", m.remote_copies},
+                {"local_copies", m.local_copies},
+                {"unchanged_slots", m.unchanged_slots}};
+  };
+  json out = one(moves.total);
+  json per_layer = json::array();
+  for (const LayerMoves& m : moves.per_layer) per_layer.push_back(one(m));
+  out["per_layer"] = std::move(per_layer);
+  return out;
+}
+
 json MigrationToJson(const MigrationPlan& plan, const MigrationOptions& options) {
   json layers = json::array();
   for (const LayerMigration& m : plan.layers) {

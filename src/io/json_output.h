@@ -8,6 +8,7 @@
 
 #include "eplbx/migration.h"
 #include "eplbx/placement.h"
+#include "eplbx/policy.h"
 #include "eplbx/status.h"
 
 namespace eplbx::io {
@@ -15,6 +16,9 @@ namespace eplbx::io {
 // {"policy", "phy2log", "log2phy", "logcnt", "balancedness", "balancedness_total", "plan_ms"}
 nlohmann::json PlanToJson(std::string_view policy, const Placement& placement,
                           const Balance& balance, double plan_ms);
+
+// {"remote_copies", "local_copies", "unchanged_slots", "per_layer": [{...}, ...]}
+nlohmann::json MovesToJson(const Moves& moves);
 
 // {"layers": [{"layer", "transfers": [...], "local_copies": [...], per-layer figures}],
 //  "summary": {...}} (docs/cli.md).

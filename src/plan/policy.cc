@@ -1,22 +1,35 @@
 #include "eplbx/policy.h"
 
+#include <algorithm>
+#include <numeric>
 #include <vector>
 
 #include "common/strings.h"
+#include "plan/balanced_internal.h"
 #include "plan/deepseek_internal.h"
+#include "plan/incremental_internal.h"
+#include "plan/rows.h"
 
 namespace eplbx {
 
+using internal::StrCat;
+
 Result<Policy> ParsePolicy(std::string_view name) {
   if (name == "deepseek") return Policy::kDeepSeek;
+  if (name == "balanced") return Policy::kBalanced;
+  if (name == "incremental") return Policy::kIncremental;
   return Status::InvalidArgument(
-      internal::StrCat("unknown policy '", name, "' (expected one of: deepseek)"));
+      StrCat("unknown policy '", name, "' (expected one of: deepseek, balanced, incremental)"));
 }
 
 std::string_view PolicyName(Policy policy) {
   switch (policy) {
     case Policy::kDeepSeek:
       return "deepseek";
+    case Policy::kBalanced:
+      return "balanced";
+    case Policy::kIncremental:
+      return "incremental";
   }
   return "unknown";
 }
@@ -25,22 +38,90 @@ bool IsHierarchical(const Topology& topology) { return topology.groups % topolog
 
 namespace {
 
-Result<Placement> PlanDeepSeek(const LoadMatrix& load, const Topology& topology) {
-  const bool hierarchical = IsHierarchical(topology);
-  const int groups = hierarchical ? topology.groups : 1;
-  const int nodes = hierarchical ? topology.nodes : 1;
-  const size_t experts = static_cast<size_t>(load.experts());
-  const size_t slots = static_cast<size_t>(topology.slots);
-  std::vector<int32_t> phy2log(static_cast<size_t>(load.layers()) * slots);
-  std::vector<int32_t> logcnt(experts);
-  std::vector<float> weight(experts);
-  for (int l = 0; l < load.layers(); ++l) {
-    const double* row = load.row(l);
-    for (size_t e = 0; e < experts; ++e) weight[e] = static_cast<float>(row[e]);
-    internal::DeepSeekLayer(weight, topology.slots, groups, nodes, topology.ranks,
-                            std::span<int32_t>(phy2log).subspan(l * slots, slots), logcnt);
+// One layer's inputs and the layout rules that every policy shares.
+struct LayerContext {
+  const Topology& topology;
+  std::span<const double> weight;
+  bool hierarchical;
+};
+
+void DeepSeekSlots(const LayerContext& c, std::span<int32_t> out) {
+  std::vector<float> weight(c.weight.begin(), c.weight.end());
+  std::vector<int32_t> logcnt(weight.size());
+  internal::DeepSeekLayer(weight, c.topology.slots, c.hierarchical ? c.topology.groups : 1,
+                          c.hierarchical ? c.topology.nodes : 1, c.topology.ranks, out, logcnt);
+}
+
+void BalancedSlotsForLayer(const LayerContext& c, std::span<int32_t> out) {
+  const Topology& t = c.topology;
+  if (!c.hierarchical || t.nodes == 1) {
+    internal::BalancedSlots(c.weight, t.slots, t.ranks, out);
+  } else {
+    const int experts = static_cast<int>(c.weight.size());
+    const int group_size = experts / t.groups;
+    std::vector<double> group_load(static_cast<size_t>(t.groups), 0.0);
+    for (int e = 0; e < experts; ++e) group_load[e / group_size] += c.weight[e];
+    const std::vector<int32_t> node_of = internal::AssignGroupsToNodes(group_load, t.nodes);
+    const int slots_per_node = t.slots / t.nodes;
+    for (int node = 0; node < t.nodes; ++node) {
+      std::vector<int32_t> ids;  // the node's experts, ascending
+      for (int e = 0; e < experts; ++e) {
+        if (node_of[e / group_size] == node) ids.push_back(e);
+      }
+      std::vector<double> local(ids.size());
+      for (size_t i = 0; i < ids.size(); ++i) local[i] = c.weight[ids[i]];
+      std::span<int32_t> node_out = out.subspan(static_cast<size_t>(node) * slots_per_node,
+                                                static_cast<size_t>(slots_per_node));
+      internal::BalancedSlots(local, slots_per_node, t.ranks_per_node(), node_out);
+      for (int32_t& e : node_out) e = ids[e];
+    }
   }
-  return Placement::FromPhy2Log(load.layers(), topology.slots, load.experts(), std::move(phy2log));
+  // Never worse than deepseek on any layer.
+  std::vector<int32_t> deepseek(out.size());
+  DeepSeekSlots(c, deepseek);
+  if (internal::SlotsBalancedness(c.weight, deepseek, t.ranks) >
+      internal::SlotsBalancedness(c.weight, out, t.ranks)) {
+    std::copy(deepseek.begin(), deepseek.end(), out.begin());
+  }
+}
+
+void IncrementalSlots(const LayerContext& c, std::span<const int32_t> previous, double tolerance,
+                      std::span<int32_t> out) {
+  const Topology& t = c.topology;
+  std::vector<int32_t> balanced(out.size());
+  BalancedSlotsForLayer(c, balanced);
+  const double target = internal::SlotsBalancedness(c.weight, balanced, t.ranks) - tolerance;
+  std::vector<int32_t> start = internal::CompleteSlots(c.weight, previous, t.ranks);
+  std::vector<int32_t> improved =
+      internal::ImproveFrom(c.weight, start, t.ranks, target, /*max_steps=*/8 * t.slots);
+  if (internal::SlotsBalancedness(c.weight, improved, t.ranks) >= target - 1e-12) {
+    std::copy(improved.begin(), improved.end(), out.begin());
+    return;
+  }
+  // The search stalled: take the balanced placement, with ranks renamed within each node
+  // to keep as many (rank, expert) pairs as possible.
+  internal::RelabelRanks(previous, balanced, t.ranks, t.ranks_per_node());
+  std::copy(balanced.begin(), balanced.end(), out.begin());
+}
+
+Status CheckPrevious(const Placement& previous, const LoadMatrix& load, const Topology& t) {
+  if (previous.layers() != load.layers() || previous.slots() != t.slots) {
+    return Status::Mismatch(StrCat("previous placement is ", previous.layers(), " layers x ",
+                                   previous.slots(), " slots but this plan is ", load.layers(),
+                                   " layers x ", t.slots, " slots"));
+  }
+  if (previous.experts() > load.experts()) {
+    for (int l = 0; l < previous.layers(); ++l) {
+      for (int s = 0; s < previous.slots(); ++s) {
+        if (previous.phy2log(l, s) >= load.experts()) {
+          return Status::Mismatch(StrCat("previous placement, layer ", l, ", slot ", s, ": expert ",
+                                         previous.phy2log(l, s), " does not exist in the load (",
+                                         load.experts(), " experts)"));
+        }
+      }
+    }
+  }
+  return Status::OK();
 }
 
 }  // namespace
@@ -51,11 +132,66 @@ Result<Placement> Plan(const LoadMatrix& load, const Topology& topology,
     return Status::InvalidArgument("load is empty; expected at least one layer of one expert");
   }
   EPLBX_RETURN_IF_ERROR(topology.Validate(load.experts()));
-  switch (options.policy) {
-    case Policy::kDeepSeek:
-      return PlanDeepSeek(load, topology);
+  if (options.policy == Policy::kIncremental && options.previous == nullptr) {
+    return Status::InvalidArgument(
+        "the incremental policy needs the previous placement (--previous FILE)");
   }
-  return Status::InvalidArgument("unknown policy");
+  if (!(options.tolerance >= 0 && options.tolerance <= 1)) {
+    return Status::InvalidArgument(
+        StrCat("tolerance is ", options.tolerance, " (expected a number in [0, 1])"));
+  }
+  if (options.previous != nullptr) {
+    EPLBX_RETURN_IF_ERROR(CheckPrevious(*options.previous, load, topology));
+  }
+  const size_t slots = static_cast<size_t>(topology.slots);
+  std::vector<int32_t> phy2log(static_cast<size_t>(load.layers()) * slots);
+  for (int l = 0; l < load.layers(); ++l) {
+    const LayerContext c{topology,
+                         std::span<const double>(load.row(l), static_cast<size_t>(load.experts())),
+                         IsHierarchical(topology)};
+    std::span<int32_t> out = std::span<int32_t>(phy2log).subspan(l * slots, slots);
+    std::span<const int32_t> previous;
+    if (options.previous != nullptr) {
+      previous = std::span<const int32_t>(options.previous->phy2log()).subspan(l * slots, slots);
+    }
+    switch (options.policy) {
+      case Policy::kDeepSeek:
+        DeepSeekSlots(c, out);
+        break;
+      case Policy::kBalanced:
+        BalancedSlotsForLayer(c, out);
+        break;
+      case Policy::kIncremental:
+        IncrementalSlots(c, previous, options.tolerance, out);
+        break;
+    }
+    if (!previous.empty()) internal::PreserveRows(previous, out, topology.ranks);
+  }
+  return Placement::FromPhy2Log(load.layers(), topology.slots, load.experts(), std::move(phy2log));
+}
+
+Result<Moves> CountMoves(const Placement& previous, const Placement& next, int ranks) {
+  if (previous.layers() != next.layers() || previous.slots() != next.slots()) {
+    return Status::Mismatch(StrCat("previous placement is ", previous.layers(), " layers x ",
+                                   previous.slots(), " slots but the new one is ", next.layers(),
+                                   " layers x ", next.slots(), " slots"));
+  }
+  if (ranks < 1 || next.slots() % ranks != 0) {
+    return Status::InvalidArgument(
+        StrCat("ranks (", ranks, ") must divide the placement's ", next.slots(), " slots"));
+  }
+  Moves moves;
+  const size_t slots = static_cast<size_t>(next.slots());
+  for (int l = 0; l < next.layers(); ++l) {
+    const LayerMoves m = internal::CountLayerMoves(
+        std::span<const int32_t>(previous.phy2log()).subspan(l * slots, slots),
+        std::span<const int32_t>(next.phy2log()).subspan(l * slots, slots), ranks);
+    moves.per_layer.push_back(m);
+    moves.total.remote_copies += m.remote_copies;
+    moves.total.local_copies += m.local_copies;
+    moves.total.unchanged_slots += m.unchanged_slots;
+  }
+  return moves;
 }
 
 }  // namespace eplbx

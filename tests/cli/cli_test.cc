@@ -215,6 +215,33 @@ TEST_F(CliTest, MigrateErrors) {
       "bytes per expert is 0");
 }
 
+TEST_F(CliTest, BalancedAndIncrementalWithMoves) {
+  const std::string load = std::string(EPLBX_EXAMPLES) + "/dsv3_load.json";
+  const std::string shape = " --slots 288 --ranks 32 --nodes 4 --groups 8";
+  const std::string prev = (dir_ / "prev.json").string();
+  ASSERT_EQ(Eplbx("plan --load " + load + shape + " --out " + prev).exit_code, 0);
+  CliRun b = Eplbx("plan --load " + load + shape + " --policy balanced --previous " + prev);
+  ASSERT_EQ(b.exit_code, 0) << b.err;
+  const nlohmann::json jb = nlohmann::json::parse(b.out);
+  const nlohmann::json jd = nlohmann::json::parse(Slurp(prev));
+  EXPECT_EQ(jb["policy"], "balanced");
+  EXPECT_GE(jb["balancedness_total"].get<double>(), jd["balancedness_total"].get<double>());
+  ASSERT_TRUE(jb.contains("moves"));
+  EXPECT_EQ(jb["moves"]["per_layer"].size(), 58u);
+  EXPECT_GE(jb["moves"]["unchanged_slots"].get<int>(), 0);
+  CliRun i = Eplbx("plan --load " + load + shape + " --policy incremental --previous " + prev +
+                   " --tolerance 0.01");
+  ASSERT_EQ(i.exit_code, 0) << i.err;
+  const nlohmann::json ji = nlohmann::json::parse(i.out);
+  EXPECT_EQ(ji["policy"], "incremental");
+  EXPECT_LT(ji["moves"]["remote_copies"].get<int>(), jb["moves"]["remote_copies"].get<int>());
+  ExpectOneLineError(Eplbx("plan --load " + load + shape + " --policy incremental"),
+                     "--policy incremental needs --previous FILE");
+  ExpectOneLineError(Eplbx("plan --load " + load + " --slots 256 --ranks 32 --previous " + prev),
+                     "previous placement is 58 layers x 288 slots but this plan is 58 layers x "
+                     "256 slots");
+}
+
 TEST_F(CliTest, HelpAndVersion) {
   CliRun h = Eplbx("plan --help");
   EXPECT_EQ(h.exit_code, 0);

@@ -1,0 +1,31 @@
+// Internal: the `balanced` and `incremental` policies' building blocks. Not installed.
+#ifndef EPLBX_SRC_PLAN_BALANCED_INTERNAL_H_
+#define EPLBX_SRC_PLAN_BALANCED_INTERNAL_H_
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace eplbx::internal {
+
+// Places n = weight.size() experts into `slots` slots on `ranks` ranks (slots % ranks == 0,
+// slots >= n) minimising the largest rank load, where a rank's load is the sum over its
+// slots of weight / replicas. Replica counts: greedy largest share (capped at `ranks`);
+// packing: heaviest replica first onto the lightest rank with room that does not hold the
+// expert yet (ties: lowest rank); then local search: swap replicas between the heaviest
+// rank and another rank, and re-point a redundant replica to another expert, while that
+// lowers the heaviest rank's load. Writes out[slots] (expert ids, rank-major).
+void BalancedSlots(std::span<const double> weight, int slots, int ranks, std::span<int32_t> out);
+
+// Assigns `groups.size()` groups to `nodes` nodes, groups.size() / nodes each, minimising
+// the largest node load: exact search (groups by descending load, first empty node only)
+// within a work budget, else the best found from a greedy start. Returns node per group.
+std::vector<int32_t> AssignGroupsToNodes(std::span<const double> group_load, int nodes);
+
+// mean / max of the node loads of an assignment (1.0 when all are zero).
+double NodeBalancedness(std::span<const double> group_load, std::span<const int32_t> node,
+                        int nodes);
+
+}  // namespace eplbx::internal
+
+#endif  // EPLBX_SRC_PLAN_BALANCED_INTERNAL_H_

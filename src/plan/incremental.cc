@@ -1,0 +1,24 @@
+// The `incremental` policy: start from the previous placement and move as few expert
+// copies as possible until the layer is within the tolerance of `balanced`.
+#include "plan/incremental_internal.h"
+#include "plan/local_search.h"
+
+namespace eplbx::internal {
+
+std::vector<int32_t> ImproveFrom(std::span<const double> weight, std::span<const int32_t> previous,
+                                 int ranks, double target, int max_steps) {
+  const size_t n = weight.size();
+  Layout layout(weight, std::vector<int32_t>(previous.begin(), previous.end()), ranks);
+  std::vector<uint8_t> before(static_cast<size_t>(ranks) * n, 0);
+  for (size_t s = 0; s < previous.size(); ++s) {
+    if (previous[s] >= 0) before[static_cast<size_t>(layout.rank_of(s)) * n + previous[s]] = 1;
+  }
+  for (int step = 0; step < max_steps && layout.Balancedness() < target; ++step) {
+    const Move move = BestMove(layout, layout.Heaviest(), &before);
+    if (move.a < 0) break;
+    Apply(layout, move);
+  }
+  return layout.expert;
+}
+
+}  // namespace eplbx::internal

@@ -1,0 +1,21 @@
+// Internal: the `incremental` policy's local search. Not installed.
+#ifndef EPLBX_SRC_PLAN_INCREMENTAL_INTERNAL_H_
+#define EPLBX_SRC_PLAN_INCREMENTAL_INTERNAL_H_
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace eplbx::internal {
+
+// Starting from `previous` (one layer's slots, rank-major, expert ids), repeatedly applies
+// to the heaviest rank the move with the largest load reduction per copy paid — a swap of
+// two replicas between ranks, or re-pointing a redundant replica to another expert; a copy
+// is a (rank, expert) pair absent from `previous` — until balancedness (mean / max rank
+// load) reaches `target`, no move helps, or `max_steps` moves were made. Ties: lower slots.
+std::vector<int32_t> ImproveFrom(std::span<const double> weight, std::span<const int32_t> previous,
+                                 int ranks, double target, int max_steps);
+
+}  // namespace eplbx::internal
+
+#endif  // EPLBX_SRC_PLAN_INCREMENTAL_INTERNAL_H_

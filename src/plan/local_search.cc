@@ -1,0 +1,184 @@
+#include "plan/local_search.h"
+
+#include <algorithm>
+#include <numeric>
+
+namespace eplbx::internal {
+
+Layout::Layout(std::span<const double> w, std::vector<int32_t> slots, int r)
+    : ranks(r),
+      per_rank(static_cast<int>(slots.size()) / r),
+      weight(w),
+      expert(std::move(slots)),
+      count(w.size(), 0),
+      load(static_cast<size_t>(r), 0.0) {
+  for (int32_t e : expert) {
+    if (e >= 0) ++count[e];
+  }
+  Recompute();
+}
+
+bool Layout::holds(int rank, int32_t e) const {
+  const auto first = expert.begin() + rank * per_rank;
+  return std::find(first, first + per_rank, e) != first + per_rank;
+}
+
+int Layout::Heaviest() const {
+  return static_cast<int>(std::max_element(load.begin(), load.end()) - load.begin());
+}
+
+double Layout::Balancedness() const {
+  const double max = *std::max_element(load.begin(), load.end());
+  return max > 0 ? std::accumulate(load.begin(), load.end(), 0.0) / ranks / max : 1.0;
+}
+
+void Layout::Recompute() {
+  std::fill(load.begin(), load.end(), 0.0);
+  for (size_t s = 0; s < expert.size(); ++s) {
+    if (expert[s] >= 0) load[rank_of(s)] += share(expert[s]);
+  }
+}
+
+namespace {
+
+int Copies(const std::vector<uint8_t>* before, size_t experts, int rank, int32_t e) {
+  return before && e >= 0 && !(*before)[static_cast<size_t>(rank) * experts + e] ? 1 : 0;
+}
+
+void Consider(Move& best, double removed, int copies, const Move& candidate) {
+  const double gain = copies ? removed / copies : removed * 4;
+  if (gain > best.gain) {
+    best = candidate;
+    best.gain = gain;
+  }
+}
+
+void ConsiderSwaps(const Layout& l, int top, const std::vector<uint8_t>* before, Move& best) {
+  const double top_load = l.load[top];
+  for (int a = top * l.per_rank; a < (top + 1) * l.per_rank; ++a) {
+    const int32_t x = l.expert[a];
+    if (x < 0) continue;
+    const double sx = l.share(x);
+    for (int r = 0; r < l.ranks; ++r) {
+      if (r == top || l.load[r] >= top_load || l.holds(r, x)) continue;
+      for (int b = r * l.per_rank; b < (r + 1) * l.per_rank; ++b) {
+        const int32_t y = l.expert[b];
+        const double sy = y >= 0 ? l.share(y) : 0.0;
+        if (sy >= sx || (y >= 0 && l.holds(top, y))) continue;
+        const double worst = std::max(top_load - sx + sy, l.load[r] - sy + sx);
+        if (worst >= top_load * (1 - 1e-12)) continue;
+        const int copies =
+            Copies(before, l.count.size(), r, x) + Copies(before, l.count.size(), top, y);
+        Consider(best, top_load - worst, copies, {a, b, -1, 0});
+      }
+    }
+  }
+}
+
+// Evaluates re-pointing slot `a` (expert x, with several replicas) to expert y: x's other
+// replicas get heavier, y's lighter. Only ranks holding x or y change load.
+class RepointEvaluator {
+ public:
+  explicit RepointEvaluator(const Layout& l)
+      : l_(l),
+        ranks_of_(l.count.size()),
+        by_load_(static_cast<size_t>(l.ranks)),
+        delta_(static_cast<size_t>(l.ranks), 0.0),
+        touched_flag_(static_cast<size_t>(l.ranks), 0) {
+    for (size_t s = 0; s < l.expert.size(); ++s) {
+      if (l.expert[s] >= 0) ranks_of_[l.expert[s]].push_back(l.rank_of(s));
+    }
+    std::iota(by_load_.begin(), by_load_.end(), 0);
+    std::stable_sort(by_load_.begin(), by_load_.end(),
+                     [&](int a, int b) { return l.load[a] > l.load[b]; });
+  }
+
+  // The largest rank load after the change.
+  double Worst(int a, int32_t y) {
+    const int32_t x = l_.expert[a];
+    const int ra = l_.rank_of(static_cast<size_t>(a));
+    const double sx = l_.share(x), sx_new = l_.weight[x] / (l_.count[x] - 1);
+    const double sy = l_.share(y), sy_new = l_.weight[y] / (l_.count[y] + 1);
+    for (int r : ranks_of_[x]) Touch(r, sx_new - sx);
+    for (int r : ranks_of_[y]) Touch(r, sy_new - sy);
+    Touch(ra, sy_new - sx_new);  // slot a: x's new share leaves, y's arrives
+    double worst = 0;
+    for (int r : touched_) worst = std::max(worst, l_.load[r] + delta_[r]);
+    for (int r : by_load_) {  // the heaviest rank that does not change
+      if (!touched_flag_[r]) {
+        worst = std::max(worst, l_.load[r]);
+        break;
+      }
+    }
+    for (int r : touched_) {
+      delta_[r] = 0;
+      touched_flag_[r] = 0;
+    }
+    touched_.clear();
+    return worst;
+  }
+
+ private:
+  void Touch(int r, double d) {
+    if (!touched_flag_[r]) {
+      touched_flag_[r] = 1;
+      touched_.push_back(r);
+    }
+    delta_[r] += d;
+  }
+
+  const Layout& l_;
+  std::vector<std::vector<int>> ranks_of_;
+  std::vector<int> by_load_;
+  std::vector<double> delta_;
+  std::vector<uint8_t> touched_flag_;
+  std::vector<int> touched_;
+};
+
+// Re-pointing a redundant replica: one on `top` to an expert `top` lacks (top sheds load),
+// or one elsewhere to an expert `top` holds (that expert's share on `top` shrinks).
+void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* before, Move& best) {
+  const int n = static_cast<int>(l.count.size());
+  const double top_load = l.load[top];
+  RepointEvaluator eval(l);
+  auto consider = [&](int a, int32_t y) {
+    const int32_t x = l.expert[a];
+    const int ra = l.rank_of(static_cast<size_t>(a));
+    if (x < 0 || y == x || l.count[x] < 2 || l.count[y] >= l.ranks || l.holds(ra, y)) return;
+    const double worst = eval.Worst(a, y);
+    if (worst >= top_load * (1 - 1e-12)) return;
+    Consider(best, top_load - worst, Copies(before, l.count.size(), ra, y), {a, -1, y, 0});
+  };
+  for (int a = top * l.per_rank; a < (top + 1) * l.per_rank; ++a) {
+    for (int32_t y = 0; y < n; ++y) consider(a, y);
+  }
+  for (int k = top * l.per_rank; k < (top + 1) * l.per_rank; ++k) {
+    const int32_t y = l.expert[k];
+    if (y < 0) continue;
+    for (int a = 0; a < static_cast<int>(l.expert.size()); ++a) {
+      if (l.rank_of(static_cast<size_t>(a)) != top) consider(a, y);
+    }
+  }
+}
+
+}  // namespace
+
+Move BestMove(const Layout& layout, int top, const std::vector<uint8_t>* before) {
+  Move best;
+  ConsiderSwaps(layout, top, before, best);
+  ConsiderRepoints(layout, top, before, best);
+  return best;
+}
+
+void Apply(Layout& layout, const Move& move) {
+  if (move.b >= 0) {
+    std::swap(layout.expert[move.a], layout.expert[move.b]);
+  } else {
+    --layout.count[layout.expert[move.a]];
+    ++layout.count[move.to];
+    layout.expert[move.a] = move.to;
+  }
+  layout.Recompute();
+}
+
+}  // namespace eplbx::internal

@@ -1,0 +1,48 @@
+// Internal: one layer's slots as a mutable layout, and the local-search moves shared by
+// the `balanced` and `incremental` policies. Not installed.
+#ifndef EPLBX_SRC_PLAN_LOCAL_SEARCH_H_
+#define EPLBX_SRC_PLAN_LOCAL_SEARCH_H_
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace eplbx::internal {
+
+struct Layout {
+  Layout(std::span<const double> weight, std::vector<int32_t> slots, int ranks);
+
+  int ranks, per_rank;
+  std::span<const double> weight;  // per expert
+  std::vector<int32_t> expert;     // slot -> expert (-1: empty)
+  std::vector<int32_t> count;      // expert -> replicas
+  std::vector<double> load;        // rank -> sum of weight / count over its slots
+
+  double share(int32_t e) const { return count[e] ? weight[e] / count[e] : 0.0; }
+  int rank_of(size_t slot) const { return static_cast<int>(slot) / per_rank; }
+  bool holds(int rank, int32_t e) const;
+  int Heaviest() const;  // lowest rank among equals
+  double Balancedness() const;
+  void Recompute();
+};
+
+// A swap of the experts in slots a and b (different ranks), or (b < 0) re-pointing slot a
+// to expert `to` (a redundant replica becomes a replica of another expert).
+struct Move {
+  int a = -1, b = -1;
+  int32_t to = -1;
+  double gain = 0;  // load removed from the heaviest rank, per copy paid
+};
+
+// The best move that lowers the load of the heaviest rank `top` without raising any rank
+// to or above it, never putting two replicas of an expert on one rank. With `before`
+// (ranks x experts flags: the rank held the expert before), a move pays one copy for each
+// (rank, expert) pair it creates that was absent before, and moves are ranked by load
+// removed per copy (free moves count four-fold); without it, by load removed. Ties: the
+// first found (lower slots, then lower experts). Returns a Move with a < 0 when none helps.
+Move BestMove(const Layout& layout, int top, const std::vector<uint8_t>* before);
+void Apply(Layout& layout, const Move& move);
+
+}  // namespace eplbx::internal
+
+#endif  // EPLBX_SRC_PLAN_LOCAL_SEARCH_H_

@@ -4,7 +4,7 @@
 set -euo pipefail
 
 PACKAGES=(cmake ninja-build g++ libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev
-          nlohmann-json3-dev clang-format)
+          nlohmann-json3-dev clang-format libucx-dev ucx-utils)
 
 missing=()
 for p in "${PACKAGES[@]}"; do

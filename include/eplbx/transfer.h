@@ -1,0 +1,205 @@
+// Transfer engine: one-sided READ / WRITE between agents (ranks), with registered memory,
+// versioned metadata blobs, bounds checks, notifications and failure deadlines.
+//
+// An Agent is one endpoint (one rank). Typical use:
+//
+//   auto agent = eplbx::Agent::Create("rank3", {});               // UCX backend
+//   auto region = agent->RegisterMemory(weights, weight_bytes);    // once, a large region
+//   std::string blob = agent->Metadata();                          // all-gather the blobs
+//   auto peer = agent->Connect(blob_of_rank5);
+//   auto xfer = agent->Read(*peer, {{dst, n}}, {{src_addr_on_rank5, n}}, "READ_DONE");
+//   agent->Wait(*xfer, std::chrono::seconds(30));
+//
+// Thread safety: every Agent method may be called from any thread. Completion callbacks
+// do not exist; callers poll GetStatus() or block in Wait() with a deadline.
+#ifndef EPLBX_TRANSFER_H_
+#define EPLBX_TRANSFER_H_
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "eplbx/status.h"
+
+namespace eplbx {
+
+namespace internal {
+class AgentCore;
+}  // namespace internal
+
+// How bytes move to one peer.
+//   kShm: same host (same kernel, network and pid namespace): the initiator copies directly
+//         (a peer region eplbx allocated in shared memory is mapped and memcpy'd; any other
+//         region is read with process_vm_readv / written with process_vm_writev).
+//   kTcp: UCX RMA over its tcp transport (or RDMA where UCX finds it).
+//   kAuto: kShm for same-host peers where the kernel allows it, kTcp otherwise.
+enum class Transport { kAuto, kShm, kTcp };
+std::string_view TransportName(Transport transport);  // "auto", "shm", "tcp"
+Result<Transport> ParseTransport(std::string_view name);
+
+struct AgentConfig {
+  // "ucx" (real transfers between processes and hosts) or "loopback" (agents in one
+  // process; for unit tests of the layers above).
+  std::string backend = "ucx";
+  // kAuto defers to the environment variable EPLBX_TRANSPORT (auto|shm|tcp) if set, then
+  // chooses per peer. A forced transport that cannot reach a peer fails Connect().
+  Transport transport = Transport::kAuto;
+  // A peer silent for this long (no answer to the agent's heartbeats, or a broken
+  // connection) is unreachable: its in-flight transfers fail with kUnavailable naming it,
+  // and later calls to it fail at once until it is connected again.
+  std::chrono::milliseconds peer_timeout{30000};
+  // Threads that copy for same-host peers. 0: min(2, hardware threads).
+  int copy_threads = 0;
+  // Identity of this host. Empty: boot id + network and pid namespaces, so processes in
+  // different network namespaces count as different hosts. EPLBX_HOST_ID overrides.
+  std::string host_id;
+};
+
+// A contiguous byte range. Local descriptors hold pointers in this process; remote ones hold
+// addresses inside regions the peer registered (as listed in its metadata).
+struct Descriptor {
+  uint64_t addr = 0;
+  uint64_t bytes = 0;
+  static Descriptor Of(const void* p, uint64_t n) {
+    return {static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p)), n};
+  }
+};
+
+// A registered memory region; deregisters (and frees memory the agent allocated) when
+// destroyed. Move-only. REQUIRES: no transfer that uses the region is in flight when it is
+// destroyed. May outlive its Agent (then destruction only frees).
+class RegisteredRegion {
+ public:
+  RegisteredRegion() = default;
+  RegisteredRegion(RegisteredRegion&& other) noexcept;
+  RegisteredRegion& operator=(RegisteredRegion&& other) noexcept;
+  RegisteredRegion(const RegisteredRegion&) = delete;
+  RegisteredRegion& operator=(const RegisteredRegion&) = delete;
+  ~RegisteredRegion();
+
+  void* data() const { return data_; }
+  size_t size() const { return size_; }
+  // True for memory from Agent::AllocateShared (same-host peers map it and memcpy).
+  bool shared() const { return shared_; }
+  uint64_t addr() const { return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(data_)); }
+
+ private:
+  friend class Agent;
+  void Reset();
+
+  std::weak_ptr<internal::AgentCore> core_;
+  uint64_t id_ = 0;
+  void* data_ = nullptr;
+  size_t size_ = 0;
+  bool shared_ = false;
+  int fd_ = -1;  // memfd of shared memory this region owns
+};
+
+using PeerId = uint32_t;
+using TransferId = uint64_t;
+
+enum class TransferState { kInProgress, kDone, kError };
+
+struct TransferStatus {
+  TransferState state = TransferState::kInProgress;
+  Status error;  // set when state == kError
+};
+
+struct Notification {
+  std::string peer;     // the sending agent's name
+  std::string payload;  // opaque bytes
+};
+
+struct PeerInfo {
+  std::string name;
+  std::string host_id;
+  Transport transport = Transport::kAuto;  // the one in use (never kAuto)
+  bool reachable = true;
+  std::string failure;  // why not, when !reachable
+};
+
+class Agent {
+ public:
+  // Limits on what crosses a process boundary.
+  static constexpr size_t kMaxNameBytes = 256;
+  static constexpr size_t kMaxNotificationBytes = 64 * 1024;
+
+  // Starts the backend (for UCX: context, worker and a progress thread).
+  // Fails with kInvalidArgument for an empty or too long name, an unknown backend or bad
+  // config, kUnavailable when the backend cannot start.
+  static Result<std::unique_ptr<Agent>> Create(std::string name, AgentConfig config = {});
+  ~Agent();
+  Agent(const Agent&) = delete;
+  Agent& operator=(const Agent&) = delete;
+
+  const std::string& name() const;
+  // Backend name and host identity, as peers see them.
+  const std::string& backend() const;
+  const std::string& host_id() const;
+
+  // Registers [ptr, ptr + bytes) for local and remote access. Regions may not overlap.
+  // Register a few large regions once and describe tensors as offsets inside them.
+  Result<RegisteredRegion> RegisterMemory(void* ptr, size_t bytes);
+  // Allocates `bytes` of zeroed shared memory and registers it. Same-host peers map it and
+  // copy at memory speed; use it for buffers the agent's user owns anyway.
+  Result<RegisteredRegion> AllocateShared(size_t bytes);
+
+  // This agent's metadata blob (format: docs/transfer.md): name, host identity, backend
+  // connection info, and every region registered so far with its remote-access key.
+  // Peers connect with it; re-send it after registering more memory.
+  std::string Metadata() const;
+
+  // Connects to the agent that produced `blob`. Rejects (each with its own message) bad
+  // magic, unsupported version, a length that disagrees with the blob, truncated fields,
+  // oversized fields, our own name, a name already connected, and another backend.
+  Result<PeerId> Connect(std::string_view blob);
+  // Forgets a peer; its in-flight transfers fail with kAborted.
+  Status Disconnect(PeerId peer);
+  Result<PeerInfo> Peer(PeerId peer) const;
+
+  // One-sided transfer of local[i] <-> remote[i] (equal lengths, same count). Every local
+  // descriptor must lie inside one of our regions and every remote one inside one region
+  // of the peer's, else nothing is posted and kOutOfRange names the descriptor.
+  // `notify`, if set, is delivered to the peer after all the data has landed (READ: in our
+  // memory; WRITE: in the peer's memory), and the transfer is done only once it was sent.
+  // Local completion == remote visibility for both operations: when GetStatus() says kDone
+  // a READ's bytes are in our memory and a WRITE's bytes are in the peer's.
+  Result<TransferId> Read(PeerId peer, std::span<const Descriptor> local,
+                          std::span<const Descriptor> remote,
+                          std::optional<std::string> notify = std::nullopt);
+  Result<TransferId> Write(PeerId peer, std::span<const Descriptor> local,
+                           std::span<const Descriptor> remote,
+                           std::optional<std::string> notify = std::nullopt);
+
+  // kInProgress, kDone, or kError with the reason. Terminal states never change.
+  // An unknown (or released) id gives kError with kNotFound.
+  TransferStatus GetStatus(TransferId id) const;
+  // Blocks until the transfer is terminal or `timeout` passed (then kInProgress).
+  TransferStatus Wait(TransferId id, std::chrono::milliseconds timeout) const;
+  // Stops a transfer. Returns once no byte of it can change any more (bounded by the peer
+  // timeout); the transfer ends kError/kAborted unless it had already finished.
+  Status Cancel(TransferId id);
+  // Forgets a terminal transfer. REQUIRES: GetStatus(id).state != kInProgress.
+  Status Release(TransferId id);
+
+  // Sends `payload` (at most kMaxNotificationBytes) to the peer. Ordered per peer.
+  Status Notify(PeerId peer, std::string_view payload);
+  // Notifications received so far, oldest first (removes them).
+  std::vector<Notification> PollNotifications();
+  // Like PollNotifications, but waits up to `timeout` for at least one.
+  std::vector<Notification> WaitNotifications(std::chrono::milliseconds timeout);
+
+ private:
+  explicit Agent(std::shared_ptr<internal::AgentCore> core);
+  std::shared_ptr<internal::AgentCore> core_;
+};
+
+}  // namespace eplbx
+
+#endif  // EPLBX_TRANSFER_H_

@@ -1,0 +1,176 @@
+#include "transfer/shm/copier.h"
+
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "common/strings.h"
+
+namespace eplbx::internal {
+namespace {
+
+constexpr uint64_t kChunkBytes = 4u << 20;  // a large piece is copied in 4 MiB chunks
+constexpr size_t kMaxIov = 512;             // small pieces batched into one syscall
+
+}  // namespace
+
+ShmCopier::ShmCopier(int threads) {
+  for (int i = 0; i < std::max(threads, 1); ++i) threads_.emplace_back([this] { Worker(); });
+}
+
+ShmCopier::~ShmCopier() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    for (auto& r : queue_) r->cancelled = true;
+  }
+  cv_.notify_all();
+  for (auto& t : threads_) t.join();
+}
+
+std::vector<ShmCopier::Chunk> ShmCopier::Split(const std::vector<CopyPiece>& pieces) {
+  std::vector<Chunk> chunks;
+  size_t i = 0;
+  while (i < pieces.size()) {
+    if (pieces[i].bytes >= kChunkBytes) {
+      for (uint64_t off = 0; off < pieces[i].bytes; off += kChunkBytes) {
+        chunks.push_back({i, i + 1, off, std::min(kChunkBytes, pieces[i].bytes - off)});
+      }
+      ++i;
+      continue;
+    }
+    // Batch consecutive small pieces of the same kind (mapped or CMA).
+    Chunk c{i, i, 0, 0};
+    const bool mapped = pieces[i].mapped != nullptr;
+    while (c.last < pieces.size() && c.last - c.first < kMaxIov &&
+           pieces[c.last].bytes < kChunkBytes && (pieces[c.last].mapped != nullptr) == mapped &&
+           c.bytes + pieces[c.last].bytes <= kChunkBytes) {
+      c.bytes += pieces[c.last].bytes;
+      ++c.last;
+    }
+    i = c.last;
+    chunks.push_back(c);
+  }
+  return chunks;
+}
+
+void ShmCopier::Submit(CopyJob job) {
+  auto r = std::make_shared<Running>();
+  r->chunks = Split(job.pieces);
+  r->job = std::move(job);
+  if (r->chunks.empty()) {
+    r->job.done(Status::OK());
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.push_back(r);
+    active_.push_back(r);
+  }
+  cv_.notify_all();
+}
+
+bool ShmCopier::Cancel(uint64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& r : active_) {
+    if (r->job.id == id) {
+      r->cancelled = true;
+      return true;
+    }
+  }
+  return false;
+}
+
+void ShmCopier::Worker() {
+  while (true) {
+    std::shared_ptr<Running> r;
+    size_t index = 0;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      r = queue_.front();
+      index = r->next.fetch_add(1);
+      if (index + 1 >= r->chunks.size()) queue_.pop_front();  // all chunks claimed
+    }
+    if (index >= r->chunks.size()) continue;
+    if (!r->cancelled) RunChunk(*r, r->chunks[index]);
+    if (r->finished.fetch_add(1) + 1 == r->chunks.size()) {
+      Status s;
+      {
+        std::lock_guard<std::mutex> lock(r->mu);
+        s = r->error;
+      }
+      if (s.ok() && r->cancelled) {
+        s = Status::Aborted(StrCat(r->job.describe, ": cancelled"));
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        active_.erase(std::find(active_.begin(), active_.end(), r));
+      }
+      r->job.done(std::move(s));
+    }
+  }
+}
+
+void ShmCopier::RunChunk(Running& r, const Chunk& c) {
+  const CopyJob& job = r.job;
+  std::vector<iovec> local, remote;
+  for (size_t i = c.first; i < c.last; ++i) {
+    const CopyPiece& p = job.pieces[i];
+    const uint64_t off = (c.first + 1 == c.last) ? c.offset : 0;
+    const uint64_t n = (c.first + 1 == c.last) ? c.bytes : p.bytes;
+    if (p.mapped != nullptr) {
+      if (job.read) {
+        std::memcpy(p.local + off, p.mapped + off, n);
+      } else {
+        std::memcpy(p.mapped + off, p.local + off, n);
+      }
+      continue;
+    }
+    local.push_back({p.local + off, n});
+    remote.push_back({reinterpret_cast<void*>(static_cast<uintptr_t>(p.remote + off)), n});
+  }
+  if (local.empty()) return;
+  uint64_t want = 0;
+  for (const iovec& v : local) want += v.iov_len;
+  ssize_t got = job.read ? process_vm_readv(job.pid, local.data(), local.size(), remote.data(),
+                                            remote.size(), 0)
+                         : process_vm_writev(job.pid, local.data(), local.size(), remote.data(),
+                                             remote.size(), 0);
+  if (got == static_cast<ssize_t>(want)) return;
+  const int err = errno;
+  std::lock_guard<std::mutex> lock(r.mu);
+  if (!r.error.ok()) return;
+  if (got < 0 && err == ESRCH) {
+    r.error = Status::Unavailable(StrCat(job.describe, ": peer unreachable: the process is gone"));
+  } else if (got < 0 && err == EPERM) {
+    r.error = Status::Unavailable(StrCat(job.describe, ": the kernel denies cross-process memory "
+                                         "access (ptrace permission); use transport tcp "
+                                         "(EPLBX_TRANSPORT=tcp) or AllocateShared memory"));
+  } else {
+    r.error = Status::IoError(StrCat(job.describe, ": cross-process copy moved ", got < 0 ? 0 : got,
+                                     " of ", want, " bytes: ", got < 0 ? std::strerror(err) : "short copy",
+                                     " (did the peer free a registered region?)"));
+  }
+}
+
+Status ShmCopier::Probe(pid_t pid, uint64_t addr, uint64_t expected) {
+  uint64_t value = 0;
+  iovec local{&value, sizeof(value)};
+  iovec remote{reinterpret_cast<void*>(static_cast<uintptr_t>(addr)), sizeof(value)};
+  ssize_t got = process_vm_readv(pid, &local, 1, &remote, 1, 0);
+  if (got != static_cast<ssize_t>(sizeof(value))) {
+    return Status::Unavailable(StrCat("process_vm_readv of pid ", pid, ": ",
+                                      got < 0 ? std::strerror(errno) : "short read"));
+  }
+  if (value != expected) {
+    return Status::Unavailable(StrCat("pid ", pid, " is not the peer agent (probe mismatch; "
+                                      "same host id but another pid namespace?)"));
+  }
+  return Status::OK();
+}
+
+}  // namespace eplbx::internal

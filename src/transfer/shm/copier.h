@@ -1,0 +1,86 @@
+// Internal: the same-host data path. The initiator copies with its own threads: from or to
+// a peer region it has mapped (memfd shared memory, plain memcpy), or with
+// process_vm_readv / process_vm_writev (CMA) for any other region of the peer process.
+// Large pieces are split into chunks so every copy thread works on one transfer.
+#ifndef EPLBX_SRC_TRANSFER_SHM_COPIER_H_
+#define EPLBX_SRC_TRANSFER_SHM_COPIER_H_
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "eplbx/status.h"
+
+namespace eplbx::internal {
+
+struct CopyPiece {
+  uint8_t* local = nullptr;
+  uint64_t remote = 0;       // address in the peer process
+  uint8_t* mapped = nullptr;  // the same bytes mapped here, or null: use CMA
+  uint64_t bytes = 0;
+};
+
+struct CopyJob {
+  uint64_t id = 0;
+  pid_t pid = 0;
+  bool read = true;  // peer -> local
+  std::string describe;  // "READ from 'b' (pid 123)" for messages
+  std::vector<CopyPiece> pieces;
+  // Called once, on a copy thread, when every chunk is done or the job failed/was cancelled.
+  std::function<void(Status)> done;
+};
+
+class ShmCopier {
+ public:
+  explicit ShmCopier(int threads);
+  ~ShmCopier();  // finishes queued jobs as aborted
+  ShmCopier(const ShmCopier&) = delete;
+  ShmCopier& operator=(const ShmCopier&) = delete;
+
+  void Submit(CopyJob job);
+  // The job ends with kAborted after the chunks already running; false if unknown.
+  bool Cancel(uint64_t id);
+
+  // Reads 8 bytes at `addr` of process `pid` with CMA (same-host reachability probe).
+  static Status Probe(pid_t pid, uint64_t addr, uint64_t expected);
+
+ private:
+  struct Chunk {
+    size_t first = 0;  // piece range [first, last)
+    size_t last = 0;
+    uint64_t offset = 0;  // within `first` when the chunk splits one large piece
+    uint64_t bytes = 0;
+  };
+  struct Running {
+    CopyJob job;
+    std::vector<Chunk> chunks;
+    std::atomic<size_t> next{0};
+    std::atomic<size_t> finished{0};
+    std::atomic<bool> cancelled{false};
+    std::mutex mu;
+    Status error;
+  };
+
+  void Worker();
+  void RunChunk(Running& r, const Chunk& c);
+  static std::vector<Chunk> Split(const std::vector<CopyPiece>& pieces);
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Running>> queue_;
+  std::vector<std::shared_ptr<Running>> active_;  // for Cancel
+  bool stop_ = false;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace eplbx::internal
+
+#endif  // EPLBX_SRC_TRANSFER_SHM_COPIER_H_

@@ -74,6 +74,12 @@ struct Op {
   std::optional<std::string> notify;
 };
 
+// A connection's first flush (wireup done both ways).
+struct ConnectFlush {
+  UcxBackend* self = nullptr;
+  std::shared_ptr<std::promise<ucs_status_t>> promise;
+};
+
 // An active message in flight: its bytes live until UCX is done with them.
 struct AmMessage {
   UcxBackend* self = nullptr;
@@ -216,7 +222,11 @@ class UcxBackend final : public Backend {
                                           probe.message(), "; use transport tcp"));
       }
     }
-    return RunSync<Transport>([&]() -> Result<Transport> {
+    // Create the endpoint and flush it: the flush completes once wireup with the peer is
+    // done both ways, so the peer is known reachable and never sees a half-built endpoint.
+    auto flushed = std::make_shared<std::promise<ucs_status_t>>();
+    std::future<ucs_status_t> flush_done = flushed->get_future();
+    Result<Transport> created = RunSync<Transport>([&]() -> Result<Transport> {
       ucp_ep_params_t ep{};
       ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                       UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -240,6 +250,36 @@ class UcxBackend final : public Backend {
           }
           p->rkeys.push_back(rkey);
         }
+      }
+      ucp_request_param_t param{};
+      param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      param.cb.send = [](void* request, ucs_status_t status, void* user_data) {
+        auto* flush = static_cast<ConnectFlush*>(user_data);
+        --flush->self->inflight_;
+        flush->promise->set_value(status);
+        delete flush;
+        ucp_request_free(request);
+      };
+      auto* flush = new ConnectFlush{this, flushed};
+      param.user_data = flush;
+      void* req = ucp_ep_flush_nbx(p->ep, &param);
+      if (!UCS_PTR_IS_PTR(req)) {
+        delete flush;
+        flushed->set_value(UCS_PTR_STATUS(req));
+      } else {
+        ++inflight_;  // keeps the loop progressing until wireup is done
+      }
+      return p->transport;
+    });
+    if (!created.ok()) return created;
+    const bool answered = flush_done.wait_for(options_.peer_timeout) == std::future_status::ready;
+    const ucs_status_t st = answered ? flush_done.get() : UCS_ERR_TIMED_OUT;
+    return RunSync<Transport>([&]() -> Result<Transport> {
+      if (st != UCS_OK) {
+        CloseEp(p);
+        return Status::Unavailable(StrCat("agent '", options_.agent_name, "': peer unreachable: '",
+                                          meta.name, "' did not complete the connection within ",
+                                          options_.peer_timeout.count(), " ms (", Ucs(st), ")"));
       }
       p->last_heard = Clock::now();
       p->last_ping = Clock::time_point{};

@@ -1,0 +1,313 @@
+// Transfers between real processes over real UCX, for every transport: bytes, notifications,
+// bounds, malformed metadata, and peers that die (SIGKILL) or stop (SIGSTOP).
+#include <signal.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "eplbx/transfer.h"
+#include "multiproc/child.h"
+#include "multiproc/peer_util.h"
+
+namespace eplbx {
+namespace {
+
+using std::chrono::milliseconds;
+using testing::Child;
+using testing::Fnv1a;
+using testing::PatternByte;
+
+constexpr int kPeerTimeoutMs = 2000;
+
+struct Variant {
+  const char* label;
+  Transport transport;
+  bool shared;  // the peer's buffer comes from AllocateShared
+};
+
+// A peer process with a buffer of `bytes` filled with PatternByte(seed, offset).
+struct RemotePeer {
+  std::unique_ptr<Child> child;
+  std::string blob;
+  uint64_t base = 0;
+  uint64_t size = 0;
+
+  static RemotePeer Start(const std::string& name, uint64_t bytes, uint64_t seed, bool shared) {
+    RemotePeer p;
+    std::vector<std::string> argv = {EPLBX_XFER_PEER, "--name", name, "--bytes", std::to_string(bytes),
+                                     "--seed", std::to_string(seed), "--timeout-ms",
+                                     std::to_string(kPeerTimeoutMs)};
+    if (shared) argv.push_back("--shared");
+    p.child = std::make_unique<Child>(argv);
+    p.blob = testing::FromHex(p.child->Expect("META "));
+    p.base = std::stoull(p.child->Expect("BASE "));
+    p.size = std::stoull(p.child->Expect("SIZE "));
+    return p;
+  }
+  uint64_t Hash(uint64_t off, uint64_t len) {
+    child->Send("HASH " + std::to_string(off) + " " + std::to_string(len));
+    return std::stoull(child->Expect("HASH "));
+  }
+};
+
+class TransferMultiProcTest : public ::testing::TestWithParam<Variant> {
+ protected:
+  std::unique_ptr<Agent> MakeAgent(const std::string& name) {
+    AgentConfig config;
+    config.transport = GetParam().transport;
+    config.peer_timeout = milliseconds(kPeerTimeoutMs);
+    auto agent = Agent::Create(name, config);
+    EXPECT_TRUE(agent.ok()) << agent.status().ToString();
+    return agent.ok() ? std::move(*agent) : nullptr;
+  }
+};
+
+// Random non-overlapping placement of `sizes` in a buffer, in a random order with gaps.
+std::vector<uint64_t> Place(const std::vector<uint64_t>& sizes, uint64_t capacity, std::mt19937_64& rng) {
+  std::vector<size_t> order(sizes.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  std::vector<uint64_t> at(sizes.size());
+  uint64_t cursor = 0;
+  for (size_t i : order) {
+    cursor += rng() % 64;
+    at[i] = cursor;
+    cursor += sizes[i];
+  }
+  EXPECT_LE(cursor, capacity);
+  return at;
+}
+
+TEST_P(TransferMultiProcTest, RandomDescriptorListsMoveTheRightBytes) {
+  constexpr uint64_t kBytes = 150ull << 20;
+  constexpr uint64_t kPeerSeed = 11;
+  RemotePeer peer = RemotePeer::Start("peer", kBytes, kPeerSeed, GetParam().shared);
+  ASSERT_FALSE(peer.blob.empty());
+  auto agent = MakeAgent("tester");
+  ASSERT_NE(agent, nullptr);
+  std::vector<uint8_t> local(kBytes);
+  auto region = agent->RegisterMemory(local.data(), local.size());
+  ASSERT_TRUE(region.ok()) << region.status().ToString();
+  auto pid = agent->Connect(peer.blob);
+  ASSERT_TRUE(pid.ok()) << pid.status().ToString();
+  const Transport expected = GetParam().transport == Transport::kAuto ? Transport::kShm : GetParam().transport;
+  EXPECT_EQ(agent->Peer(*pid)->transport, expected);
+
+  std::mt19937_64 rng(5);
+  // Many tiny, some medium, and 64 MiB descriptors; sizes from 1 byte up.
+  std::vector<std::vector<uint64_t>> rounds = {{}, {}, {64ull << 20, 1 + rng() % (60ull << 20)}};
+  for (int i = 0; i < 300; ++i) rounds[0].push_back(1 + rng() % 8192);
+  for (int i = 0; i < 40; ++i) rounds[1].push_back(1 + rng() % (1 << 20));
+  for (bool write : {false, true}) {
+    for (const auto& sizes : rounds) {
+      std::vector<uint64_t> lo = Place(sizes, kBytes, rng), ro = Place(sizes, kBytes, rng);
+      std::vector<Descriptor> l, r;
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        l.push_back(Descriptor::Of(local.data() + lo[i], sizes[i]));
+        r.push_back({peer.base + ro[i], sizes[i]});
+        if (write) testing::FillPattern(local.data() + lo[i], sizes[i], 99 + i, ro[i]);
+      }
+      auto id = write ? agent->Write(*pid, l, r) : agent->Read(*pid, l, r);
+      ASSERT_TRUE(id.ok()) << id.status().ToString();
+      TransferStatus s = agent->Wait(*id, std::chrono::seconds(60));
+      ASSERT_EQ(s.state, TransferState::kDone) << s.error.ToString();
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        if (write) {
+          ASSERT_EQ(peer.Hash(ro[i], sizes[i]), Fnv1a(local.data() + lo[i], sizes[i]))
+              << "WRITE descriptor " << i << " of " << sizes.size() << ", " << sizes[i] << " bytes";
+        } else {
+          for (uint64_t k = 0; k < sizes[i]; ++k) {
+            ASSERT_EQ(local[lo[i] + k], PatternByte(kPeerSeed, ro[i] + k))
+                << "READ descriptor " << i << " byte " << k;
+          }
+        }
+      }
+      EXPECT_TRUE(agent->Release(*id).ok());
+    }
+  }
+  peer.child->Send("QUIT");
+}
+
+TEST_P(TransferMultiProcTest, NotificationsArriveAfterTheData) {
+  constexpr uint64_t kBytes = 72ull << 20;  // 8 writes of 8 MiB, then a read past them
+  RemotePeer peer = RemotePeer::Start("peer", kBytes, 3, GetParam().shared);
+  auto agent = MakeAgent("writer");
+  ASSERT_NE(agent, nullptr);
+  std::vector<uint8_t> local(kBytes);
+  auto region = agent->RegisterMemory(local.data(), local.size());
+  ASSERT_TRUE(region.ok());
+  auto pid = agent->Connect(peer.blob);
+  ASSERT_TRUE(pid.ok()) << pid.status().ToString();
+  constexpr int kWrites = 8;
+  const uint64_t read_hash = peer.Hash(64ull << 20, 4096);  // before EXPECT: the peer answers in order
+  peer.child->Send("EXPECT " + std::to_string(kWrites + 1) + " 30000");
+  std::vector<TransferId> ids;
+  for (int k = 0; k < kWrites; ++k) {
+    const uint64_t off = k * (8ull << 20), len = 8ull << 20;
+    testing::FillPattern(local.data() + off, len, 1000 + k, 0);
+    const uint64_t hash = Fnv1a(local.data() + off, len);
+    Descriptor l = Descriptor::Of(local.data() + off, len), r{peer.base + off, len};
+    auto id = agent->Write(*pid, {&l, 1}, {&r, 1},
+                           "CHECK " + std::to_string(off) + " " + std::to_string(len) + " " + std::to_string(hash));
+    ASSERT_TRUE(id.ok()) << id.status().ToString();
+    ids.push_back(*id);
+  }
+  // A READ's notification reaches the peer too (its bytes are unchanged there).
+  Descriptor l = Descriptor::Of(local.data() + (64ull << 20), 4096), r{peer.base + (64ull << 20), 4096};
+  auto rid = agent->Read(*pid, {&l, 1}, {&r, 1},
+                         "CHECK " + std::to_string(64ull << 20) + " 4096 " + std::to_string(read_hash));
+  ASSERT_TRUE(rid.ok());
+  ids.push_back(*rid);
+  for (TransferId id : ids) EXPECT_EQ(agent->Wait(id, std::chrono::seconds(30)).state, TransferState::kDone);
+  for (int k = 0; k < kWrites + 1; ++k) {
+    EXPECT_EQ(peer.child->Expect("NOTIFY "), "writer OK") << "notification " << k;
+  }
+}
+
+TEST_P(TransferMultiProcTest, OutOfBoundsDescriptorsAreRejectedAndNothingMoves) {
+  constexpr uint64_t kBytes = 1 << 20;
+  RemotePeer peer = RemotePeer::Start("peer", kBytes, 8, GetParam().shared);
+  auto agent = MakeAgent("tester");
+  ASSERT_NE(agent, nullptr);
+  std::vector<uint8_t> local(kBytes, 0xab);
+  auto region = agent->RegisterMemory(local.data(), local.size());
+  ASSERT_TRUE(region.ok());
+  auto pid = agent->Connect(peer.blob);
+  ASSERT_TRUE(pid.ok());
+  const uint64_t tail = peer.Hash(kBytes - 4096, 4096);
+  // Straddles the end of the peer's region; a good descriptor before it must not move.
+  std::vector<Descriptor> l = {Descriptor::Of(local.data(), 4096), Descriptor::Of(local.data() + 4096, 8192)};
+  std::vector<Descriptor> r = {{peer.base + kBytes - 4096, 4096}, {peer.base + kBytes - 4096, 8192}};
+  auto w = agent->Write(*pid, l, r);
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), Code::kOutOfRange);
+  EXPECT_NE(w.status().message().find("remote descriptor 1"), std::string::npos) << w.status().ToString();
+  EXPECT_NE(w.status().message().find("'peer'"), std::string::npos);
+  EXPECT_EQ(peer.Hash(kBytes - 4096, 4096), tail);
+  // Far outside, and an address below the region.
+  Descriptor far{peer.base + (1ull << 40), 16}, below{peer.base - 16, 16}, l16 = Descriptor::Of(local.data(), 16);
+  EXPECT_EQ(agent->Read(*pid, {&l16, 1}, {&far, 1}).status().code(), Code::kOutOfRange);
+  EXPECT_EQ(agent->Read(*pid, {&l16, 1}, {&below, 1}).status().code(), Code::kOutOfRange);
+  // A local descriptor outside our regions.
+  std::vector<uint8_t> unregistered(64);
+  Descriptor lu = Descriptor::Of(unregistered.data(), 64), ok{peer.base, 64};
+  auto lr = agent->Read(*pid, {&lu, 1}, {&ok, 1});
+  EXPECT_EQ(lr.status().code(), Code::kOutOfRange);
+  EXPECT_NE(lr.status().message().find("local descriptor 0"), std::string::npos);
+  EXPECT_TRUE(std::all_of(unregistered.begin(), unregistered.end(), [](uint8_t b) { return b == 0; }));
+}
+
+TEST_P(TransferMultiProcTest, MalformedAndDuplicateMetadataIsRejected) {
+  RemotePeer peer = RemotePeer::Start("peer", 4096, 1, GetParam().shared);
+  auto agent = MakeAgent("tester");
+  ASSERT_NE(agent, nullptr);
+  std::string blob = peer.blob;
+  std::string bad_magic = blob;
+  bad_magic[0] = 'X';
+  EXPECT_NE(agent->Connect(bad_magic).status().message().find("bad magic"), std::string::npos);
+  std::string bad_version = blob;
+  bad_version[4] = 9;
+  EXPECT_EQ(agent->Connect(bad_version).status().code(), Code::kNotSupported);
+  EXPECT_NE(agent->Connect(blob.substr(0, blob.size() - 3)).status().message().find("length"),
+            std::string::npos);
+  EXPECT_NE(agent->Connect(agent->Metadata()).status().message().find("own metadata"), std::string::npos);
+  auto first = agent->Connect(blob);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  auto again = agent->Connect(blob);
+  EXPECT_EQ(again.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(again.status().message().find("already connected"), std::string::npos);
+}
+
+// Posts 16 MiB reads from `victim` until one fails; returns that failure and its delay
+// after `signal` was sent (mid-transfer: right after a read was posted).
+struct Failure {
+  Status status;
+  milliseconds after{0};
+};
+
+Failure ReadUntilFailure(Agent& agent, PeerId victim, RemotePeer& peer, std::vector<uint8_t>& local, int signal) {
+  const uint64_t n = std::min<uint64_t>(16ull << 20, peer.size);
+  Descriptor l = Descriptor::Of(local.data(), n), r{peer.base, n};
+  auto first = agent.Read(victim, {&l, 1}, {&r, 1});
+  EXPECT_TRUE(first.ok());
+  EXPECT_EQ(agent.Wait(*first, std::chrono::seconds(10)).state, TransferState::kDone);
+  auto pending = agent.Read(victim, {&l, 1}, {&r, 1});
+  peer.child->Signal(signal);
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto give_up = t0 + milliseconds(kPeerTimeoutMs) + std::chrono::seconds(8);
+  Result<TransferId> id = std::move(pending);
+  while (std::chrono::steady_clock::now() < give_up) {
+    if (!id.ok()) return {id.status(), std::chrono::duration_cast<milliseconds>(std::chrono::steady_clock::now() - t0)};
+    TransferStatus s = agent.Wait(*id, milliseconds(200));
+    if (s.state == TransferState::kError) {
+      return {s.error, std::chrono::duration_cast<milliseconds>(std::chrono::steady_clock::now() - t0)};
+    }
+    if (s.state == TransferState::kDone) id = agent.Read(victim, {&l, 1}, {&r, 1});
+  }
+  return {Status::OK(), std::chrono::duration_cast<milliseconds>(std::chrono::steady_clock::now() - t0)};
+}
+
+void CheckDeathOf(TransferMultiProcTest* test, int signal) {
+  constexpr uint64_t kBytes = 32ull << 20;
+  RemotePeer healthy = RemotePeer::Start("healthy", kBytes, 21, test->GetParam().shared);
+  RemotePeer victim = RemotePeer::Start("victim", kBytes, 22, test->GetParam().shared);
+  AgentConfig config;
+  config.transport = test->GetParam().transport;
+  config.peer_timeout = milliseconds(kPeerTimeoutMs);
+  auto agent = Agent::Create("survivor", config);
+  ASSERT_TRUE(agent.ok());
+  std::vector<uint8_t> local(kBytes);
+  auto region = (*agent)->RegisterMemory(local.data(), local.size());
+  ASSERT_TRUE(region.ok());
+  auto h = (*agent)->Connect(healthy.blob);
+  auto v = (*agent)->Connect(victim.blob);
+  ASSERT_TRUE(h.ok() && v.ok());
+
+  Failure f = ReadUntilFailure(**agent, *v, victim, local, signal);
+  ASSERT_FALSE(f.status.ok()) << "no error within the deadline after signal " << signal;
+  EXPECT_EQ(f.status.code(), Code::kUnavailable) << f.status.ToString();
+  EXPECT_NE(f.status.message().find("peer unreachable"), std::string::npos) << f.status.ToString();
+  EXPECT_NE(f.status.message().find("'victim'"), std::string::npos) << f.status.ToString();
+  EXPECT_LE(f.after.count(), kPeerTimeoutMs + 3000) << f.status.ToString();
+  auto info = (*agent)->Peer(*v);
+  ASSERT_TRUE(info.ok());
+  // The healthy peer keeps working, bytes and all.
+  Descriptor l = Descriptor::Of(local.data(), kBytes), r{healthy.base, kBytes};
+  auto id = (*agent)->Read(*h, {&l, 1}, {&r, 1});
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
+  TransferStatus s = (*agent)->Wait(*id, std::chrono::seconds(30));
+  ASSERT_EQ(s.state, TransferState::kDone) << s.error.ToString();
+  for (uint64_t k = 0; k < kBytes; k += 4093) ASSERT_EQ(local[k], PatternByte(21, k));
+  // Later calls to the dead peer fail at once, naming it.
+  Descriptor l1 = Descriptor::Of(local.data(), 64), r1{victim.base, 64};
+  auto later = (*agent)->Read(*v, {&l1, 1}, {&r1, 1});
+  if (later.ok()) {
+    EXPECT_EQ((*agent)->Wait(*later, std::chrono::seconds(10)).state, TransferState::kError);
+  } else {
+    EXPECT_EQ(later.status().code(), Code::kUnavailable);
+  }
+  EXPECT_EQ((*agent)->Notify(*v, "x").code(), Code::kUnavailable);
+}
+
+TEST_P(TransferMultiProcTest, KilledPeerFailsWithNamedErrorWithinDeadline) { CheckDeathOf(this, SIGKILL); }
+
+TEST_P(TransferMultiProcTest, StoppedPeerFailsWithNamedErrorWithinDeadline) { CheckDeathOf(this, SIGSTOP); }
+
+INSTANTIATE_TEST_SUITE_P(Transports, TransferMultiProcTest,
+                         ::testing::Values(Variant{"shm_cma", Transport::kShm, false},
+                                           Variant{"shm_mapped", Transport::kShm, true},
+                                           Variant{"tcp", Transport::kTcp, false},
+                                           Variant{"auto", Transport::kAuto, false}),
+                         [](const ::testing::TestParamInfo<Variant>& info) { return info.param.label; });
+
+}  // namespace
+}  // namespace eplbx

@@ -1,0 +1,117 @@
+// A rank in its own process for the multi-process transfer tests. It registers a buffer
+// filled with a known pattern, prints its metadata, then obeys one command per stdin line:
+//   CONNECT <hex blob>          -> PEER <id> | ERR <message>
+//   HASH <offset> <length>      -> HASH <fnv1a of that range of its buffer>
+//   EXPECT <count> <timeout_ms> -> waits for <count> notifications "CHECK <off> <len> <hash>"
+//                                  and prints NOTIFY <payload> OK|BAD for each (the bytes
+//                                  must be in place when the notification arrives), or
+//                                  TIMEOUT
+//   QUIT
+// Output on start: META <hex blob>, BASE <buffer address>, SIZE <bytes>.
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <string>
+
+#include "eplbx/transfer.h"
+#include "multiproc/peer_util.h"
+
+using eplbx::testing::FillPattern;
+using eplbx::testing::Fnv1a;
+
+int main(int argc, char** argv) {
+  std::string name = "peer";
+  size_t bytes = 1 << 20;
+  uint64_t seed = 1;
+  bool shared = false;
+  int timeout_ms = 2000;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&] { return std::string(i + 1 < argc ? argv[++i] : ""); };
+    if (a == "--name") name = next();
+    else if (a == "--bytes") bytes = std::stoull(next());
+    else if (a == "--seed") seed = std::stoull(next());
+    else if (a == "--shared") shared = true;
+    else if (a == "--timeout-ms") timeout_ms = std::stoi(next());
+  }
+  eplbx::AgentConfig config;
+  config.peer_timeout = std::chrono::milliseconds(timeout_ms);
+  auto agent = eplbx::Agent::Create(name, config);
+  if (!agent.ok()) {
+    std::cout << "ERR " << agent.status().ToString() << std::endl;
+    return 1;
+  }
+  eplbx::RegisteredRegion region;
+  std::unique_ptr<uint8_t[]> owned;
+  if (shared) {
+    auto r = (*agent)->AllocateShared(bytes);
+    if (!r.ok()) {
+      std::cout << "ERR " << r.status().ToString() << std::endl;
+      return 1;
+    }
+    region = std::move(*r);
+  } else {
+    owned.reset(new uint8_t[bytes]);
+    auto r = (*agent)->RegisterMemory(owned.get(), bytes);
+    if (!r.ok()) {
+      std::cout << "ERR " << r.status().ToString() << std::endl;
+      return 1;
+    }
+    region = std::move(*r);
+  }
+  auto* buf = static_cast<uint8_t*>(region.data());
+  FillPattern(buf, bytes, seed, 0);
+  std::cout << "META " << eplbx::testing::ToHex((*agent)->Metadata()) << "\n"
+            << "BASE " << region.addr() << "\n"
+            << "SIZE " << bytes << std::endl;
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    std::istringstream in(line);
+    std::string cmd;
+    in >> cmd;
+    if (cmd == "CONNECT") {
+      std::string hex;
+      in >> hex;
+      auto peer = (*agent)->Connect(eplbx::testing::FromHex(hex));
+      if (peer.ok()) {
+        std::cout << "PEER " << *peer << std::endl;
+      } else {
+        std::cout << "ERR " << peer.status().ToString() << std::endl;
+      }
+    } else if (cmd == "HASH") {
+      uint64_t off = 0, len = 0;
+      in >> off >> len;
+      std::cout << "HASH " << (off + len <= bytes ? Fnv1a(buf + off, len) : 0) << std::endl;
+    } else if (cmd == "EXPECT") {
+      size_t count = 0;
+      int wait_ms = 0;
+      in >> count >> wait_ms;
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(wait_ms);
+      size_t seen = 0;
+      while (seen < count) {
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            deadline - std::chrono::steady_clock::now());
+        if (left.count() <= 0) break;
+        for (const auto& n : (*agent)->WaitNotifications(left)) {
+          std::istringstream p(n.payload);
+          std::string tag;
+          uint64_t off = 0, len = 0, hash = 0;
+          p >> tag >> off >> len >> hash;
+          const bool ok = tag == "CHECK" && off + len <= bytes && Fnv1a(buf + off, len) == hash;
+          std::cout << "NOTIFY " << n.peer << " " << (ok ? "OK" : "BAD") << std::endl;
+          ++seen;
+        }
+      }
+      if (seen < count) std::cout << "TIMEOUT " << seen << std::endl;
+    } else if (cmd == "QUIT") {
+      break;
+    }
+  }
+  return 0;
+}

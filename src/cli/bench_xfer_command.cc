@@ -1,0 +1,356 @@
+// `eplbx bench xfer`: READ and WRITE throughput and latency between two processes on this
+// machine, per transport, block size and batch size, next to single-thread memcpy (the
+// physical limit) and, with --perftest, UCX's own ucx_perftest at the same sizes.
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "common/strings.h"
+#include "eplbx/transfer.h"
+
+namespace eplbx::cli {
+namespace {
+
+using internal::StrCat;
+using Clock = std::chrono::steady_clock;
+
+constexpr uint64_t kMaxBuffer = 256ull << 20;  // descriptors wrap around inside this
+
+struct XferOptions {
+  std::string transport = "auto";
+  std::string sizes = "64K,1M,4M,16M,64M";
+  std::string batches = "1,16";
+  std::string ops = "read,write";
+  double seconds = 0.4;  // per configuration
+  bool json = false;
+  bool perftest = false;
+};
+
+Result<uint64_t> ParseSize(std::string_view s) {
+  if (s.empty()) return Status::InvalidArgument("empty size");
+  uint64_t mult = 1;
+  char last = s.back();
+  if (last == 'K' || last == 'k') mult = 1ull << 10;
+  if (last == 'M' || last == 'm') mult = 1ull << 20;
+  if (last == 'G' || last == 'g') mult = 1ull << 30;
+  if (mult != 1) s.remove_suffix(1);
+  uint64_t v = 0;
+  for (char c : s) {
+    if (c < '0' || c > '9') return Status::InvalidArgument(StrCat("bad size '", s, "' (examples: 4096, 64K, 16M)"));
+    v = v * 10 + static_cast<uint64_t>(c - '0');
+  }
+  if (v == 0 || v * mult > (1ull << 30)) {
+    return Status::InvalidArgument(StrCat("size ", v * mult, " out of range (1 byte .. 1G)"));
+  }
+  return v * mult;
+}
+
+// A comma-separated list of sizes (batches: plain counts up to 1024).
+Result<std::vector<uint64_t>> ParseList(const std::string& csv, bool sizes) {
+  std::vector<uint64_t> out;
+  std::stringstream in(csv);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    Result<uint64_t> v = ParseSize(item);
+    if (!v.ok()) return v.status();
+    if (!sizes && *v > 1024) return Status::InvalidArgument(StrCat("batch ", *v, " out of range (1..1024)"));
+    out.push_back(*v);
+  }
+  if (out.empty()) return Status::InvalidArgument(StrCat("empty list '", csv, "'"));
+  return out;
+}
+
+double MemcpyGbps() {
+  const size_t n = 64ull << 20;
+  std::vector<uint8_t> a(n, 1), b(n, 2);
+  std::vector<double> rates;
+  for (int i = 0; i < 9; ++i) {
+    auto t0 = Clock::now();
+    std::memcpy(b.data(), a.data(), n);
+    double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    rates.push_back(n / s / 1e9);
+    std::swap(a, b);
+  }
+  std::sort(rates.begin(), rates.end());
+  return rates[rates.size() / 2];
+}
+
+// ---- the target process ---------------------------------------------------------------
+
+bool WriteAll(int fd, const void* p, size_t n) {
+  const char* c = static_cast<const char*>(p);
+  while (n > 0) {
+    ssize_t w = write(fd, c, n);
+    if (w <= 0) return false;
+    c += w;
+    n -= static_cast<size_t>(w);
+  }
+  return true;
+}
+
+bool ReadAll(int fd, void* p, size_t n) {
+  char* c = static_cast<char*>(p);
+  while (n > 0) {
+    ssize_t r = read(fd, c, n);
+    if (r <= 0) return false;
+    c += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+// Registers two buffers (plain memory and AllocateShared), sends its metadata and their
+// addresses, then serves until the parent closes the socket.
+[[noreturn]] void RunTarget(int fd, uint64_t bytes) {
+  auto agent = Agent::Create("xfer-target", {});
+  if (!agent.ok()) {
+    std::cerr << "eplbx: error: bench target: " << agent.status().message() << "\n";
+    _exit(1);
+  }
+  std::unique_ptr<uint8_t[]> plain(new uint8_t[bytes]);
+  std::memset(plain.get(), 7, bytes);
+  auto r1 = (*agent)->RegisterMemory(plain.get(), bytes);
+  auto r2 = (*agent)->AllocateShared(bytes);
+  if (!r1.ok() || !r2.ok()) _exit(1);
+  std::memset(r2->data(), 7, bytes);
+  std::string blob = (*agent)->Metadata();
+  uint64_t header[3] = {blob.size(), r1->addr(), r2->addr()};
+  if (!WriteAll(fd, header, sizeof(header)) || !WriteAll(fd, blob.data(), blob.size())) _exit(1);
+  char c;
+  while (read(fd, &c, 1) > 0) {
+  }
+  _exit(0);
+}
+
+struct Target {
+  pid_t pid = -1;
+  int fd = -1;
+  std::string blob;
+  uint64_t plain = 0;
+  uint64_t shared = 0;
+  ~Target() {
+    if (fd >= 0) close(fd);
+    if (pid > 0) waitpid(pid, nullptr, 0);
+  }
+};
+
+Status StartTarget(Target* t, uint64_t bytes) {
+  int sv[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+    return Status::Unavailable(StrCat("socketpair: ", std::strerror(errno)));
+  }
+  std::cout.flush();
+  t->pid = fork();
+  if (t->pid == 0) {
+    close(sv[0]);
+    RunTarget(sv[1], bytes);
+  }
+  close(sv[1]);
+  t->fd = sv[0];
+  uint64_t header[3];
+  if (!ReadAll(t->fd, header, sizeof(header)) || header[0] > (16u << 20)) {
+    return Status::Unavailable("bench target process did not start (see its error above)");
+  }
+  t->blob.resize(header[0]);
+  if (!ReadAll(t->fd, t->blob.data(), t->blob.size())) return Status::Unavailable("bench target died");
+  t->plain = header[1];
+  t->shared = header[2];
+  return Status::OK();
+}
+
+// ---- measurement ----------------------------------------------------------------------
+
+struct Row {
+  std::string op, transport, memory;
+  uint64_t block = 0, batch = 0;
+  double gbps = 0, p50 = 0, p99 = 0;
+  int iterations = 0;
+};
+
+Result<Row> Measure(Agent& agent, PeerId peer, bool read, uint64_t remote_base, uint8_t* local,
+                    uint64_t block, uint64_t batch, double seconds) {
+  std::vector<Descriptor> l, r;
+  for (uint64_t i = 0; i < batch; ++i) {
+    const uint64_t off = (i * block) % kMaxBuffer;
+    const uint64_t at = off + block <= kMaxBuffer ? off : 0;
+    l.push_back(Descriptor::Of(local + at, block));
+    r.push_back({remote_base + at, block});
+  }
+  std::vector<double> lat;
+  const auto start = Clock::now();
+  double busy = 0;
+  for (int it = 0;; ++it) {
+    auto t0 = Clock::now();
+    auto id = read ? agent.Read(peer, l, r) : agent.Write(peer, l, r);
+    if (!id.ok()) return id.status();
+    TransferStatus s = agent.Wait(*id, std::chrono::seconds(60));
+    if (s.state != TransferState::kDone) {
+      return s.state == TransferState::kError ? s.error : Status::Timeout("transfer did not finish in 60 s");
+    }
+    (void)agent.Release(*id);
+    const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+    if (it >= 2) {  // two warm-up transfers
+      lat.push_back(us);
+      busy += us;
+    }
+    const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+    if (lat.size() >= 3 && (elapsed > seconds || lat.size() >= 20000)) break;
+  }
+  std::sort(lat.begin(), lat.end());
+  Row row;
+  row.block = block;
+  row.batch = batch;
+  row.iterations = static_cast<int>(lat.size());
+  row.gbps = static_cast<double>(block * batch) * lat.size() / (busy * 1e-6) / 1e9;
+  row.p50 = lat[lat.size() / 2];
+  row.p99 = lat[std::min(lat.size() - 1, lat.size() * 99 / 100)];
+  return row;
+}
+
+// Runs ucx_perftest (server + client on localhost) for one test and size; GB/s or error.
+Result<double> Perftest(const std::string& test, const std::string& tls, uint64_t block) {
+  static int port = 13500 + static_cast<int>(getpid() % 2000);
+  ++port;
+  const std::string env = StrCat("UCX_TLS=", tls, " ");
+  const std::string server = StrCat(env, "timeout 120 ucx_perftest -p ", port, " >/dev/null 2>&1 &");
+  if (std::system(server.c_str()) != 0) return Status::Unavailable("cannot start ucx_perftest");
+  usleep(500000);
+  const uint64_t iters = std::max<uint64_t>(20, std::min<uint64_t>(2000, (2ull << 30) / block));
+  const std::string client = StrCat(env, "timeout 120 ucx_perftest 127.0.0.1 -p ", port, " -t ", test,
+                                    " -s ", block, " -n ", iters, " 2>&1");
+  FILE* p = popen(client.c_str(), "r");
+  if (p == nullptr) return Status::Unavailable("cannot run ucx_perftest");
+  std::string out;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
+  pclose(p);
+  // "Final: iters p50 avg overall bw_avg bw_overall rate_avg rate_overall", bandwidth in MB/s (2^20).
+  auto at = out.find("Final:");
+  if (at == std::string::npos) {
+    return Status::Unavailable(StrCat("ucx_perftest gave no result (is ucx-utils installed?): ", out.substr(0, 300)));
+  }
+  std::istringstream line(out.substr(at + 6));
+  double v[7] = {};
+  for (double& x : v) line >> x;
+  return v[5] * (1 << 20) / 1e9;
+}
+
+Status RunXfer(const XferOptions& o) {
+  Result<std::vector<uint64_t>> sizes = ParseList(o.sizes, true);
+  if (!sizes.ok()) return sizes.status().WithPrefix("--sizes");
+  Result<std::vector<uint64_t>> batches = ParseList(o.batches, false);
+  if (!batches.ok()) return batches.status().WithPrefix("--batches");
+  Result<Transport> forced = ParseTransport(o.transport);
+  if (!forced.ok()) return forced.status().WithPrefix("--transport");
+  std::vector<Transport> transports;
+  if (*forced == Transport::kAuto || *forced == Transport::kShm) transports.push_back(Transport::kShm);
+  if (*forced == Transport::kAuto || *forced == Transport::kTcp) transports.push_back(Transport::kTcp);
+  std::vector<bool> ops;
+  if (o.ops.find("read") != std::string::npos) ops.push_back(true);
+  if (o.ops.find("write") != std::string::npos) ops.push_back(false);
+  if (ops.empty()) return Status::InvalidArgument(StrCat("--ops '", o.ops, "': expected read, write or read,write"));
+
+  nlohmann::json out;
+  out["memcpy_gbps"] = MemcpyGbps();
+  Target target;
+  EPLBX_RETURN_IF_ERROR(StartTarget(&target, kMaxBuffer));
+  std::unique_ptr<uint8_t[]> local(new uint8_t[kMaxBuffer]);
+  std::memset(local.get(), 1, kMaxBuffer);
+  std::vector<Row> rows;
+  for (Transport t : transports) {
+    AgentConfig config;
+    config.transport = t;
+    auto agent = Agent::Create(StrCat("xfer-", TransportName(t)), config);
+    if (!agent.ok()) return agent.status();
+    auto region = (*agent)->RegisterMemory(local.get(), kMaxBuffer);
+    if (!region.ok()) return region.status();
+    auto peer = (*agent)->Connect(target.blob);
+    if (!peer.ok()) return peer.status();
+    std::vector<std::pair<std::string, uint64_t>> memories = {{"plain", target.plain}};
+    if (t == Transport::kShm) memories.push_back({"shared", target.shared});
+    for (const auto& [memory, base] : memories) {
+      for (bool read : ops) {
+        for (uint64_t size : *sizes) {
+          for (uint64_t batch : *batches) {
+            Result<Row> row = Measure(**agent, *peer, read, base, local.get(), size, batch, o.seconds);
+            if (!row.ok()) return row.status();
+            row->op = read ? "read" : "write";
+            row->transport = std::string(TransportName(t));
+            row->memory = memory;
+            if (!o.json) {
+              std::printf("%-5s %-3s %-6s block %9llu batch %3llu: %7.2f GB/s  p50 %9.1f us  p99 %9.1f us\n",
+                          row->op.c_str(), row->transport.c_str(), memory.c_str(),
+                          static_cast<unsigned long long>(size), static_cast<unsigned long long>(batch),
+                          row->gbps, row->p50, row->p99);
+              std::fflush(stdout);
+            }
+            rows.push_back(*row);
+          }
+        }
+      }
+    }
+  }
+  for (const Row& r : rows) {
+    out["results"].push_back({{"op", r.op}, {"transport", r.transport}, {"memory", r.memory},
+                              {"block_bytes", r.block}, {"batch", r.batch}, {"gbps", r.gbps},
+                              {"p50_us", r.p50}, {"p99_us", r.p99}, {"iterations", r.iterations}});
+  }
+  if (o.perftest) {
+    for (Transport t : transports) {
+      const std::string tls = t == Transport::kTcp ? "tcp" : "posix,sysv,cma,self";
+      for (uint64_t size : *sizes) {
+        for (const char* test : {"ucp_get", "ucp_put_bw"}) {
+          Result<double> g = Perftest(test, tls, size);
+          nlohmann::json j = {{"test", test}, {"ucx_tls", tls}, {"transport", TransportName(t)}, {"block_bytes", size}};
+          if (g.ok()) {
+            j["gbps"] = *g;
+          } else {
+            j["error"] = g.status().message();
+          }
+          if (!o.json) std::printf("ucx_perftest %-10s UCX_TLS=%-20s block %9llu: %s\n", test, tls.c_str(),
+                                   static_cast<unsigned long long>(size), g.ok() ? StrCat(*g, " GB/s").c_str() : g.status().message().c_str());
+          out["ucx_perftest"].push_back(j);
+        }
+      }
+    }
+  }
+  if (o.json) {
+    std::cout << out.dump(1) << "\n";
+  } else {
+    std::printf("memcpy (one thread, 64 MiB): %.2f GB/s\n", out["memcpy_gbps"].get<double>());
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+void AddBenchCommand(CLI::App& app, Action& run) {
+  CLI::App* bench = app.add_subcommand("bench", "Benchmarks of eplbx against the physical limit");
+  bench->require_subcommand(1);
+  auto o = std::make_shared<XferOptions>();
+  CLI::App* xfer = bench->add_subcommand(
+      "xfer", "READ/WRITE between two processes on this machine, per transport, vs memcpy");
+  xfer->add_option("--transport", o->transport, "auto (shm and tcp), shm or tcp")->capture_default_str();
+  xfer->add_option("--sizes", o->sizes, "block sizes, comma-separated (K, M, G suffixes)")->capture_default_str();
+  xfer->add_option("--batches", o->batches, "descriptors per transfer, comma-separated")->capture_default_str();
+  xfer->add_option("--ops", o->ops, "read, write or read,write")->capture_default_str();
+  xfer->add_option("--seconds", o->seconds, "time per configuration")->capture_default_str();
+  xfer->add_flag("--json", o->json, "print one JSON document");
+  xfer->add_flag("--perftest", o->perftest, "also run ucx_perftest (ucp_get, ucp_put_bw) at the same sizes");
+  xfer->callback([&run, o] { run = [o] { return RunXfer(*o); }; });
+}
+
+}  // namespace eplbx::cli

@@ -49,7 +49,8 @@ Result<uint64_t> ParseSize(std::string_view s) {
   if (mult != 1) s.remove_suffix(1);
   uint64_t v = 0;
   for (char c : s) {
-    if (c < '0' || c > '9') return Status::InvalidArgument(StrCat("bad size '", s, "' (examples: 4096, 64K, 16M)"));
+    if (c < '0' || c > '9')
+      return Status::InvalidArgument(StrCat("bad size '", s, "' (examples: 4096, 64K, 16M)"));
     v = v * 10 + static_cast<uint64_t>(c - '0');
   }
   if (v == 0 || v * mult > (1ull << 30)) {
@@ -66,7 +67,8 @@ Result<std::vector<uint64_t>> ParseList(const std::string& csv, bool sizes) {
   while (std::getline(in, item, ',')) {
     Result<uint64_t> v = ParseSize(item);
     if (!v.ok()) return v.status();
-    if (!sizes && *v > 1024) return Status::InvalidArgument(StrCat("batch ", *v, " out of range (1..1024)"));
+    if (!sizes && *v > 1024)
+      return Status::InvalidArgument(StrCat("batch ", *v, " out of range (1..1024)"));
     out.push_back(*v);
   }
   if (out.empty()) return Status::InvalidArgument(StrCat("empty list '", csv, "'"));
@@ -165,7 +167,8 @@ Status StartTarget(Target* t, uint64_t bytes) {
     return Status::Unavailable("bench target process did not start (see its error above)");
   }
   t->blob.resize(header[0]);
-  if (!ReadAll(t->fd, t->blob.data(), t->blob.size())) return Status::Unavailable("bench target died");
+  if (!ReadAll(t->fd, t->blob.data(), t->blob.size()))
+    return Status::Unavailable("bench target died");
   t->plain = header[1];
   t->shared = header[2];
   return Status::OK();
@@ -207,7 +210,8 @@ Result<Row> Measure(Agent& agent, PeerId peer, bool read, uint64_t remote_base, 
     if (!id.ok()) return id.status();
     TransferStatus s = agent.Wait(*id, std::chrono::seconds(60));
     if (s.state != TransferState::kDone) {
-      return s.state == TransferState::kError ? s.error : Status::Timeout("transfer did not finish in 60 s");
+      return s.state == TransferState::kError ? s.error
+                                              : Status::Timeout("transfer did not finish in 60 s");
     }
     (void)agent.Release(*id);
     const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
@@ -234,27 +238,31 @@ Result<double> Perftest(const std::string& test, const std::string& tls, uint64_
   static int port = 13500 + static_cast<int>(getpid() % 2000);
   ++port;
   const std::string env = StrCat("UCX_TLS=", tls, " ");
-  const std::string server = StrCat(env, "timeout 120 ucx_perftest -p ", port, " >/dev/null 2>&1 &");
+  const std::string server =
+      StrCat(env, "timeout 120 ucx_perftest -p ", port, " >/dev/null 2>&1 &");
   if (std::system(server.c_str()) != 0) return Status::Unavailable("cannot start ucx_perftest");
   usleep(500000);
   const uint64_t iters = std::max<uint64_t>(20, std::min<uint64_t>(2000, (2ull << 30) / block));
-  const std::string client = StrCat(env, "timeout 120 ucx_perftest 127.0.0.1 -p ", port, " -t ", test,
-                                    " -s ", block, " -n ", iters, " 2>&1");
+  const std::string client = StrCat(env, "timeout 120 ucx_perftest 127.0.0.1 -p ", port, " -t ",
+                                    test, " -s ", block, " -n ", iters, " 2>&1");
   FILE* p = popen(client.c_str(), "r");
   if (p == nullptr) return Status::Unavailable("cannot run ucx_perftest");
   std::string out;
   char buf[4096];
   while (size_t n = fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
   pclose(p);
-  // "Final: iters p50 avg overall bw_avg bw_overall rate_avg rate_overall", bandwidth in MB/s (2^20).
+  // "Final: iters p50 avg overall bw_avg bw_overall rate_avg rate_overall", bandwidth in MB/s
+  // (2^20).
   auto at = out.find("Final:");
   if (at == std::string::npos) {
-    return Status::Unavailable(StrCat("ucx_perftest gave no result (is ucx-utils installed?): ", out.substr(0, 300)));
+    return Status::Unavailable(
+        StrCat("ucx_perftest gave no result (is ucx-utils installed?): ", out.substr(0, 300)));
   }
   std::istringstream line(out.substr(at + 6));
   double v[7] = {};
   for (double& x : v) line >> x;
-  if (!(v[5] > 0)) return Status::Unavailable(StrCat("ucx_perftest result unreadable: ", out.substr(at, 200)));
+  if (!(v[5] > 0))
+    return Status::Unavailable(StrCat("ucx_perftest result unreadable: ", out.substr(at, 200)));
   return v[5] * (1 << 20) / 1e9;
 }
 
@@ -266,12 +274,16 @@ Status RunXfer(const XferOptions& o) {
   Result<Transport> forced = ParseTransport(o.transport);
   if (!forced.ok()) return forced.status().WithPrefix("--transport");
   std::vector<Transport> transports;
-  if (*forced == Transport::kAuto || *forced == Transport::kShm) transports.push_back(Transport::kShm);
-  if (*forced == Transport::kAuto || *forced == Transport::kTcp) transports.push_back(Transport::kTcp);
+  if (*forced == Transport::kAuto || *forced == Transport::kShm)
+    transports.push_back(Transport::kShm);
+  if (*forced == Transport::kAuto || *forced == Transport::kTcp)
+    transports.push_back(Transport::kTcp);
   std::vector<bool> ops;
   if (o.ops.find("read") != std::string::npos) ops.push_back(true);
   if (o.ops.find("write") != std::string::npos) ops.push_back(false);
-  if (ops.empty()) return Status::InvalidArgument(StrCat("--ops '", o.ops, "': expected read, write or read,write"));
+  if (ops.empty())
+    return Status::InvalidArgument(
+        StrCat("--ops '", o.ops, "': expected read, write or read,write"));
 
   nlohmann::json out;
   out["memcpy_gbps"] = MemcpyGbps();
@@ -295,16 +307,19 @@ Status RunXfer(const XferOptions& o) {
       for (bool read : ops) {
         for (uint64_t size : *sizes) {
           for (uint64_t batch : *batches) {
-            Result<Row> row = Measure(**agent, *peer, read, base, local.get(), size, batch, o.seconds);
+            Result<Row> row =
+                Measure(**agent, *peer, read, base, local.get(), size, batch, o.seconds);
             if (!row.ok()) return row.status();
             row->op = read ? "read" : "write";
             row->transport = std::string(TransportName(t));
             row->memory = memory;
             if (!o.json) {
-              std::printf("%-5s %-3s %-6s block %9llu batch %3llu: %7.2f GB/s  p50 %9.1f us  p99 %9.1f us\n",
-                          row->op.c_str(), row->transport.c_str(), memory.c_str(),
-                          static_cast<unsigned long long>(size), static_cast<unsigned long long>(batch),
-                          row->gbps, row->p50, row->p99);
+              std::printf(
+                  "%-5s %-3s %-6s block %9llu batch %3llu: %7.2f GB/s  p50 %9.1f us  p99 %9.1f "
+                  "us\n",
+                  row->op.c_str(), row->transport.c_str(), memory.c_str(),
+                  static_cast<unsigned long long>(size), static_cast<unsigned long long>(batch),
+                  row->gbps, row->p50, row->p99);
               std::fflush(stdout);
             }
             rows.push_back(*row);
@@ -314,9 +329,15 @@ Status RunXfer(const XferOptions& o) {
     }
   }
   for (const Row& r : rows) {
-    out["results"].push_back({{"op", r.op}, {"transport", r.transport}, {"memory", r.memory},
-                              {"block_bytes", r.block}, {"batch", r.batch}, {"gbps", r.gbps},
-                              {"p50_us", r.p50}, {"p99_us", r.p99}, {"iterations", r.iterations}});
+    out["results"].push_back({{"op", r.op},
+                              {"transport", r.transport},
+                              {"memory", r.memory},
+                              {"block_bytes", r.block},
+                              {"batch", r.batch},
+                              {"gbps", r.gbps},
+                              {"p50_us", r.p50},
+                              {"p99_us", r.p99},
+                              {"iterations", r.iterations}});
   }
   if (o.perftest) {
     for (Transport t : transports) {
@@ -324,14 +345,19 @@ Status RunXfer(const XferOptions& o) {
       for (uint64_t size : *sizes) {
         for (const char* test : {"ucp_get", "ucp_put_bw"}) {
           Result<double> g = Perftest(test, tls, size);
-          nlohmann::json j = {{"test", test}, {"ucx_tls", tls}, {"transport", TransportName(t)}, {"block_bytes", size}};
+          nlohmann::json j = {{"test", test},
+                              {"ucx_tls", tls},
+                              {"transport", TransportName(t)},
+                              {"block_bytes", size}};
           if (g.ok()) {
             j["gbps"] = *g;
           } else {
             j["error"] = g.status().message();
           }
-          if (!o.json) std::printf("ucx_perftest %-10s UCX_TLS=%-20s block %9llu: %s\n", test, tls.c_str(),
-                                   static_cast<unsigned long long>(size), g.ok() ? StrCat(*g, " GB/s").c_str() : g.status().message().c_str());
+          if (!o.json)
+            std::printf("ucx_perftest %-10s UCX_TLS=%-20s block %9llu: %s\n", test, tls.c_str(),
+                        static_cast<unsigned long long>(size),
+                        g.ok() ? StrCat(*g, " GB/s").c_str() : g.status().message().c_str());
           out["ucx_perftest"].push_back(j);
         }
       }
@@ -353,13 +379,17 @@ void AddBenchCommand(CLI::App& app, Action& run) {
   auto o = std::make_shared<XferOptions>();
   CLI::App* xfer = bench->add_subcommand(
       "xfer", "READ/WRITE between two processes on this machine, per transport, vs memcpy");
-  xfer->add_option("--transport", o->transport, "auto (shm and tcp), shm or tcp")->capture_default_str();
-  xfer->add_option("--sizes", o->sizes, "block sizes, comma-separated (K, M, G suffixes)")->capture_default_str();
-  xfer->add_option("--batches", o->batches, "descriptors per transfer, comma-separated")->capture_default_str();
+  xfer->add_option("--transport", o->transport, "auto (shm and tcp), shm or tcp")
+      ->capture_default_str();
+  xfer->add_option("--sizes", o->sizes, "block sizes, comma-separated (K, M, G suffixes)")
+      ->capture_default_str();
+  xfer->add_option("--batches", o->batches, "descriptors per transfer, comma-separated")
+      ->capture_default_str();
   xfer->add_option("--ops", o->ops, "read, write or read,write")->capture_default_str();
   xfer->add_option("--seconds", o->seconds, "time per configuration")->capture_default_str();
   xfer->add_flag("--json", o->json, "print one JSON document");
-  xfer->add_flag("--perftest", o->perftest, "also run ucx_perftest (ucp_get, ucp_put_bw) at the same sizes");
+  xfer->add_flag("--perftest", o->perftest,
+                 "also run ucx_perftest (ucp_get, ucp_put_bw) at the same sizes");
   xfer->callback([&run, o] { run = [o] { return RunXfer(*o); }; });
 }
 

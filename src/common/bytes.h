@@ -100,9 +100,8 @@ class ByteReader {
   bool Need(std::string_view field, size_t n) {
     if (!status_.ok()) return false;
     if (remaining() >= n) return true;
-    return Fail(Status::Corruption(StrCat(what_, " truncated at field '", field, "' (offset ",
-                                          pos_, "): needs ", n, " bytes, ", remaining(),
-                                          " left")));
+    return Fail(Status::Corruption(StrCat(what_, " truncated at field '", field, "' (offset ", pos_,
+                                          "): needs ", n, " bytes, ", remaining(), " left")));
   }
   bool Bounded(std::string_view field, size_t n, size_t max) {
     if (n <= max) return true;
@@ -112,7 +111,8 @@ class ByteReader {
   bool Int(std::string_view field, int n, uint64_t* v) {
     if (!Need(field, n)) return false;
     uint64_t x = 0;
-    for (int i = 0; i < n; ++i) x |= static_cast<uint64_t>(static_cast<uint8_t>(in_[pos_ + i])) << (8 * i);
+    for (int i = 0; i < n; ++i)
+      x |= static_cast<uint64_t>(static_cast<uint8_t>(in_[pos_ + i])) << (8 * i);
     pos_ += n;
     *v = x;
     return true;

@@ -15,9 +15,12 @@ using internal::StrCat;
 
 std::string_view TransportName(Transport transport) {
   switch (transport) {
-    case Transport::kAuto: return "auto";
-    case Transport::kShm: return "shm";
-    case Transport::kTcp: return "tcp";
+    case Transport::kAuto:
+      return "auto";
+    case Transport::kShm:
+      return "shm";
+    case Transport::kTcp:
+      return "tcp";
   }
   return "?";
 }
@@ -26,7 +29,8 @@ Result<Transport> ParseTransport(std::string_view name) {
   if (name == "auto") return Transport::kAuto;
   if (name == "shm") return Transport::kShm;
   if (name == "tcp") return Transport::kTcp;
-  return Status::InvalidArgument(StrCat("unknown transport '", name, "' (expected auto, shm or tcp)"));
+  return Status::InvalidArgument(
+      StrCat("unknown transport '", name, "' (expected auto, shm or tcp)"));
 }
 
 RegisteredRegion::RegisteredRegion(RegisteredRegion&& other) noexcept { *this = std::move(other); }
@@ -86,19 +90,22 @@ Result<RegisteredRegion> Agent::RegisterMemory(void* ptr, size_t bytes) {
 }
 
 Result<RegisteredRegion> Agent::AllocateShared(size_t bytes) {
-  if (bytes == 0) return Status::InvalidArgument(StrCat("agent '", name(), "': cannot allocate 0 bytes"));
+  if (bytes == 0)
+    return Status::InvalidArgument(StrCat("agent '", name(), "': cannot allocate 0 bytes"));
   int fd = memfd_create(StrCat("eplbx-", name()).c_str(), MFD_CLOEXEC);
-  if (fd < 0) return Status::Unavailable(StrCat("agent '", name(), "': memfd_create: ", std::strerror(errno)));
+  if (fd < 0)
+    return Status::Unavailable(
+        StrCat("agent '", name(), "': memfd_create: ", std::strerror(errno)));
   if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-    Status s = Status::Unavailable(StrCat("agent '", name(), "': cannot size shared memory to ", bytes,
-                                          " bytes: ", std::strerror(errno)));
+    Status s = Status::Unavailable(StrCat("agent '", name(), "': cannot size shared memory to ",
+                                          bytes, " bytes: ", std::strerror(errno)));
     close(fd);
     return s;
   }
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
-    Status s = Status::Unavailable(StrCat("agent '", name(), "': mmap of ", bytes,
-                                          " shared bytes: ", std::strerror(errno)));
+    Status s = Status::Unavailable(
+        StrCat("agent '", name(), "': mmap of ", bytes, " shared bytes: ", std::strerror(errno)));
     close(fd);
     return s;
   }
@@ -120,12 +127,14 @@ Status Agent::Disconnect(PeerId peer) { return core_->Disconnect(peer); }
 Result<PeerInfo> Agent::Peer(PeerId peer) const { return core_->Peer(peer); }
 
 Result<TransferId> Agent::Read(PeerId peer, std::span<const Descriptor> local,
-                               std::span<const Descriptor> remote, std::optional<std::string> notify) {
+                               std::span<const Descriptor> remote,
+                               std::optional<std::string> notify) {
   return core_->Post(internal::XferOp::kRead, peer, local, remote, std::move(notify));
 }
 
 Result<TransferId> Agent::Write(PeerId peer, std::span<const Descriptor> local,
-                                std::span<const Descriptor> remote, std::optional<std::string> notify) {
+                                std::span<const Descriptor> remote,
+                                std::optional<std::string> notify) {
   return core_->Post(internal::XferOp::kWrite, peer, local, remote, std::move(notify));
 }
 

@@ -40,8 +40,8 @@ std::string_view OpName(XferOp op) { return op == XferOp::kRead ? "READ" : "WRIT
 
 Result<std::shared_ptr<AgentCore>> AgentCore::Create(std::string name, AgentConfig config) {
   if (name.empty() || name.size() > Agent::kMaxNameBytes) {
-    return Status::InvalidArgument(StrCat("agent name must be 1..", Agent::kMaxNameBytes,
-                                          " bytes, got ", name.size()));
+    return Status::InvalidArgument(
+        StrCat("agent name must be 1..", Agent::kMaxNameBytes, " bytes, got ", name.size()));
   }
   if (config.peer_timeout.count() <= 0) {
     return Status::InvalidArgument(StrCat("agent '", name, "': peer_timeout must be positive, got ",
@@ -93,14 +93,17 @@ Result<uint64_t> AgentCore::Register(void* ptr, size_t bytes, bool shared, int f
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto next = regions_.lower_bound(addr);
-    auto overlaps = [&](const LocalRegion& r) { return r.addr < addr + bytes && addr < r.addr + r.bytes; };
+    auto overlaps = [&](const LocalRegion& r) {
+      return r.addr < addr + bytes && addr < r.addr + r.bytes;
+    };
     if ((next != regions_.end() && overlaps(next->second)) ||
         (next != regions_.begin() && overlaps(std::prev(next)->second))) {
-      const LocalRegion& r = (next != regions_.end() && overlaps(next->second)) ? next->second
-                                                                                : std::prev(next)->second;
-      return Status::InvalidArgument(StrCat("agent '", name_, "': region [", Hex(addr), ", +", bytes,
-                                            ") overlaps registered region [", Hex(r.addr), ", +",
-                                            r.bytes, "); register each byte once"));
+      const LocalRegion& r = (next != regions_.end() && overlaps(next->second))
+                                 ? next->second
+                                 : std::prev(next)->second;
+      return Status::InvalidArgument(StrCat("agent '", name_, "': region [", Hex(addr), ", +",
+                                            bytes, ") overlaps registered region [", Hex(r.addr),
+                                            ", +", r.bytes, "); register each byte once"));
     }
     if (regions_.size() >= kMaxRegions) {
       return Status::OutOfRange(StrCat("agent '", name_, "': at most ", kMaxRegions,
@@ -136,8 +139,8 @@ std::string AgentCore::Metadata() const {
   m.conn_info = backend_->ConnectionInfo();
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [addr, r] : regions_) {
-    m.regions.push_back(RegionInfo{r.addr, r.bytes, r.shared ? kRegionShared : 0u,
-                                   r.shared ? r.fd : -1, r.rkey});
+    m.regions.push_back(
+        RegionInfo{r.addr, r.bytes, r.shared ? kRegionShared : 0u, r.shared ? r.fd : -1, r.rkey});
   }
   return EncodeAgentMetadata(m);
 }
@@ -152,25 +155,26 @@ Result<PeerId> AgentCore::Connect(std::string_view blob) {
                                    "'; configure every rank with the same backend"));
   }
   if (peer == name_) {
-    return Status::InvalidArgument(StrCat("agent '", name_, "': blob is this agent's own metadata"));
+    return Status::InvalidArgument(
+        StrCat("agent '", name_, "': blob is this agent's own metadata"));
   }
   PeerId id = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [pid, rec] : peers_) {
       if (rec.meta.name == peer) {
-        return Status::InvalidArgument(StrCat("agent '", name_, "': an agent named '", peer,
-                                              "' is already connected (peer ", pid,
-                                              "); agent names must be unique — disconnect it first"));
+        return Status::InvalidArgument(
+            StrCat("agent '", name_, "': an agent named '", peer, "' is already connected (peer ",
+                   pid, "); agent names must be unique — disconnect it first"));
       }
     }
     id = next_peer_++;
   }
   const bool same_host = meta->host_id == host_id_;
   if (config_.transport == Transport::kShm && !same_host) {
-    return Status::InvalidArgument(StrCat("agent '", name_, "': transport shm is forced but peer '",
-                                          peer, "' is on host '", meta->host_id, "', this agent on '",
-                                          host_id_, "'; use transport auto or tcp"));
+    return Status::InvalidArgument(
+        StrCat("agent '", name_, "': transport shm is forced but peer '", peer, "' is on host '",
+               meta->host_id, "', this agent on '", host_id_, "'; use transport auto or tcp"));
   }
   Result<Transport> transport = backend_->Connect(id, *meta, config_.transport, same_host);
   if (!transport.ok()) return transport.status();
@@ -237,7 +241,8 @@ Status AgentCore::CheckRemote(XferOp op, const PeerRecord& p, size_t i, const De
   return Status::OutOfRange(StrCat("agent '", name_, "': ", OpName(op), " with '", p.meta.name,
                                    "': remote descriptor ", i, " [", Hex(d.addr), ", +", d.bytes,
                                    ") is not inside any of the ", regs.size(), " regions '",
-                                   p.meta.name, "' registered; nothing was sent (stale metadata? "
+                                   p.meta.name,
+                                   "' registered; nothing was sent (stale metadata? "
                                    "reconnect with the peer's current blob)"));
 }
 
@@ -254,8 +259,8 @@ Result<TransferId> AgentCore::Post(XferOp op, PeerId peer, std::span<const Descr
     const PeerRecord& p = it->second;
     req.peer_name = p.meta.name;
     if (!p.reachable) {
-      return Status::Unavailable(StrCat("agent '", name_, "': peer unreachable: '", p.meta.name,
-                                        "' (", p.failure, ")"));
+      return Status::Unavailable(
+          StrCat("agent '", name_, "': peer unreachable: '", p.meta.name, "' (", p.failure, ")"));
     }
     if (local.size() != remote.size()) {
       return Status::InvalidArgument(StrCat("agent '", name_, "': ", OpName(op), " with '",
@@ -269,9 +274,9 @@ Result<TransferId> AgentCore::Post(XferOp op, PeerId peer, std::span<const Descr
     req.segments.reserve(local.size());
     for (size_t i = 0; i < local.size(); ++i) {
       if (local[i].bytes != remote[i].bytes) {
-        return Status::InvalidArgument(StrCat("agent '", name_, "': ", OpName(op), " with '",
-                                              p.meta.name, "': descriptor ", i, " has ", local[i].bytes,
-                                              " local bytes but ", remote[i].bytes, " remote"));
+        return Status::InvalidArgument(
+            StrCat("agent '", name_, "': ", OpName(op), " with '", p.meta.name, "': descriptor ", i,
+                   " has ", local[i].bytes, " local bytes but ", remote[i].bytes, " remote"));
       }
       if (local[i].bytes == 0) continue;
       uint32_t region = 0;
@@ -326,7 +331,8 @@ TransferStatus AgentCore::Wait(TransferId id, std::chrono::milliseconds timeout)
 Status AgentCore::Cancel(TransferId id) {
   TransferStatus s = GetStatus(id);
   if (s.state != TransferState::kInProgress) {
-    return s.state == TransferState::kError && s.error.code() == Code::kNotFound ? s.error : Status::OK();
+    return s.state == TransferState::kError && s.error.code() == Code::kNotFound ? s.error
+                                                                                 : Status::OK();
   }
   EPLBX_RETURN_IF_ERROR(backend_->Cancel(id));
   // The backend ends the transfer once nothing can move; its failure deadline bounds this.
@@ -341,7 +347,8 @@ Status AgentCore::Cancel(TransferId id) {
 Status AgentCore::Release(TransferId id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = transfers_.find(id);
-  if (it == transfers_.end()) return Status::NotFound(StrCat("agent '", name_, "': no transfer ", id));
+  if (it == transfers_.end())
+    return Status::NotFound(StrCat("agent '", name_, "': no transfer ", id));
   if (it->second.state == TransferState::kInProgress) {
     return Status::InvalidArgument(StrCat("agent '", name_, "': transfer ", id,
                                           " is in progress; wait or cancel it before releasing"));

@@ -36,30 +36,32 @@ std::string EncodeAgentMetadata(const AgentMetadata& m) {
 Result<AgentMetadata> DecodeAgentMetadata(std::string_view blob) {
   constexpr std::string_view kWhat = "agent metadata";
   if (blob.size() > kMaxMetadataBytes) {
-    return Status::Corruption(StrCat(kWhat, " is ", blob.size(), " bytes, the limit is ",
-                                     kMaxMetadataBytes));
+    return Status::Corruption(
+        StrCat(kWhat, " is ", blob.size(), " bytes, the limit is ", kMaxMetadataBytes));
   }
   ByteReader r(blob, kWhat);
   std::string magic;
   if (!r.Raw("magic", 4, &magic)) return r.status();
   if (std::memcmp(magic.data(), kAgentMagic, 4) != 0) {
-    return Status::Corruption(StrCat(kWhat, ": bad magic (not an eplbx agent blob; expected "
-                                            "'EPXA')"));
+    return Status::Corruption(StrCat(kWhat,
+                                     ": bad magic (not an eplbx agent blob; expected "
+                                     "'EPXA')"));
   }
   uint16_t version = 0, reserved = 0;
   uint32_t length = 0;
-  if (!r.U16("version", &version) || !r.U16("reserved", &reserved) ||
-      !r.U32("length", &length)) {
+  if (!r.U16("version", &version) || !r.U16("reserved", &reserved) || !r.U32("length", &length)) {
     return r.status();
   }
   if (version != kAgentMetadataVersion) {
-    return Status::NotSupported(StrCat(kWhat, ": version ", version, " is not supported (this "
-                                       "build reads version ", kAgentMetadataVersion,
+    return Status::NotSupported(StrCat(kWhat, ": version ", version,
+                                       " is not supported (this "
+                                       "build reads version ",
+                                       kAgentMetadataVersion,
                                        "); upgrade eplbx on every rank to the same release"));
   }
   if (length != blob.size()) {
-    return Status::Corruption(StrCat(kWhat, ": length field says ", length,
-                                     " bytes, the blob has ", blob.size()));
+    return Status::Corruption(
+        StrCat(kWhat, ": length field says ", length, " bytes, the blob has ", blob.size()));
   }
   AgentMetadata m;
   uint32_t count = 0;
@@ -67,8 +69,7 @@ Result<AgentMetadata> DecodeAgentMetadata(std::string_view blob) {
       !r.Str16("host_id", kMaxHostIdBytes, &m.host_id) ||
       !r.Str16("backend", kMaxBackendNameBytes, &m.backend) || !r.U32("pid", &m.pid) ||
       !r.U64("probe_addr", &m.probe_addr) ||
-      !r.Str32("conn_info", kMaxConnInfoBytes, &m.conn_info) ||
-      !r.U32("region_count", &count)) {
+      !r.Str32("conn_info", kMaxConnInfoBytes, &m.conn_info) || !r.U32("region_count", &count)) {
     return r.status();
   }
   if (m.name.empty()) return Status::Corruption(StrCat(kWhat, ": empty agent name"));
@@ -123,7 +124,8 @@ Result<MessageHeader> DecodeMessageHeader(std::string_view bytes, size_t* consum
   if (version != kMessageVersion) {
     return Status::NotSupported(StrCat("message header: version ", version, " not supported"));
   }
-  if (kind < 1 || kind > 3) return Status::Corruption(StrCat("message header: unknown kind ", +kind));
+  if (kind < 1 || kind > 3)
+    return Status::Corruption(StrCat("message header: unknown kind ", +kind));
   h.kind = static_cast<MessageKind>(kind);
   if (!r.Str16("sender", Agent::kMaxNameBytes, &h.sender)) return r.status();
   *consumed = r.pos();

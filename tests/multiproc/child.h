@@ -75,7 +75,8 @@ class Child {
     }
   }
   // Reads lines until one starts with `prefix`; returns the rest of it ("" on timeout).
-  std::string Expect(const std::string& prefix, std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+  std::string Expect(const std::string& prefix,
+                     std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
     while (true) {
       std::string line = ReadLine(timeout);
       if (line.empty()) return "";

@@ -43,8 +43,14 @@ struct RemotePeer {
 
   static RemotePeer Start(const std::string& name, uint64_t bytes, uint64_t seed, bool shared) {
     RemotePeer p;
-    std::vector<std::string> argv = {EPLBX_XFER_PEER, "--name", name, "--bytes", std::to_string(bytes),
-                                     "--seed", std::to_string(seed), "--timeout-ms",
+    std::vector<std::string> argv = {EPLBX_XFER_PEER,
+                                     "--name",
+                                     name,
+                                     "--bytes",
+                                     std::to_string(bytes),
+                                     "--seed",
+                                     std::to_string(seed),
+                                     "--timeout-ms",
                                      std::to_string(kPeerTimeoutMs)};
     if (shared) argv.push_back("--shared");
     p.child = std::make_unique<Child>(argv);
@@ -72,7 +78,8 @@ class TransferMultiProcTest : public ::testing::TestWithParam<Variant> {
 };
 
 // Random non-overlapping placement of `sizes` in a buffer, in a random order with gaps.
-std::vector<uint64_t> Place(const std::vector<uint64_t>& sizes, uint64_t capacity, std::mt19937_64& rng) {
+std::vector<uint64_t> Place(const std::vector<uint64_t>& sizes, uint64_t capacity,
+                            std::mt19937_64& rng) {
   std::vector<size_t> order(sizes.size());
   std::iota(order.begin(), order.end(), 0);
   std::shuffle(order.begin(), order.end(), rng);
@@ -99,7 +106,8 @@ TEST_P(TransferMultiProcTest, RandomDescriptorListsMoveTheRightBytes) {
   ASSERT_TRUE(region.ok()) << region.status().ToString();
   auto pid = agent->Connect(peer.blob);
   ASSERT_TRUE(pid.ok()) << pid.status().ToString();
-  const Transport expected = GetParam().transport == Transport::kAuto ? Transport::kShm : GetParam().transport;
+  const Transport expected =
+      GetParam().transport == Transport::kAuto ? Transport::kShm : GetParam().transport;
   EXPECT_EQ(agent->Peer(*pid)->transport, expected);
 
   std::mt19937_64 rng(5);
@@ -148,7 +156,8 @@ TEST_P(TransferMultiProcTest, NotificationsArriveAfterTheData) {
   auto pid = agent->Connect(peer.blob);
   ASSERT_TRUE(pid.ok()) << pid.status().ToString();
   constexpr int kWrites = 8;
-  const uint64_t read_hash = peer.Hash(64ull << 20, 4096);  // before EXPECT: the peer answers in order
+  const uint64_t read_hash =
+      peer.Hash(64ull << 20, 4096);  // before EXPECT: the peer answers in order
   peer.child->Send("EXPECT " + std::to_string(kWrites + 1) + " 30000");
   std::vector<TransferId> ids;
   for (int k = 0; k < kWrites; ++k) {
@@ -156,18 +165,22 @@ TEST_P(TransferMultiProcTest, NotificationsArriveAfterTheData) {
     testing::FillPattern(local.data() + off, len, 1000 + k, 0);
     const uint64_t hash = Fnv1a(local.data() + off, len);
     Descriptor l = Descriptor::Of(local.data() + off, len), r{peer.base + off, len};
-    auto id = agent->Write(*pid, {&l, 1}, {&r, 1},
-                           "CHECK " + std::to_string(off) + " " + std::to_string(len) + " " + std::to_string(hash));
+    auto id = agent->Write(
+        *pid, {&l, 1}, {&r, 1},
+        "CHECK " + std::to_string(off) + " " + std::to_string(len) + " " + std::to_string(hash));
     ASSERT_TRUE(id.ok()) << id.status().ToString();
     ids.push_back(*id);
   }
   // A READ's notification reaches the peer too (its bytes are unchanged there).
-  Descriptor l = Descriptor::Of(local.data() + (64ull << 20), 4096), r{peer.base + (64ull << 20), 4096};
-  auto rid = agent->Read(*pid, {&l, 1}, {&r, 1},
-                         "CHECK " + std::to_string(64ull << 20) + " 4096 " + std::to_string(read_hash));
+  Descriptor l = Descriptor::Of(local.data() + (64ull << 20), 4096),
+             r{peer.base + (64ull << 20), 4096};
+  auto rid =
+      agent->Read(*pid, {&l, 1}, {&r, 1},
+                  "CHECK " + std::to_string(64ull << 20) + " 4096 " + std::to_string(read_hash));
   ASSERT_TRUE(rid.ok());
   ids.push_back(*rid);
-  for (TransferId id : ids) EXPECT_EQ(agent->Wait(id, std::chrono::seconds(30)).state, TransferState::kDone);
+  for (TransferId id : ids)
+    EXPECT_EQ(agent->Wait(id, std::chrono::seconds(30)).state, TransferState::kDone);
   for (int k = 0; k < kWrites + 1; ++k) {
     EXPECT_EQ(peer.child->Expect("NOTIFY "), "writer OK") << "notification " << k;
   }
@@ -185,16 +198,20 @@ TEST_P(TransferMultiProcTest, OutOfBoundsDescriptorsAreRejectedAndNothingMoves) 
   ASSERT_TRUE(pid.ok());
   const uint64_t tail = peer.Hash(kBytes - 4096, 4096);
   // Straddles the end of the peer's region; a good descriptor before it must not move.
-  std::vector<Descriptor> l = {Descriptor::Of(local.data(), 4096), Descriptor::Of(local.data() + 4096, 8192)};
-  std::vector<Descriptor> r = {{peer.base + kBytes - 4096, 4096}, {peer.base + kBytes - 4096, 8192}};
+  std::vector<Descriptor> l = {Descriptor::Of(local.data(), 4096),
+                               Descriptor::Of(local.data() + 4096, 8192)};
+  std::vector<Descriptor> r = {{peer.base + kBytes - 4096, 4096},
+                               {peer.base + kBytes - 4096, 8192}};
   auto w = agent->Write(*pid, l, r);
   ASSERT_FALSE(w.ok());
   EXPECT_EQ(w.status().code(), Code::kOutOfRange);
-  EXPECT_NE(w.status().message().find("remote descriptor 1"), std::string::npos) << w.status().ToString();
+  EXPECT_NE(w.status().message().find("remote descriptor 1"), std::string::npos)
+      << w.status().ToString();
   EXPECT_NE(w.status().message().find("'peer'"), std::string::npos);
   EXPECT_EQ(peer.Hash(kBytes - 4096, 4096), tail);
   // Far outside, and an address below the region.
-  Descriptor far{peer.base + (1ull << 40), 16}, below{peer.base - 16, 16}, l16 = Descriptor::Of(local.data(), 16);
+  Descriptor far{peer.base + (1ull << 40), 16}, below{peer.base - 16, 16},
+      l16 = Descriptor::Of(local.data(), 16);
   EXPECT_EQ(agent->Read(*pid, {&l16, 1}, {&far, 1}).status().code(), Code::kOutOfRange);
   EXPECT_EQ(agent->Read(*pid, {&l16, 1}, {&below, 1}).status().code(), Code::kOutOfRange);
   // A local descriptor outside our regions.
@@ -203,7 +220,8 @@ TEST_P(TransferMultiProcTest, OutOfBoundsDescriptorsAreRejectedAndNothingMoves) 
   auto lr = agent->Read(*pid, {&lu, 1}, {&ok, 1});
   EXPECT_EQ(lr.status().code(), Code::kOutOfRange);
   EXPECT_NE(lr.status().message().find("local descriptor 0"), std::string::npos);
-  EXPECT_TRUE(std::all_of(unregistered.begin(), unregistered.end(), [](uint8_t b) { return b == 0; }));
+  EXPECT_TRUE(
+      std::all_of(unregistered.begin(), unregistered.end(), [](uint8_t b) { return b == 0; }));
 }
 
 TEST_P(TransferMultiProcTest, MalformedAndDuplicateMetadataIsRejected) {
@@ -219,7 +237,8 @@ TEST_P(TransferMultiProcTest, MalformedAndDuplicateMetadataIsRejected) {
   EXPECT_EQ(agent->Connect(bad_version).status().code(), Code::kNotSupported);
   EXPECT_NE(agent->Connect(blob.substr(0, blob.size() - 3)).status().message().find("length"),
             std::string::npos);
-  EXPECT_NE(agent->Connect(agent->Metadata()).status().message().find("own metadata"), std::string::npos);
+  EXPECT_NE(agent->Connect(agent->Metadata()).status().message().find("own metadata"),
+            std::string::npos);
   auto first = agent->Connect(blob);
   ASSERT_TRUE(first.ok()) << first.status().ToString();
   auto again = agent->Connect(blob);
@@ -234,7 +253,8 @@ struct Failure {
   milliseconds after{0};
 };
 
-Failure ReadUntilFailure(Agent& agent, PeerId victim, RemotePeer& peer, std::vector<uint8_t>& local, int signal) {
+Failure ReadUntilFailure(Agent& agent, PeerId victim, RemotePeer& peer, std::vector<uint8_t>& local,
+                         int signal) {
   const uint64_t n = std::min<uint64_t>(16ull << 20, peer.size);
   Descriptor l = Descriptor::Of(local.data(), n), r{peer.base, n};
   auto first = agent.Read(victim, {&l, 1}, {&r, 1});
@@ -246,14 +266,18 @@ Failure ReadUntilFailure(Agent& agent, PeerId victim, RemotePeer& peer, std::vec
   const auto give_up = t0 + milliseconds(kPeerTimeoutMs) + std::chrono::seconds(8);
   Result<TransferId> id = std::move(pending);
   while (std::chrono::steady_clock::now() < give_up) {
-    if (!id.ok()) return {id.status(), std::chrono::duration_cast<milliseconds>(std::chrono::steady_clock::now() - t0)};
+    if (!id.ok())
+      return {id.status(),
+              std::chrono::duration_cast<milliseconds>(std::chrono::steady_clock::now() - t0)};
     TransferStatus s = agent.Wait(*id, milliseconds(200));
     if (s.state == TransferState::kError) {
-      return {s.error, std::chrono::duration_cast<milliseconds>(std::chrono::steady_clock::now() - t0)};
+      return {s.error,
+              std::chrono::duration_cast<milliseconds>(std::chrono::steady_clock::now() - t0)};
     }
     if (s.state == TransferState::kDone) id = agent.Read(victim, {&l, 1}, {&r, 1});
   }
-  return {Status::OK(), std::chrono::duration_cast<milliseconds>(std::chrono::steady_clock::now() - t0)};
+  return {Status::OK(),
+          std::chrono::duration_cast<milliseconds>(std::chrono::steady_clock::now() - t0)};
 }
 
 void CheckDeathOf(TransferMultiProcTest* test, int signal) {
@@ -298,16 +322,22 @@ void CheckDeathOf(TransferMultiProcTest* test, int signal) {
   EXPECT_EQ((*agent)->Notify(*v, "x").code(), Code::kUnavailable);
 }
 
-TEST_P(TransferMultiProcTest, KilledPeerFailsWithNamedErrorWithinDeadline) { CheckDeathOf(this, SIGKILL); }
+TEST_P(TransferMultiProcTest, KilledPeerFailsWithNamedErrorWithinDeadline) {
+  CheckDeathOf(this, SIGKILL);
+}
 
-TEST_P(TransferMultiProcTest, StoppedPeerFailsWithNamedErrorWithinDeadline) { CheckDeathOf(this, SIGSTOP); }
+TEST_P(TransferMultiProcTest, StoppedPeerFailsWithNamedErrorWithinDeadline) {
+  CheckDeathOf(this, SIGSTOP);
+}
 
 INSTANTIATE_TEST_SUITE_P(Transports, TransferMultiProcTest,
                          ::testing::Values(Variant{"shm_cma", Transport::kShm, false},
                                            Variant{"shm_mapped", Transport::kShm, true},
                                            Variant{"tcp", Transport::kTcp, false},
                                            Variant{"auto", Transport::kAuto, false}),
-                         [](const ::testing::TestParamInfo<Variant>& info) { return info.param.label; });
+                         [](const ::testing::TestParamInfo<Variant>& info) {
+                           return info.param.label;
+                         });
 
 }  // namespace
 }  // namespace eplbx

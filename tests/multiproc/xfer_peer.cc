@@ -34,11 +34,16 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&] { return std::string(i + 1 < argc ? argv[++i] : ""); };
-    if (a == "--name") name = next();
-    else if (a == "--bytes") bytes = std::stoull(next());
-    else if (a == "--seed") seed = std::stoull(next());
-    else if (a == "--shared") shared = true;
-    else if (a == "--timeout-ms") timeout_ms = std::stoi(next());
+    if (a == "--name")
+      name = next();
+    else if (a == "--bytes")
+      bytes = std::stoull(next());
+    else if (a == "--seed")
+      seed = std::stoull(next());
+    else if (a == "--shared")
+      shared = true;
+    else if (a == "--timeout-ms")
+      timeout_ms = std::stoi(next());
   }
   eplbx::AgentConfig config;
   config.peer_timeout = std::chrono::milliseconds(timeout_ms);

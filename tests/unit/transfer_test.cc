@@ -86,12 +86,14 @@ TEST(AgentMetadataTest, EachMalformationHasItsOwnMessage) {
   AgentMetadata big = SampleMetadata();
   big.name = std::string(Agent::kMaxNameBytes + 1, 'n');
   Result<AgentMetadata> name = DecodeAgentMetadata(EncodeAgentMetadata(big));
-  EXPECT_NE(name.status().message().find("field 'name' is 257 bytes, the limit is 256"), std::string::npos)
+  EXPECT_NE(name.status().message().find("field 'name' is 257 bytes, the limit is 256"),
+            std::string::npos)
       << name.status().ToString();
   big = SampleMetadata();
   big.regions[0].rkey = std::string(internal::kMaxRkeyBytes + 1, 'r');
-  EXPECT_NE(DecodeAgentMetadata(EncodeAgentMetadata(big)).status().message().find("regions[0].rkey"),
-            std::string::npos);
+  EXPECT_NE(
+      DecodeAgentMetadata(EncodeAgentMetadata(big)).status().message().find("regions[0].rkey"),
+      std::string::npos);
   big = SampleMetadata();
   big.regions[0].bytes = 0;
   EXPECT_NE(DecodeAgentMetadata(EncodeAgentMetadata(big)).status().message().find("empty or wraps"),
@@ -102,14 +104,16 @@ TEST(AgentMetadataTest, EachMalformationHasItsOwnMessage) {
             std::string::npos);
   big = SampleMetadata();
   big.name.clear();
-  EXPECT_NE(DecodeAgentMetadata(EncodeAgentMetadata(big)).status().message().find("empty agent name"),
-            std::string::npos);
+  EXPECT_NE(
+      DecodeAgentMetadata(EncodeAgentMetadata(big)).status().message().find("empty agent name"),
+      std::string::npos);
   // A region count beyond the limit is refused before anything is allocated.
   std::string many = blob;
   const size_t count_at = 12 + 2 + 5 + 2 + 17 + 2 + 3 + 4 + 8 + 4 + 4;
   ASSERT_EQ(static_cast<uint8_t>(many[count_at]), 2u);
   many[count_at + 2] = 0x10;  // 0x100002 regions
-  EXPECT_NE(DecodeAgentMetadata(many).status().message().find("regions, the limit is"), std::string::npos)
+  EXPECT_NE(DecodeAgentMetadata(many).status().message().find("regions, the limit is"),
+            std::string::npos)
       << DecodeAgentMetadata(many).status().ToString();
 }
 
@@ -165,8 +169,10 @@ class LoopbackAgentTest : public ::testing::Test {
 };
 
 TEST_F(LoopbackAgentTest, ReadWriteAndNotifyAfterData) {
-  std::vector<Descriptor> l = {Descriptor::Of(abuf_.data(), 10), Descriptor::Of(abuf_.data() + 100, 5)};
-  std::vector<Descriptor> r = {Descriptor::Of(bbuf_.data() + 20, 10), Descriptor::Of(bbuf_.data(), 5)};
+  std::vector<Descriptor> l = {Descriptor::Of(abuf_.data(), 10),
+                               Descriptor::Of(abuf_.data() + 100, 5)};
+  std::vector<Descriptor> r = {Descriptor::Of(bbuf_.data() + 20, 10),
+                               Descriptor::Of(bbuf_.data(), 5)};
   auto id = a_->Read(peer_, l, r, std::string("done"));
   ASSERT_TRUE(id.ok()) << id.status().ToString();
   EXPECT_EQ(a_->Wait(*id, std::chrono::seconds(1)).state, TransferState::kDone);
@@ -198,7 +204,8 @@ TEST_F(LoopbackAgentTest, BadDescriptorsAreRejectedBeforeAnythingMoves) {
   std::vector<Descriptor> l = {good_l, good_l}, r = {good_r, past_end};
   auto w = a_->Write(peer_, l, r);
   EXPECT_EQ(w.status().code(), Code::kOutOfRange);
-  EXPECT_NE(w.status().message().find("remote descriptor 1"), std::string::npos) << w.status().ToString();
+  EXPECT_NE(w.status().message().find("remote descriptor 1"), std::string::npos)
+      << w.status().ToString();
   EXPECT_EQ(bbuf_, before);
   // Count and length mismatches.
   EXPECT_EQ(a_->Read(peer_, l, {r.data(), 1}).status().code(), Code::kInvalidArgument);
@@ -209,7 +216,8 @@ TEST_F(LoopbackAgentTest, BadDescriptorsAreRejectedBeforeAnythingMoves) {
   Descriptor local_past = Descriptor::Of(abuf_.data() + abuf_.size() - 1, 2);
   Descriptor r2 = Descriptor::Of(bbuf_.data(), 2);
   auto lp = a_->Read(peer_, {&local_past, 1}, {&r2, 1});
-  EXPECT_NE(lp.status().message().find("local descriptor 0"), std::string::npos) << lp.status().ToString();
+  EXPECT_NE(lp.status().message().find("local descriptor 0"), std::string::npos)
+      << lp.status().ToString();
   Descriptor wrap{~0ull - 2, 8};
   Descriptor l8 = Descriptor::Of(abuf_.data(), 8);
   EXPECT_EQ(a_->Read(peer_, {&l8, 1}, {&wrap, 1}).status().code(), Code::kOutOfRange);
@@ -220,9 +228,11 @@ TEST_F(LoopbackAgentTest, BadDescriptorsAreRejectedBeforeAnythingMoves) {
 }
 
 TEST_F(LoopbackAgentTest, RegistrationAndConnectionErrors) {
-  EXPECT_NE(a_->RegisterMemory(abuf_.data() + 10, 10).status().message().find("overlaps"), std::string::npos);
+  EXPECT_NE(a_->RegisterMemory(abuf_.data() + 10, 10).status().message().find("overlaps"),
+            std::string::npos);
   EXPECT_EQ(a_->RegisterMemory(nullptr, 10).status().code(), Code::kInvalidArgument);
-  EXPECT_NE(a_->Connect(b_->Metadata()).status().message().find("already connected"), std::string::npos);
+  EXPECT_NE(a_->Connect(b_->Metadata()).status().message().find("already connected"),
+            std::string::npos);
   EXPECT_NE(a_->Connect(a_->Metadata()).status().message().find("own metadata"), std::string::npos);
   auto ucx = Agent::Create("u", {});
   ASSERT_TRUE(ucx.ok()) << ucx.status().ToString();
@@ -232,7 +242,8 @@ TEST_F(LoopbackAgentTest, RegistrationAndConnectionErrors) {
   EXPECT_EQ(Agent::Create("", {}).status().code(), Code::kInvalidArgument);
   AgentConfig bad;
   bad.backend = "verbs";
-  EXPECT_NE(Agent::Create("x", bad).status().message().find("unknown backend 'verbs'"), std::string::npos);
+  EXPECT_NE(Agent::Create("x", bad).status().message().find("unknown backend 'verbs'"),
+            std::string::npos);
   // A disconnected peer is unknown; reconnecting works.
   EXPECT_TRUE(a_->Disconnect(peer_).ok());
   EXPECT_EQ(a_->Peer(peer_).status().code(), Code::kNotFound);
@@ -245,7 +256,8 @@ TEST_F(LoopbackAgentTest, UnreachablePeerIsNamedAndSticky) {
   auto id = a_->Read(peer_, {&l, 1}, {&r, 1});
   ASSERT_FALSE(id.ok());
   EXPECT_EQ(id.status().code(), Code::kUnavailable);
-  EXPECT_NE(id.status().message().find("peer unreachable: 'b'"), std::string::npos) << id.status().ToString();
+  EXPECT_NE(id.status().message().find("peer unreachable: 'b'"), std::string::npos)
+      << id.status().ToString();
   EXPECT_FALSE(a_->Peer(peer_)->reachable);
   internal::SetLoopbackReachable("b", true);
   EXPECT_EQ(a_->Notify(peer_, "x").code(), Code::kUnavailable);  // until reconnected

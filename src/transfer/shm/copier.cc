@@ -136,10 +136,10 @@ void ShmCopier::RunChunk(Running& r, const Chunk& c) {
   if (local.empty()) return;
   uint64_t want = 0;
   for (const iovec& v : local) want += v.iov_len;
-  ssize_t got = job.read ? process_vm_readv(job.pid, local.data(), local.size(), remote.data(),
-                                            remote.size(), 0)
-                         : process_vm_writev(job.pid, local.data(), local.size(), remote.data(),
-                                             remote.size(), 0);
+  ssize_t got =
+      job.read
+          ? process_vm_readv(job.pid, local.data(), local.size(), remote.data(), remote.size(), 0)
+          : process_vm_writev(job.pid, local.data(), local.size(), remote.data(), remote.size(), 0);
   if (got == static_cast<ssize_t>(want)) return;
   const int err = errno;
   std::lock_guard<std::mutex> lock(r.mu);
@@ -147,12 +147,14 @@ void ShmCopier::RunChunk(Running& r, const Chunk& c) {
   if (got < 0 && err == ESRCH) {
     r.error = Status::Unavailable(StrCat(job.describe, ": peer unreachable: the process is gone"));
   } else if (got < 0 && err == EPERM) {
-    r.error = Status::Unavailable(StrCat(job.describe, ": the kernel denies cross-process memory "
+    r.error = Status::Unavailable(StrCat(job.describe,
+                                         ": the kernel denies cross-process memory "
                                          "access (ptrace permission); use transport tcp "
                                          "(EPLBX_TRANSPORT=tcp) or AllocateShared memory"));
   } else {
     r.error = Status::IoError(StrCat(job.describe, ": cross-process copy moved ", got < 0 ? 0 : got,
-                                     " of ", want, " bytes: ", got < 0 ? std::strerror(err) : "short copy",
+                                     " of ", want,
+                                     " bytes: ", got < 0 ? std::strerror(err) : "short copy",
                                      " (did the peer free a registered region?)"));
   }
 }
@@ -167,7 +169,8 @@ Status ShmCopier::Probe(pid_t pid, uint64_t addr, uint64_t expected) {
                                       got < 0 ? std::strerror(errno) : "short read"));
   }
   if (value != expected) {
-    return Status::Unavailable(StrCat("pid ", pid, " is not the peer agent (probe mismatch; "
+    return Status::Unavailable(StrCat("pid ", pid,
+                                      " is not the peer agent (probe mismatch; "
                                       "same host id but another pid namespace?)"));
   }
   return Status::OK();

@@ -23,7 +23,7 @@ namespace eplbx::internal {
 
 struct CopyPiece {
   uint8_t* local = nullptr;
-  uint64_t remote = 0;       // address in the peer process
+  uint64_t remote = 0;        // address in the peer process
   uint8_t* mapped = nullptr;  // the same bytes mapped here, or null: use CMA
   uint64_t bytes = 0;
 };
@@ -31,7 +31,7 @@ struct CopyPiece {
 struct CopyJob {
   uint64_t id = 0;
   pid_t pid = 0;
-  bool read = true;  // peer -> local
+  bool read = true;      // peer -> local
   std::string describe;  // "READ from 'b' (pid 123)" for messages
   std::vector<CopyPiece> pieces;
   // Called once, on a copy thread, when every chunk is done or the job failed/was cancelled.

@@ -4,8 +4,8 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
-#include <unistd.h>
 #include <ucp/api/ucp.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
@@ -182,7 +182,8 @@ class UcxBackend final : public Backend {
       st = ucp_rkey_pack(context_, memh, &rkey, &rkey_size);
       if (st != UCS_OK) {
         ucp_mem_unmap(context_, memh);
-        return Status::Unavailable(StrCat("agent '", options_.agent_name, "': ucp_rkey_pack: ", Ucs(st)));
+        return Status::Unavailable(
+            StrCat("agent '", options_.agent_name, "': ucp_rkey_pack: ", Ucs(st)));
       }
       std::string packed(static_cast<const char*>(rkey), rkey_size);
       ucp_rkey_buffer_release(rkey);
@@ -217,9 +218,11 @@ class UcxBackend final : public Backend {
         p->transport = Transport::kShm;
         MapSharedRegions(*p);
       } else if (wanted == Transport::kShm) {
-        return Status::Unavailable(StrCat("agent '", options_.agent_name, "': transport shm is forced "
-                                          "but peer '", meta.name, "' memory is not reachable: ",
-                                          probe.message(), "; use transport tcp"));
+        return Status::Unavailable(StrCat("agent '", options_.agent_name,
+                                          "': transport shm is forced "
+                                          "but peer '",
+                                          meta.name, "' memory is not reachable: ", probe.message(),
+                                          "; use transport tcp"));
       }
     }
     // Create the endpoint and flush it: the flush completes once wireup with the peer is
@@ -246,7 +249,8 @@ class UcxBackend final : public Backend {
           if (st != UCS_OK) {
             CloseEp(p);
             return Status::Corruption(StrCat("agent '", options_.agent_name, "': peer '", meta.name,
-                                             "' region ", i, ": invalid remote key (", Ucs(st), ")"));
+                                             "' region ", i, ": invalid remote key (", Ucs(st),
+                                             ")"));
           }
           p->rkeys.push_back(rkey);
         }
@@ -322,7 +326,9 @@ class UcxBackend final : public Backend {
     if (p->transport == Transport::kShm) {
       PostShm(std::move(p), std::move(req));
     } else {
-      Enqueue([this, p = std::move(p), req = std::move(req)]() mutable { StartRma(p, std::move(req)); });
+      Enqueue([this, p = std::move(p), req = std::move(req)]() mutable {
+        StartRma(p, std::move(req));
+      });
     }
     return Status::OK();
   }
@@ -376,10 +382,9 @@ class UcxBackend final : public Backend {
     Enqueue([promise, fn = std::move(fn)] { promise->set_value(fn()); });
     const auto limit = options_.peer_timeout + std::chrono::seconds(5);
     if (future.wait_for(limit) != std::future_status::ready) {
-      return Status::Timeout(StrCat("agent '", options_.agent_name,
-                                    "': the UCX progress thread did not answer within ",
-                                    std::chrono::duration_cast<std::chrono::milliseconds>(limit).count(),
-                                    " ms"));
+      return Status::Timeout(StrCat(
+          "agent '", options_.agent_name, "': the UCX progress thread did not answer within ",
+          std::chrono::duration_cast<std::chrono::milliseconds>(limit).count(), " ms"));
     }
     return future.get();
   }
@@ -426,7 +431,8 @@ class UcxBackend final : public Backend {
       }
       if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
       epoll_event events[4];
-      const int ms = static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(tick_).count());
+      const int ms =
+          static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(tick_).count());
       epoll_wait(epoll_fd_, events, 4, std::max(ms, 1));
       uint64_t drained = 0;
       [[maybe_unused]] ssize_t n = read(wake_fd_, &drained, sizeof(drained));
@@ -442,8 +448,8 @@ class UcxBackend final : public Backend {
 
   Status Unreachable(const PeerState& p) const {
     if (p.disconnected) {
-      return Status::Aborted(StrCat("agent '", options_.agent_name, "': peer '", p.name, "' ",
-                                    p.failure));
+      return Status::Aborted(
+          StrCat("agent '", options_.agent_name, "': peer '", p.name, "' ", p.failure));
     }
     return Status::Unavailable(StrCat("agent '", options_.agent_name, "': peer unreachable: '",
                                       p.name, "' (", p.failure, ")"));
@@ -536,11 +542,12 @@ class UcxBackend final : public Backend {
     auto* msg = new AmMessage{this, EncodeMessageHeader({kind, options_.agent_name}), op};
     msg->bytes += payload;
     ucp_request_param_t param{};
-    param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                         UCP_OP_ATTR_FIELD_FLAGS;
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
     param.cb.send = &UcxBackend::OnAmSent;
     param.user_data = msg;
-    param.flags = UCP_AM_SEND_FLAG_EAGER | (kind == MessageKind::kPing ? UCP_AM_SEND_FLAG_REPLY : 0);
+    param.flags =
+        UCP_AM_SEND_FLAG_EAGER | (kind == MessageKind::kPing ? UCP_AM_SEND_FLAG_REPLY : 0);
     SendAmOn(p.ep, msg, &param);
   }
 
@@ -568,10 +575,11 @@ class UcxBackend final : public Backend {
     if (Op* op = msg->op; op != nullptr) {
       --op->pending;
       if (status != UCS_OK && op->error.ok()) {
-        op->error = op->peer->failed ? self->Unreachable(*op->peer)
-                                     : Status::Unavailable(StrCat("agent '", self->options_.agent_name,
-                                                                  "': notification to '", op->peer->name,
-                                                                  "' failed: ", Ucs(status)));
+        op->error = op->peer->failed
+                        ? self->Unreachable(*op->peer)
+                        : Status::Unavailable(StrCat("agent '", self->options_.agent_name,
+                                                     "': notification to '", op->peer->name,
+                                                     "' failed: ", Ucs(status)));
       }
       self->MaybeFinish(op);
     }
@@ -598,12 +606,13 @@ class UcxBackend final : public Backend {
         self->listener_->OnNotification(std::move(h->sender), std::string(bytes.substr(consumed)));
         break;
       case MessageKind::kPing:
-        if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 && param->reply_ep != nullptr) {
-          auto* msg = new AmMessage{self, EncodeMessageHeader({MessageKind::kPong, self->options_.agent_name}),
-                                    nullptr};
+        if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 &&
+            param->reply_ep != nullptr) {
+          auto* msg = new AmMessage{
+              self, EncodeMessageHeader({MessageKind::kPong, self->options_.agent_name}), nullptr};
           ucp_request_param_t p{};
-          p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                           UCP_OP_ATTR_FIELD_FLAGS;
+          p.op_attr_mask =
+              UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
           p.cb.send = &UcxBackend::OnAmSent;
           p.user_data = msg;
           p.flags = UCP_AM_SEND_FLAG_EAGER;
@@ -641,8 +650,9 @@ class UcxBackend final : public Backend {
         }
         void* buffer = reinterpret_cast<void*>(static_cast<uintptr_t>(s.local));
         ucp_rkey_h rkey = p->rkeys.at(s.remote_region);
-        void* r = req.op == XferOp::kRead ? ucp_get_nbx(p->ep, buffer, s.bytes, s.remote, rkey, &param)
-                                          : ucp_put_nbx(p->ep, buffer, s.bytes, s.remote, rkey, &param);
+        void* r = req.op == XferOp::kRead
+                      ? ucp_get_nbx(p->ep, buffer, s.bytes, s.remote, rkey, &param)
+                      : ucp_put_nbx(p->ep, buffer, s.bytes, s.remote, rkey, &param);
         if (!Track(op, r)) break;
       }
       if (req.op == XferOp::kWrite && op->error.ok()) {
@@ -670,10 +680,11 @@ class UcxBackend final : public Backend {
 
   void RmaError(Op* op, ucs_status_t status) {
     if (!op->error.ok()) return;
-    op->error = op->peer->failed
-                    ? Unreachable(*op->peer)
-                    : Status::IoError(StrCat("agent '", options_.agent_name, "': ", OpName(op->kind),
-                                             " with '", op->peer->name, "' failed in UCX: ", Ucs(status)));
+    op->error =
+        op->peer->failed
+            ? Unreachable(*op->peer)
+            : Status::IoError(StrCat("agent '", options_.agent_name, "': ", OpName(op->kind),
+                                     " with '", op->peer->name, "' failed in UCX: ", Ucs(status)));
   }
 
   static void OnRmaDone(void* request, ucs_status_t status, void* user_data) {
@@ -732,12 +743,13 @@ class UcxBackend final : public Backend {
       piece.local = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(s.local));
       piece.remote = s.remote;
       piece.bytes = s.bytes;
-      const MappedRegion& m = p->mapped.size() > s.remote_region ? p->mapped[s.remote_region]
-                                                                 : MappedRegion{};
+      const MappedRegion& m =
+          p->mapped.size() > s.remote_region ? p->mapped[s.remote_region] : MappedRegion{};
       if (m.ptr != nullptr) piece.mapped = m.ptr + (s.remote - p->regions[s.remote_region].addr);
       job.pieces.push_back(piece);
     }
-    job.done = [this, p, id = req.id, kind = req.op, notify = std::move(req.notify)](Status s) mutable {
+    job.done = [this, p, id = req.id, kind = req.op,
+                notify = std::move(req.notify)](Status s) mutable {
       if (s.ok() && p->failed) s = Unreachable(*p);
       if (s.ok() && notify) {
         Enqueue([this, p, id, kind, notify = std::move(notify)]() mutable {

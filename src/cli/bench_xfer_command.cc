@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "cli/measure.h"
 #include "common/strings.h"
 #include "eplbx/transfer.h"
 
@@ -73,21 +74,6 @@ Result<std::vector<uint64_t>> ParseList(const std::string& csv, bool sizes) {
   }
   if (out.empty()) return Status::InvalidArgument(StrCat("empty list '", csv, "'"));
   return out;
-}
-
-double MemcpyGbps() {
-  const size_t n = 64ull << 20;
-  std::vector<uint8_t> a(n, 1), b(n, 2);
-  std::vector<double> rates;
-  for (int i = 0; i < 9; ++i) {
-    auto t0 = Clock::now();
-    std::memcpy(b.data(), a.data(), n);
-    double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    rates.push_back(n / s / 1e9);
-    std::swap(a, b);
-  }
-  std::sort(rates.begin(), rates.end());
-  return rates[rates.size() / 2];
 }
 
 // ---- the target process ---------------------------------------------------------------
@@ -286,7 +272,7 @@ Status RunXfer(const XferOptions& o) {
         StrCat("--ops '", o.ops, "': expected read, write or read,write"));
 
   nlohmann::json out;
-  out["memcpy_gbps"] = MemcpyGbps();
+  out["memcpy_gbps"] = MeasureMemcpyGbps();
   Target target;
   EPLBX_RETURN_IF_ERROR(StartTarget(&target, kMaxBuffer));
   std::unique_ptr<uint8_t[]> local(new uint8_t[kMaxBuffer]);

@@ -16,6 +16,7 @@ using Action = std::function<Status()>;
 void AddPlanCommand(CLI::App& app, Action& run);
 void AddMigrateCommand(CLI::App& app, Action& run);
 void AddBenchCommand(CLI::App& app, Action& run);
+void AddDemoCommand(CLI::App& app, Action& run);
 
 }  // namespace eplbx::cli
 

@@ -1,0 +1,62 @@
+// How ranks find each other: an all-gather of byte blobs with a deadline. The rearranger
+// uses it once per communicator to exchange agent metadata and layouts.
+#ifndef EPLBX_BOOTSTRAP_H_
+#define EPLBX_BOOTSTRAP_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "eplbx/status.h"
+
+namespace eplbx {
+
+class Bootstrap {
+ public:
+  virtual ~Bootstrap() = default;
+  virtual uint32_t rank() const = 0;
+  virtual uint32_t size() const = 0;
+  // Every rank contributes `mine`; returns all contributions indexed by rank, or kTimeout /
+  // kUnavailable naming the rank that did not contribute. REQUIRES: every rank calls it the
+  // same number of times.
+  virtual Result<std::vector<std::string>> AllGather(std::string_view mine,
+                                                     std::chrono::milliseconds timeout) = 0;
+};
+
+// A member of a group that talks to one coordinator over a connected stream socket: the
+// embedded rendezvous of `eplbx demo` (the coordinator runs ServeSocketBootstrap).
+class SocketBootstrap final : public Bootstrap {
+ public:
+  SocketBootstrap(int fd, uint32_t rank, uint32_t size);  // takes ownership of fd
+  ~SocketBootstrap() override;
+  SocketBootstrap(const SocketBootstrap&) = delete;
+  SocketBootstrap& operator=(const SocketBootstrap&) = delete;
+
+  uint32_t rank() const override { return rank_; }
+  uint32_t size() const override { return size_; }
+  Result<std::vector<std::string>> AllGather(std::string_view mine,
+                                             std::chrono::milliseconds timeout) override;
+  // A frame for the coordinator's `on_message` (reports).
+  Status SendMessage(std::string_view bytes);
+
+ private:
+  int fd_;
+  uint32_t rank_;
+  uint32_t size_;
+};
+
+// The coordinator: reads frames from the members' sockets (index = rank), answers each
+// all-gather round once every member contributed, and hands other frames to `on_message`.
+// Returns when every member closed its socket, or kTimeout when `idle_timeout` passed with
+// no frame. A member that closes before a round completes fails that round for the others
+// with an error naming it ("rank 2 left before the all-gather").
+Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::milliseconds idle_timeout,
+                            const std::function<void(uint32_t, std::string)>& on_message);
+
+}  // namespace eplbx
+
+#endif  // EPLBX_BOOTSTRAP_H_

@@ -1,0 +1,81 @@
+// Layer-atomic rearrangement of expert weights between ranks (docs/protocol.md).
+//
+// Every rank creates a Rearranger over its Agent, a Bootstrap and its RankLayout; Create
+// exchanges agent metadata and layouts, validates the layouts on every rank before any
+// byte moves, and connects the agents. Rearrange(from, to) then runs every MoE layer: the
+// migration planner decides who reads which expert from whom (same placement on every
+// rank gives the same plan), readers READ the sources' weight rows directly into a staging
+// buffer of one layer, and each layer commits (staging -> weights, new map) only when every
+// rank's reads for it are complete. On any failure the layer keeps its old bytes and old
+// map, every peer is told (ABORT), and the Rearranger refuses further use.
+#ifndef EPLBX_REARRANGE_H_
+#define EPLBX_REARRANGE_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "eplbx/bootstrap.h"
+#include "eplbx/layout.h"
+#include "eplbx/placement.h"
+#include "eplbx/status.h"
+#include "eplbx/transfer.h"
+
+namespace eplbx {
+
+struct RearrangeOptions {
+  // Deadline of every phase: metadata exchange, and each layer's protocol.
+  std::chrono::milliseconds deadline{300000};
+  int nodes = 1;  // for the migration planner's same-node-first source choice
+};
+
+struct LayerOutcome {
+  uint32_t layer = 0;
+  bool committed = false;
+  uint64_t bytes_read = 0;     // by this rank from peers
+  uint64_t bytes_copied = 0;   // within this rank
+  std::string error;           // when rolled back
+};
+
+struct RearrangeReport {
+  Status status;                     // OK when every layer committed
+  std::vector<LayerOutcome> layers;  // layers run so far, in order
+  uint64_t bytes_read = 0;           // this rank, all layers
+  double seconds = 0;
+};
+
+namespace internal {
+class RearrangerImpl;
+}  // namespace internal
+
+class Rearranger {
+ public:
+  // REQUIRES: every tensor's rows [base, base + rows * bytes_per_expert) lie in memory
+  // registered with `agent`; `agent` and `bootstrap` outlive the Rearranger.
+  // Fails with kMismatch (layout), kUnavailable / kTimeout (a rank missing or unreachable).
+  static Result<std::unique_ptr<Rearranger>> Create(Agent* agent, Bootstrap* bootstrap, RankLayout layout,
+                                                    RearrangeOptions options = {});
+  ~Rearranger();
+
+  // Moves the weights from placement `from` to `to` (same layers and slots; slots =
+  // ranks x rows). Stops at the first failed layer; layers after it are not started.
+  RearrangeReport Rearrange(const Placement& from, const Placement& to);
+
+  // After a failure the Rearranger refuses Rearrange() with this error until rebuilt.
+  bool failed() const;
+  // The peer id of `rank` in the agent (for tools that talk to ranks directly).
+  Result<PeerId> peer(uint32_t rank) const;
+  // Called after each layer's protocol started on this rank (used by `eplbx demo --inject`).
+  void set_layer_hook(std::function<void(uint32_t layer)> hook);
+
+ private:
+  explicit Rearranger(std::unique_ptr<internal::RearrangerImpl> impl);
+  std::unique_ptr<internal::RearrangerImpl> impl_;
+};
+
+}  // namespace eplbx
+
+#endif  // EPLBX_REARRANGE_H_

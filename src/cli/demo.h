@@ -1,0 +1,37 @@
+// Internal: `eplbx demo` — ranks as processes on this machine, rearranging real weights.
+#ifndef EPLBX_SRC_CLI_DEMO_H_
+#define EPLBX_SRC_CLI_DEMO_H_
+
+#include <cstdint>
+#include <string>
+
+#include "cli/measure.h"
+
+namespace eplbx::cli {
+
+struct DemoOptions {
+  int ranks = 4;
+  int layers = 8;
+  int experts = 64;
+  int slots_per_rank = 18;
+  int tensors = 3;
+  std::string expert_bytes = "1M";
+  int steps = 3;
+  double deadline_s = 30;
+  uint64_t seed = 1;
+  bool json = false;
+  std::string inject;     // "", or KIND:RANK
+  std::string transport = "auto";
+  // Parsed:
+  uint64_t expert_bytes_value = 0;
+  std::string fault;  // kind of --inject
+  int fault_rank = -1;
+};
+
+// One rank's life, in its own process; reports to the coordinator over `fd`. Returns the
+// process exit code.
+int RunDemoRank(const DemoOptions& o, int rank, int fd);
+
+}  // namespace eplbx::cli
+
+#endif  // EPLBX_SRC_CLI_DEMO_H_

@@ -1,0 +1,218 @@
+// `eplbx demo`: spawns the ranks as processes on this machine (the parent is their
+// rendezvous), rearranges real weights over real UCX agents for a few steps of drifting load,
+// verifies every byte, and reports (docs/cli.md, "eplbx demo").
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "cli/demo.h"
+#include "common/strings.h"
+#include "eplbx/bootstrap.h"
+
+namespace eplbx::cli {
+namespace {
+
+using internal::StrCat;
+using Clock = std::chrono::steady_clock;
+
+Status ParseDemo(DemoOptions& o) {
+  if (o.ranks < 2 || o.ranks > 64) return Status::InvalidArgument(StrCat("--ranks ", o.ranks, ": expected 2..64"));
+  if (o.layers < 1 || o.layers > 4096) return Status::InvalidArgument(StrCat("--layers ", o.layers, ": expected 1..4096"));
+  if (o.tensors < 1 || o.tensors > 16) return Status::InvalidArgument(StrCat("--tensors ", o.tensors, ": expected 1..16"));
+  if (o.steps < 1) return Status::InvalidArgument(StrCat("--steps ", o.steps, ": expected at least 1"));
+  if (!(o.deadline_s > 0)) return Status::InvalidArgument(StrCat("--deadline ", o.deadline_s, ": expected > 0 seconds"));
+  if (static_cast<int64_t>(o.ranks) * o.slots_per_rank < o.experts || o.experts < 1) {
+    return Status::InvalidArgument(StrCat("--ranks ", o.ranks, " x --slots-per-rank ", o.slots_per_rank,
+                                          " slots cannot hold --experts ", o.experts));
+  }
+  std::string b = o.expert_bytes;
+  uint64_t mult = 1;
+  if (!b.empty() && (b.back() == 'K' || b.back() == 'k')) mult = 1ull << 10;
+  if (!b.empty() && (b.back() == 'M' || b.back() == 'm')) mult = 1ull << 20;
+  if (mult != 1) b.pop_back();
+  char* end = nullptr;
+  const unsigned long long v = std::strtoull(b.c_str(), &end, 10);
+  if (b.empty() || *end != '\0' || v == 0) {
+    return Status::InvalidArgument(StrCat("--expert-bytes '", o.expert_bytes, "': expected bytes like 4096, 64K, 1M"));
+  }
+  o.expert_bytes_value = v * mult;
+  if (o.expert_bytes_value < 8ull * o.tensors || o.expert_bytes_value > (256ull << 20)) {
+    return Status::InvalidArgument(StrCat("--expert-bytes ", o.expert_bytes_value, ": expected ", 8 * o.tensors,
+                                          " .. 256M"));
+  }
+  const uint64_t per_rank = o.expert_bytes_value * o.slots_per_rank * o.layers;
+  if (per_rank * o.ranks > (16ull << 30)) {
+    return Status::InvalidArgument(StrCat("the demo would allocate ", (per_rank * o.ranks) >> 20,
+                                          " MiB of weights; reduce --layers, --slots-per-rank or --expert-bytes"));
+  }
+  if (!o.inject.empty()) {
+    const auto colon = o.inject.find(':');
+    static const char* kFaults[] = {"stride-mismatch", "missing-tensor", "kill", "stall", "bad-notify"};
+    o.fault = o.inject.substr(0, colon);
+    bool known = false;
+    for (const char* f : kFaults) known |= o.fault == f;
+    if (colon == std::string::npos || !known) {
+      return Status::InvalidArgument(StrCat("--inject '", o.inject, "': expected KIND:RANK with KIND one of "
+                                            "stride-mismatch, missing-tensor, kill, stall, bad-notify"));
+    }
+    o.fault_rank = std::atoi(o.inject.c_str() + colon + 1);
+    if (o.fault_rank < 0 || o.fault_rank >= o.ranks) {
+      return Status::InvalidArgument(StrCat("--inject ", o.inject, ": rank must be 0..", o.ranks - 1));
+    }
+  }
+  return Status::OK();
+}
+
+Status RunDemo(DemoOptions o) {
+  EPLBX_RETURN_IF_ERROR(ParseDemo(o));
+  const double memcpy_gbps = MeasureMemcpyGbps();
+  std::vector<int> fds(o.ranks);
+  std::vector<pid_t> pids(o.ranks);
+  std::cout.flush();
+  std::cerr.flush();
+  for (int r = 0; r < o.ranks; ++r) {
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+      return Status::Unavailable(StrCat("socketpair: ", std::strerror(errno)));
+    }
+    pids[r] = fork();
+    if (pids[r] == 0) {
+      close(sv[0]);
+      for (int k = 0; k < r; ++k) close(fds[k]);
+      _exit(RunDemoRank(o, r, sv[1]));
+    }
+    close(sv[1]);
+    fds[r] = sv[0];
+  }
+  if (!o.json) {
+    std::cerr << "eplbx demo: " << o.ranks << " ranks, " << o.layers << " layers x " << o.experts << " experts, "
+              << o.slots_per_rank << " slots per rank, " << o.tensors << " tensors, " << o.expert_bytes_value
+              << " bytes per expert, " << o.steps << " steps" << (o.inject.empty() ? "" : ", inject " + o.inject)
+              << "\n";
+  }
+  std::map<int, nlohmann::json> reports;
+  const auto t0 = Clock::now();
+  Status served = ServeSocketBootstrap(
+      fds, std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000) + 10000),
+      [&](uint32_t rank, std::string bytes) {
+        nlohmann::json j = nlohmann::json::parse(bytes, nullptr, false);
+        if (j.is_discarded()) return;
+        if (j.contains("progress")) {
+          if (!o.json) std::cerr << "  " << j["progress"].get<std::string>() << "\n";
+          return;
+        }
+        reports[static_cast<int>(rank)] = std::move(j);
+      });
+  // Every rank has reported or left; a stopped one is removed now.
+  for (int r = 0; r < o.ranks; ++r) {
+    close(fds[r]);
+    if (reports.count(r) == 0) {
+      kill(pids[r], SIGCONT);
+      kill(pids[r], SIGKILL);
+    }
+    waitpid(pids[r], nullptr, 0);
+  }
+  const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+
+  // Aggregate: steps from the ranks' reports, errors from the survivors.
+  nlohmann::json out;
+  bool verified = static_cast<int>(reports.size()) == o.ranks;
+  bool intact = true;
+  // Prefer a survivor's error: it names the rank that failed.
+  std::string survivor_error, faulty_error;
+  for (int r = 0; r < o.ranks; ++r) {
+    if (reports.count(r) == 0) {
+      if (survivor_error.empty() && o.fault_rank != r) survivor_error = StrCat("rank ", r, " exited without a report");
+      continue;
+    }
+    const auto& rep = reports[r];
+    verified = verified && rep.value("verified", false);
+    intact = intact && rep.value("weights_intact", false);
+    const std::string e = rep.value("error", "");
+    std::string& slot = r == o.fault_rank ? faulty_error : survivor_error;
+    if (!e.empty() && slot.empty()) slot = e;
+  }
+  std::string error = survivor_error.empty() ? faulty_error : survivor_error;
+  if (!served.ok() && error.empty()) error = served.message();
+  nlohmann::json steps = nlohmann::json::array();
+  for (int s = 0; s < o.steps; ++s) {
+    uint64_t bytes = 0;
+    double seconds = 0;
+    nlohmann::json first;
+    bool any = false;
+    for (auto& [r, rep] : reports) {
+      if (!rep.contains("steps") || static_cast<int>(rep["steps"].size()) <= s) continue;
+      const auto& st = rep["steps"][s];
+      bytes += st.value("bytes_read", uint64_t{0});
+      seconds = std::max(seconds, st.value("seconds", 0.0));
+      if (!any) first = st;
+      any = true;
+    }
+    if (!any) break;
+    const double gbps = seconds > 0 ? bytes / seconds / 1e9 : 0.0;
+    steps.push_back({{"balancedness_before", first.value("balancedness_before", 0.0)},
+                     {"balancedness_after", first.value("balancedness_after", 0.0)},
+                     {"bytes_moved", bytes},
+                     {"seconds", seconds},
+                     {"gbps", gbps},
+                     {"memcpy_ratio", memcpy_gbps > 0 ? gbps / memcpy_gbps : 0.0}});
+  }
+  verified = verified && error.empty() && static_cast<int>(steps.size()) == o.steps;
+  out["verified"] = verified;
+  out["weights_intact"] = intact;
+  out["steps"] = steps;
+  out["memcpy_gbps"] = memcpy_gbps;
+  out["ranks"] = o.ranks;
+  out["wall_seconds"] = wall;
+  if (!error.empty()) out["error"] = error;
+  if (o.json) {
+    std::cout << out.dump(1) << "\n";
+  } else {
+    for (size_t s = 0; s < steps.size(); ++s) {
+      const auto& st = steps[s];
+      std::printf("step %zu: balancedness %.3f -> %.3f, %.1f MiB moved in %.3f s (%.2f GB/s, %.2f x memcpy)\n", s + 1,
+                  st["balancedness_before"].get<double>(), st["balancedness_after"].get<double>(),
+                  st["bytes_moved"].get<uint64_t>() / 1048576.0, st["seconds"].get<double>(), st["gbps"].get<double>(),
+                  st["memcpy_ratio"].get<double>());
+    }
+    std::printf("verified: %s, weights intact: %s, memcpy %.2f GB/s, wall %.2f s\n", verified ? "yes" : "NO",
+                intact ? "yes" : "NO", memcpy_gbps, wall);
+  }
+  if (!error.empty()) return Status::Aborted(error);
+  if (!verified) return Status::Internal("the demo did not verify (see the report)");
+  return Status::OK();
+}
+
+}  // namespace
+
+void AddDemoCommand(CLI::App& app, Action& run) {
+  auto o = std::make_shared<DemoOptions>();
+  CLI::App* demo = app.add_subcommand("demo", "Rearrange real weights between rank processes on this machine");
+  demo->add_option("--ranks", o->ranks, "rank processes")->capture_default_str();
+  demo->add_option("--layers", o->layers, "MoE layers")->capture_default_str();
+  demo->add_option("--experts", o->experts, "logical experts per layer")->capture_default_str();
+  demo->add_option("--slots-per-rank", o->slots_per_rank, "expert slots per rank")->capture_default_str();
+  demo->add_option("--tensors", o->tensors, "weight tensors per expert")->capture_default_str();
+  demo->add_option("--expert-bytes", o->expert_bytes, "bytes per expert, all tensors (K, M)")->capture_default_str();
+  demo->add_option("--steps", o->steps, "rebalancing steps")->capture_default_str();
+  demo->add_option("--deadline", o->deadline_s, "seconds every phase may take")->capture_default_str();
+  demo->add_option("--seed", o->seed, "load generator seed")->capture_default_str();
+  demo->add_option("--transport", o->transport, "auto, shm or tcp")->capture_default_str();
+  demo->add_option("--inject", o->inject,
+                   "fault drill: stride-mismatch:RANK, missing-tensor:RANK, kill:RANK, stall:RANK, bad-notify:RANK");
+  demo->add_flag("--json", o->json, "print one JSON report on stdout");
+  demo->callback([&run, o] { run = [o] { return RunDemo(*o); }; });
+}
+
+}  // namespace eplbx::cli

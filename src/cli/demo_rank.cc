@@ -1,0 +1,259 @@
+// One rank of `eplbx demo`: real weights in shared memory, a real agent, a real Rearranger.
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/demo.h"
+#include "common/strings.h"
+#include "eplbx/bootstrap.h"
+#include "eplbx/layout.h"
+#include "eplbx/policy.h"
+#include "eplbx/rearrange.h"
+#include "eplbx/transfer.h"
+#include "protocol/records.h"
+
+namespace eplbx::cli {
+namespace {
+
+using internal::StrCat;
+
+uint64_t Mix(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+// The bytes of (layer, expert, tensor): a pattern anyone can recompute.
+void Pattern(uint8_t* out, uint64_t n, uint32_t layer, uint32_t expert, uint32_t tensor) {
+  const uint64_t key = Mix((static_cast<uint64_t>(layer) << 42) ^ (static_cast<uint64_t>(expert) << 21) ^ tensor);
+  uint64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const uint64_t w = Mix(key + i);
+    std::memcpy(out + i, &w, 8);
+  }
+  const uint64_t tail = Mix(key + i);
+  if (i < n) std::memcpy(out + i, &tail, n - i);
+}
+
+// Load per layer: Zipf-like over a random permutation of experts.
+std::vector<double> InitialLoad(const DemoOptions& o, std::mt19937_64& rng) {
+  std::vector<double> load(static_cast<size_t>(o.layers) * o.experts);
+  for (int l = 0; l < o.layers; ++l) {
+    std::vector<int> perm(o.experts);
+    for (int e = 0; e < o.experts; ++e) perm[e] = e;
+    for (int e = o.experts - 1; e > 0; --e) std::swap(perm[e], perm[rng() % (e + 1)]);
+    for (int e = 0; e < o.experts; ++e) load[l * o.experts + perm[e]] = 10000.0 / std::pow(e + 1.0, 1.0);
+  }
+  return load;
+}
+
+// Each expert's load times exp(N(0, 0.3)) (Box-Muller on the shared generator).
+void Drift(std::vector<double>& load, std::mt19937_64& rng) {
+  for (double& v : load) {
+    const double u1 = (static_cast<double>(rng() >> 11) + 0.5) / 9007199254740992.0;
+    const double u2 = static_cast<double>(rng() >> 11) / 9007199254740992.0;
+    const double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
+    v *= std::exp(0.3 * z);
+  }
+}
+
+struct Weights {
+  RegisteredRegion region;
+  RankLayout layout;             // true layout
+  std::vector<uint64_t> bytes;   // per tensor bytes per expert
+  int rows = 0;
+};
+
+void FillLayer(Weights& w, const Placement& map, int layer, int rank) {
+  for (int row = 0; row < w.rows; ++row) {
+    const uint32_t expert = static_cast<uint32_t>(map.phy2log(layer, rank * w.rows + row));
+    for (size_t t = 0; t < w.bytes.size(); ++t) {
+      const TensorSpec& s = w.layout.layers[layer][t];
+      Pattern(reinterpret_cast<uint8_t*>(s.base) + row * s.bytes_per_expert, s.bytes_per_expert, layer, expert,
+              static_cast<uint32_t>(t));
+    }
+  }
+}
+
+// Checks every row of `layer` against `map`; returns the first wrong (row, tensor) or "".
+std::string VerifyLayer(const Weights& w, const Placement& map, int layer, int rank) {
+  std::vector<uint8_t> expect;
+  for (int row = 0; row < w.rows; ++row) {
+    const uint32_t expert = static_cast<uint32_t>(map.phy2log(layer, rank * w.rows + row));
+    for (size_t t = 0; t < w.bytes.size(); ++t) {
+      const TensorSpec& s = w.layout.layers[layer][t];
+      expect.resize(s.bytes_per_expert);
+      Pattern(expect.data(), s.bytes_per_expert, layer, expert, static_cast<uint32_t>(t));
+      if (std::memcmp(expect.data(), reinterpret_cast<const uint8_t*>(s.base) + row * s.bytes_per_expert,
+                      s.bytes_per_expert) != 0) {
+        return StrCat("rank ", rank, " layer ", layer, " row ", row, " tensor ", t, " does not hold expert ", expert);
+      }
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+int RunDemoRank(const DemoOptions& o, int rank, int fd) {
+  SocketBootstrap boot(fd, static_cast<uint32_t>(rank), static_cast<uint32_t>(o.ranks));
+  nlohmann::json report = {{"rank", rank}, {"verified", false}, {"weights_intact", false}, {"error", ""}};
+  auto finish = [&](int code) {
+    (void)boot.SendMessage(report.dump());
+    return code;
+  };
+  const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
+  AgentConfig config;
+  config.peer_timeout = std::min<std::chrono::milliseconds>(deadline / 2, std::chrono::seconds(30));
+  Result<Transport> transport = ParseTransport(o.transport);
+  config.transport = transport.ok() ? *transport : Transport::kAuto;
+  Result<std::unique_ptr<Agent>> agent = Agent::Create(StrCat("rank", rank), config);
+  if (!agent.ok()) {
+    report["error"] = agent.status().message();
+    return finish(1);
+  }
+
+  // Weights: every layer and tensor in one shared region, rows contiguous per tensor.
+  Weights w;
+  w.rows = o.slots_per_rank;
+  uint64_t left = o.expert_bytes_value;
+  for (int t = 0; t < o.tensors; ++t) {
+    const uint64_t b = t + 1 < o.tensors ? std::max<uint64_t>(8, (o.expert_bytes_value / o.tensors) & ~7ull) : left;
+    w.bytes.push_back(b);
+    left -= std::min(left, b);
+  }
+  const uint64_t per_layer = o.expert_bytes_value * w.rows;
+  Result<RegisteredRegion> region = (*agent)->AllocateShared(per_layer * o.layers);
+  if (!region.ok()) {
+    report["error"] = region.status().message();
+    return finish(1);
+  }
+  w.region = std::move(*region);
+  w.layout.rank = static_cast<uint32_t>(rank);
+  uint64_t cursor = w.region.addr();
+  static const char* kNames[] = {"w13", "w2", "w13_scale", "w2_scale"};
+  for (int l = 0; l < o.layers; ++l) {
+    std::vector<TensorSpec> tensors;
+    for (int t = 0; t < o.tensors; ++t) {
+      TensorSpec s;
+      s.name = t < 4 ? kNames[t] : StrCat("t", t);
+      s.dtype = t < 2 ? "bf16" : "f32";
+      s.expert_shape = {static_cast<int64_t>(w.bytes[t] / (t < 2 ? 2 : 4))};
+      s.base = cursor;
+      s.bytes_per_expert = w.bytes[t];
+      s.rows = static_cast<uint32_t>(w.rows);
+      cursor += w.bytes[t] * w.rows;
+      tensors.push_back(std::move(s));
+    }
+    w.layout.layers.push_back(std::move(tensors));
+  }
+
+  // The same loads and plans on every rank (same seed, deterministic planners).
+  std::mt19937_64 rng(o.seed);
+  std::vector<double> load_values = InitialLoad(o, rng);
+  Topology topo{o.ranks, 1, o.ranks * o.slots_per_rank, 1};
+  Result<LoadMatrix> load0 = LoadMatrix::Create(o.layers, o.experts, load_values);
+  Result<Placement> current = load0.ok() ? Plan(*load0, topo) : Result<Placement>(load0.status());
+  if (!current.ok()) {
+    report["error"] = current.status().message();
+    return finish(1);
+  }
+  for (int l = 0; l < o.layers; ++l) FillLayer(w, *current, l, rank);
+
+  // The layout this rank declares (faults lie here, the memory stays as it is).
+  RankLayout declared = w.layout;
+  if (o.fault == "stride-mismatch" && o.fault_rank == rank) {
+    for (auto& tensors : declared.layers) {
+      tensors[0].bytes_per_expert /= 2;
+      tensors[0].dtype = "fp8_e4m3";
+    }
+  }
+  if (o.fault == "missing-tensor" && o.fault_rank == rank) {
+    for (auto& tensors : declared.layers) tensors.pop_back();
+  }
+  RearrangeOptions ro;
+  ro.deadline = deadline;
+  Result<std::unique_ptr<Rearranger>> rearranger = Rearranger::Create(agent->get(), &boot, declared, ro);
+  auto verify_all = [&](const std::vector<const Placement*>& maps) {
+    std::string bad;
+    for (int l = 0; l < o.layers && bad.empty(); ++l) bad = VerifyLayer(w, *maps[l], l, rank);
+    return bad;
+  };
+  if (!rearranger.ok()) {
+    report["error"] = rearranger.status().message();
+    report["weights_intact"] = verify_all(std::vector<const Placement*>(o.layers, &*current)).empty();
+    return finish(1);
+  }
+  (*rearranger)->set_layer_hook([&](uint32_t layer) {
+    if (o.fault_rank != rank || layer != 0) return;
+    if (o.fault == "kill") _exit(3);  // mid-transfer: READY sent, peers reading
+    if (o.fault == "stall") raise(SIGSTOP);
+    if (o.fault == "bad-notify") {
+      for (int r = 0; r < o.ranks; ++r) {
+        if (r == rank) continue;
+        protocol::Record bogus{protocol::RecordKind::kReady, 1, 0, 0, 0, 0, ""};
+        std::string bytes = protocol::EncodeRecord(bogus);
+        bytes[4] = 99;  // unsupported version
+        (void)(*agent)->Notify(*(*rearranger)->peer(static_cast<uint32_t>(r)), bytes);
+      }
+    }
+  });
+
+  nlohmann::json steps = nlohmann::json::array();
+  bool ok = true;
+  for (int s = 1; s <= o.steps && ok; ++s) {
+    Drift(load_values, rng);
+    Result<LoadMatrix> load = LoadMatrix::Create(o.layers, o.experts, load_values);
+    PlanOptions po;
+    po.policy = Policy::kIncremental;
+    po.previous = &*current;
+    Result<Placement> next = load.ok() ? Plan(*load, topo, po) : Result<Placement>(load.status());
+    if (!next.ok()) {
+      report["error"] = next.status().message();
+      ok = false;
+      break;
+    }
+    Result<Balance> before = ComputeBalance(*current, *load, o.ranks);
+    Result<Balance> after = ComputeBalance(*next, *load, o.ranks);
+    RearrangeReport rr = (*rearranger)->Rearrange(*current, *next);
+    std::vector<const Placement*> published(o.layers, &*current);
+    for (const LayerOutcome& lo : rr.layers) {
+      if (lo.committed) published[lo.layer] = &*next;
+    }
+    const std::string bad = verify_all(published);
+    report["weights_intact"] = bad.empty();
+    steps.push_back({{"balancedness_before", before.ok() ? before->total : 0.0},
+                     {"balancedness_after", after.ok() ? after->total : 0.0},
+                     {"bytes_read", rr.bytes_read},
+                     {"seconds", rr.seconds}});
+    if (!rr.status.ok()) {
+      report["error"] = rr.status.message();
+      ok = false;
+    } else if (!bad.empty()) {
+      report["error"] = StrCat("verification failed: ", bad);
+      ok = false;
+    } else {
+      current = std::move(next);
+      if (rank == 0) {
+        (void)boot.SendMessage(nlohmann::json{{"progress", StrCat("step ", s, "/", o.steps, ": ",
+                                                                  rr.bytes_read >> 20, " MiB read by rank 0 in ",
+                                                                  rr.seconds, " s, every byte verified")}}
+                                   .dump());
+      }
+    }
+  }
+  report["steps"] = steps;
+  report["verified"] = ok;
+  if (ok) report["weights_intact"] = true;
+  return finish(ok ? 0 : 1);
+}
+
+}  // namespace eplbx::cli

@@ -1,0 +1,229 @@
+#include "protocol/layer_protocol.h"
+
+#include <algorithm>
+
+#include "common/strings.h"
+
+namespace eplbx::protocol {
+
+using internal::StrCat;
+
+namespace {
+
+Action MakeAction(ActionKind kind, uint32_t peer = 0, Record record = {}, ReadTask read = {},
+                  std::string reason = {}) {
+  Action a;
+  a.kind = kind;
+  a.peer = peer;
+  a.record = std::move(record);
+  a.read = read;
+  a.reason = std::move(reason);
+  return a;
+}
+
+}  // namespace
+
+LayerProtocol::LayerProtocol(LayerStep step, Clock::time_point now, Clock::duration deadline)
+    : step_(std::move(step)),
+      deadline_(now + deadline),
+      ready_(step_.reads.size(), false),
+      read_done_(step_.reads.size(), false),
+      served_(step_.serves.size(), false),
+      done_from_(step_.world, false) {}
+
+Record LayerProtocol::Make(RecordKind kind, uint32_t expert, uint32_t source, uint32_t reader) const {
+  return Record{kind, step_.generation, step_.layer, expert, source, reader, {}};
+}
+
+int LayerProtocol::FindRead(uint32_t expert, uint32_t source) const {
+  for (size_t i = 0; i < step_.reads.size(); ++i) {
+    if (step_.reads[i].expert == expert && step_.reads[i].source == source) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+int LayerProtocol::FindServe(uint32_t expert, uint32_t reader) const {
+  for (size_t i = 0; i < step_.serves.size(); ++i) {
+    if (step_.serves[i].expert == expert && step_.serves[i].reader == reader) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+std::vector<Action> LayerProtocol::Start() {
+  std::vector<Action> out;
+  if (started_ || state_ != LayerState::kRunning) return out;
+  started_ = true;
+  for (const ServeTask& s : step_.serves) {
+    out.push_back(MakeAction(ActionKind::kSend, s.reader, Make(RecordKind::kReady, s.expert, step_.self, s.reader)));
+  }
+  MaybeDone(&out);
+  return out;
+}
+
+void LayerProtocol::MaybeDone(std::vector<Action>* out) {
+  if (state_ != LayerState::kRunning || !started_) return;
+  if (!done_from_[step_.self]) {
+    const bool reads = std::all_of(read_done_.begin(), read_done_.end(), [](bool b) { return b; });
+    const bool serves = std::all_of(served_.begin(), served_.end(), [](bool b) { return b; });
+    if (!reads || !serves) return;
+    done_from_[step_.self] = true;
+    for (uint32_t r = 0; r < step_.world; ++r) {
+      if (r != step_.self) out->push_back(MakeAction(ActionKind::kSend, r, Make(RecordKind::kDone, 0, step_.self, 0)));
+    }
+  }
+  if (std::all_of(done_from_.begin(), done_from_.end(), [](bool b) { return b; })) {
+    state_ = LayerState::kCommitted;
+    out->push_back(MakeAction(ActionKind::kCommit));
+  }
+}
+
+std::vector<Action> LayerProtocol::Abort(std::string reason, bool broadcast) {
+  std::vector<Action> out;
+  if (state_ != LayerState::kRunning) return out;
+  state_ = LayerState::kAborted;
+  error_ = StrCat("layer ", step_.layer, " (generation ", step_.generation, "): ", reason);
+  if (broadcast) {
+    Record abort = Make(RecordKind::kAbort, 0, step_.self, 0);
+    abort.reason = StrCat("rank ", step_.self, ": ", reason).substr(0, kMaxReasonBytes);
+    for (uint32_t r = 0; r < step_.world; ++r) {
+      if (r != step_.self) out.push_back(MakeAction(ActionKind::kSend, r, abort));
+    }
+  }
+  out.push_back(MakeAction(ActionKind::kAbort, 0, {}, {}, error_));
+  return out;
+}
+
+std::vector<Action> LayerProtocol::OnRecord(uint32_t from, const Record& r, Clock::time_point now,
+                                            bool* deferred) {
+  *deferred = false;
+  if (r.generation < step_.generation) {
+    ++ignored_;  // stale: a record of a step that is over
+    return {};
+  }
+  if (r.generation > step_.generation) {
+    *deferred = true;  // a faster peer is already at a later step
+    return {};
+  }
+  if (state_ != LayerState::kRunning) {
+    ++ignored_;
+    return {};
+  }
+  if (from >= step_.world) return Abort(StrCat("a record claims to come from rank ", from), true);
+  if (r.layer != step_.layer) {
+    return Abort(StrCat("rank ", from, " sent ", KindName(r.kind), " for layer ", r.layer, " in generation ",
+                        r.generation, " of layer ", step_.layer, " (misrouted record)"),
+                 true);
+  }
+  std::vector<Action> out;
+  switch (r.kind) {
+    case RecordKind::kReady: {
+      if (r.source != from || r.reader != step_.self) {
+        return Abort(StrCat("rank ", from, " sent a misrouted READY (source ", r.source, ", reader ", r.reader, ")"),
+                     true);
+      }
+      const int i = FindRead(r.expert, from);
+      if (i < 0) {
+        return Abort(StrCat("rank ", from, " sent READY for expert ", r.expert,
+                            ", which this rank does not read from it (plans differ across ranks?)"),
+                     true);
+      }
+      if (ready_[i]) {
+        ++ignored_;
+        return {};
+      }
+      ready_[i] = true;
+      out.push_back(MakeAction(ActionKind::kPostRead, from, Make(RecordKind::kReadDone, r.expert, from, step_.self),
+                               step_.reads[i]));
+      break;
+    }
+    case RecordKind::kReadDone: {
+      if (r.reader != from || r.source != step_.self) {
+        return Abort(StrCat("rank ", from, " sent a misrouted READ_DONE (source ", r.source, ", reader ", r.reader,
+                            ")"),
+                     true);
+      }
+      const int i = FindServe(r.expert, from);
+      if (i < 0) {
+        return Abort(StrCat("rank ", from, " sent READ_DONE for expert ", r.expert, ", which it does not read here"),
+                     true);
+      }
+      if (served_[i]) {
+        ++ignored_;
+        return {};
+      }
+      served_[i] = true;
+      break;
+    }
+    case RecordKind::kDone:
+      if (r.source != from || from == step_.self) {
+        return Abort(StrCat("rank ", from, " sent a misrouted DONE (source ", r.source, ")"), true);
+      }
+      if (done_from_[from]) {
+        ++ignored_;
+        return {};
+      }
+      done_from_[from] = true;
+      break;
+    case RecordKind::kAbort:
+      return Abort(StrCat("aborted by rank ", from, " (", r.reason, ")"), false);
+  }
+  MaybeDone(&out);
+  if (state_ == LayerState::kRunning) {
+    auto tick = OnTick(now);
+    out.insert(out.end(), tick.begin(), tick.end());
+  }
+  return out;
+}
+
+std::vector<Action> LayerProtocol::OnMalformed(uint32_t from, const Status& why) {
+  return Abort(StrCat("rank ", from, " sent a malformed notification: ", why.message()), true);
+}
+
+std::vector<Action> LayerProtocol::OnReadComplete(const ReadTask& task, const Status& status) {
+  const int i = FindRead(task.expert, task.source);
+  if (i < 0 || state_ != LayerState::kRunning) return {};
+  if (!status.ok()) {
+    const std::string who = status.code() == Code::kUnavailable ? StrCat("rank ", task.source, " unreachable: ")
+                                                                : std::string();
+    return Abort(StrCat(who, "READ of expert ", task.expert, " from rank ", task.source, " failed: ", status.message()),
+                 true);
+  }
+  read_done_[i] = true;
+  std::vector<Action> out;
+  MaybeDone(&out);
+  return out;
+}
+
+std::vector<Action> LayerProtocol::OnPeerFailed(uint32_t rank, const Status& why) {
+  return Abort(StrCat("rank ", rank, " unreachable: ", why.message()), true);
+}
+
+std::vector<Action> LayerProtocol::OnTick(Clock::time_point now) {
+  if (state_ != LayerState::kRunning || now < deadline_) return {};
+  // Name the first thing still missing.
+  for (size_t i = 0; i < step_.reads.size(); ++i) {
+    if (!ready_[i]) {
+      return Abort(StrCat("deadline passed waiting for READY of expert ", step_.reads[i].expert, " from rank ",
+                          step_.reads[i].source),
+                   true);
+    }
+    if (!read_done_[i]) {
+      return Abort(StrCat("deadline passed waiting for the READ of expert ", step_.reads[i].expert, " from rank ",
+                          step_.reads[i].source),
+                   true);
+    }
+  }
+  for (size_t i = 0; i < step_.serves.size(); ++i) {
+    if (!served_[i]) {
+      return Abort(StrCat("deadline passed waiting for READ_DONE of expert ", step_.serves[i].expert, " from rank ",
+                          step_.serves[i].reader),
+                   true);
+    }
+  }
+  for (uint32_t r = 0; r < step_.world; ++r) {
+    if (!done_from_[r]) return Abort(StrCat("deadline passed waiting for DONE from rank ", r), true);
+  }
+  return {};
+}
+
+}  // namespace eplbx::protocol

@@ -1,0 +1,102 @@
+// Internal: the per-layer rearrangement protocol of one rank, as a pure state machine
+// (docs/protocol.md). It takes events (start, records, READ completions, peer failures,
+// clock ticks) with the time they happen and returns the actions to perform; it never
+// blocks, sleeps or touches memory, so every path is unit-tested with a fake clock.
+//
+// One generation per layer step. A source sends READY(expert, reader) to every reader of
+// its rows (they are stable: nothing is overwritten before commit). A reader posts its READ
+// on READY with READ_DONE attached, so READ_DONE reaches the source after the data landed.
+// A rank whose READs completed and whose readers all sent READ_DONE sends DONE to every
+// rank; a rank commits (staging -> weights, new map published) once DONE came from all.
+// Any failure sends ABORT(reason) to every rank; the layer then keeps its old bytes and map.
+#ifndef EPLBX_SRC_PROTOCOL_LAYER_PROTOCOL_H_
+#define EPLBX_SRC_PROTOCOL_LAYER_PROTOCOL_H_
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "eplbx/status.h"
+#include "protocol/records.h"
+
+namespace eplbx::protocol {
+
+using Clock = std::chrono::steady_clock;
+
+struct ReadTask {
+  uint32_t expert = 0;
+  uint32_t source = 0;
+};
+struct ServeTask {
+  uint32_t expert = 0;
+  uint32_t reader = 0;
+};
+
+struct LayerStep {
+  uint64_t generation = 0;
+  uint32_t layer = 0;
+  uint32_t self = 0;
+  uint32_t world = 1;
+  std::vector<ReadTask> reads;    // this rank reads these
+  std::vector<ServeTask> serves;  // these read from this rank
+};
+
+enum class ActionKind {
+  kSend,      // send `record` to rank `peer`
+  kPostRead,  // READ `read` with `record` (READ_DONE) attached for its source
+  kCommit,    // every rank is done: commit the layer
+  kAbort,     // the layer failed (`reason`); ABORT records were already emitted as kSend
+};
+
+struct Action {
+  ActionKind kind = ActionKind::kSend;
+  uint32_t peer = 0;
+  Record record;
+  ReadTask read;
+  std::string reason;
+};
+
+enum class LayerState { kRunning, kCommitted, kAborted };
+
+class LayerProtocol {
+ public:
+  LayerProtocol(LayerStep step, Clock::time_point now, Clock::duration deadline);
+
+  std::vector<Action> Start();
+  // `deferred` is set for a record of a later generation: keep it for the next step.
+  std::vector<Action> OnRecord(uint32_t from, const Record& r, Clock::time_point now, bool* deferred);
+  // A notification from `from` that did not decode.
+  std::vector<Action> OnMalformed(uint32_t from, const Status& why);
+  std::vector<Action> OnReadComplete(const ReadTask& task, const Status& status);
+  std::vector<Action> OnPeerFailed(uint32_t rank, const Status& why);
+  std::vector<Action> OnTick(Clock::time_point now);
+
+  LayerState state() const { return state_; }
+  const std::string& error() const { return error_; }
+  uint64_t generation() const { return step_.generation; }
+  // Records ignored as stale or duplicate (for reports and tests).
+  uint64_t ignored() const { return ignored_; }
+
+ private:
+  std::vector<Action> Abort(std::string reason, bool broadcast);
+  void MaybeDone(std::vector<Action>* out);
+  int FindRead(uint32_t expert, uint32_t source) const;
+  int FindServe(uint32_t expert, uint32_t reader) const;
+  Record Make(RecordKind kind, uint32_t expert, uint32_t source, uint32_t reader) const;
+
+  const LayerStep step_;
+  const Clock::time_point deadline_;
+  LayerState state_ = LayerState::kRunning;
+  std::string error_;
+  std::vector<bool> ready_;      // per read: READY received
+  std::vector<bool> read_done_;  // per read: our READ completed
+  std::vector<bool> served_;     // per serve: READ_DONE received
+  std::vector<bool> done_from_;  // per rank: DONE received (self: sent)
+  bool started_ = false;
+  uint64_t ignored_ = 0;
+};
+
+}  // namespace eplbx::protocol
+
+#endif  // EPLBX_SRC_PROTOCOL_LAYER_PROTOCOL_H_

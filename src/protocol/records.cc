@@ -1,0 +1,80 @@
+#include "protocol/records.h"
+
+#include <cstring>
+
+#include "common/bytes.h"
+#include "common/strings.h"
+
+namespace eplbx::protocol {
+
+using internal::StrCat;
+
+namespace {
+constexpr char kMagic[4] = {'E', 'P', 'X', 'R'};
+constexpr uint16_t kVersion = 1;
+}  // namespace
+
+std::string_view KindName(RecordKind kind) {
+  switch (kind) {
+    case RecordKind::kReady: return "READY";
+    case RecordKind::kReadDone: return "READ_DONE";
+    case RecordKind::kDone: return "DONE";
+    case RecordKind::kAbort: return "ABORT";
+  }
+  return "?";
+}
+
+std::string EncodeRecord(const Record& r) {
+  internal::ByteWriter w;
+  w.Raw(std::string_view(kMagic, 4));
+  w.U16(kVersion);
+  w.U8(static_cast<uint8_t>(r.kind));
+  w.U8(0);
+  w.U64(r.generation);
+  w.U32(r.layer);
+  w.U32(r.expert);
+  w.U32(r.source);
+  w.U32(r.reader);
+  w.Str16(r.reason.substr(0, kMaxReasonBytes));
+  return w.Take();
+}
+
+Result<Record> DecodeRecord(std::string_view bytes) {
+  if (bytes.size() < kRecordFixedBytes) {
+    return Status::Corruption(StrCat("protocol record of ", bytes.size(), " bytes; at least ",
+                                     kRecordFixedBytes, " expected"));
+  }
+  internal::ByteReader in(bytes, "protocol record");
+  std::string magic;
+  uint16_t version = 0;
+  uint8_t kind = 0, reserved = 0;
+  Record r;
+  uint16_t reason_len = 0;
+  (void)in.Raw("magic", 4, &magic);
+  if (std::memcmp(magic.data(), kMagic, 4) != 0) {
+    return Status::Corruption("protocol record: bad magic (expected 'EPXR')");
+  }
+  (void)(in.U16("version", &version) && in.U8("kind", &kind) && in.U8("reserved", &reserved) &&
+         in.U64("generation", &r.generation) && in.U32("layer", &r.layer) && in.U32("expert", &r.expert) &&
+         in.U32("source", &r.source) && in.U32("reader", &r.reader) && in.U16("reason_length", &reason_len));
+  if (version != kVersion) {
+    return Status::NotSupported(StrCat("protocol record: version ", version, " (this build speaks ", kVersion, ")"));
+  }
+  if (kind < 1 || kind > 4) return Status::Corruption(StrCat("protocol record: unknown kind ", +kind));
+  r.kind = static_cast<RecordKind>(kind);
+  if (reserved != 0) return Status::Corruption("protocol record: reserved byte is not 0");
+  if (reason_len > kMaxReasonBytes) {
+    return Status::Corruption(StrCat("protocol record: reason of ", reason_len, " bytes (limit ", kMaxReasonBytes, ")"));
+  }
+  if (bytes.size() != kRecordFixedBytes + reason_len) {
+    return Status::Corruption(StrCat("protocol record: ", bytes.size(), " bytes, the header says ",
+                                     kRecordFixedBytes + reason_len));
+  }
+  if (r.kind != RecordKind::kAbort && reason_len != 0) {
+    return Status::Corruption(StrCat("protocol record: ", KindName(r.kind), " carries a reason"));
+  }
+  (void)in.Raw("reason", reason_len, &r.reason);
+  return r;
+}
+
+}  // namespace eplbx::protocol

@@ -1,0 +1,258 @@
+// The rearrangement protocol: wire records and the per-layer state machine, driven with a
+// fake clock and a simulated network that reorders and duplicates records.
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <random>
+#include <set>
+
+#include <gtest/gtest.h>
+
+#include "protocol/layer_protocol.h"
+#include "protocol/records.h"
+
+namespace eplbx::protocol {
+namespace {
+
+using std::chrono::seconds;
+
+TEST(RecordTest, RoundTripsEveryKind) {
+  for (RecordKind k : {RecordKind::kReady, RecordKind::kReadDone, RecordKind::kDone, RecordKind::kAbort}) {
+    Record r{k, 77, 3, 12, 1, 2, k == RecordKind::kAbort ? "rank 1: boom" : ""};
+    Result<Record> d = DecodeRecord(EncodeRecord(r));
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    EXPECT_EQ(d->kind, k);
+    EXPECT_EQ(d->generation, 77u);
+    EXPECT_EQ(d->layer, 3u);
+    EXPECT_EQ(d->expert, 12u);
+    EXPECT_EQ(d->source, 1u);
+    EXPECT_EQ(d->reader, 2u);
+    EXPECT_EQ(d->reason, r.reason);
+  }
+}
+
+TEST(RecordTest, RejectsEveryMalformedRecord) {
+  const std::string good = EncodeRecord({RecordKind::kAbort, 5, 1, 2, 3, 4, "why"});
+  for (size_t n = 0; n < good.size(); ++n) {
+    EXPECT_FALSE(DecodeRecord(good.substr(0, n)).ok()) << "prefix " << n;
+  }
+  EXPECT_NE(DecodeRecord(good + "x").status().message().find("the header says"), std::string::npos);
+  auto patched = [&](size_t at, char v) {
+    std::string s = good;
+    s[at] = v;
+    return DecodeRecord(s).status();
+  };
+  EXPECT_NE(patched(0, 'X').message().find("bad magic"), std::string::npos);
+  EXPECT_EQ(patched(4, 2).code(), Code::kNotSupported);
+  EXPECT_NE(patched(6, 0).message().find("unknown kind 0"), std::string::npos);
+  EXPECT_NE(patched(6, 9).message().find("unknown kind 9"), std::string::npos);
+  EXPECT_NE(patched(7, 1).message().find("reserved"), std::string::npos);
+  EXPECT_NE(patched(6, 1).message().find("READY carries a reason"), std::string::npos);
+  std::string huge = good;
+  huge[32] = static_cast<char>(0xff);
+  huge[33] = static_cast<char>(0xff);
+  EXPECT_NE(DecodeRecord(huge).status().message().find("limit"), std::string::npos);
+}
+
+// A world of LayerProtocols exchanging records through a queue the test controls.
+struct World {
+  std::vector<LayerProtocol> ranks;
+  struct Msg {
+    uint32_t from, to;
+    Record r;
+  };
+  std::deque<Msg> net;
+  std::vector<std::pair<uint32_t, ReadTask>> reads;  // posted, not completed
+  std::vector<int> commits;
+  std::vector<std::string> aborts;
+  Clock::time_point now{};
+
+  explicit World(const std::vector<LayerStep>& steps) {
+    commits.assign(steps.size(), 0);
+    aborts.assign(steps.size(), "");
+    for (const auto& s : steps) ranks.emplace_back(s, now, seconds(10));
+  }
+  void Apply(uint32_t self, const std::vector<Action>& actions) {
+    for (const Action& a : actions) {
+      switch (a.kind) {
+        case ActionKind::kSend: net.push_back({self, a.peer, a.record}); break;
+        case ActionKind::kPostRead:
+          reads.push_back({self, a.read});
+          // READ_DONE is delivered only after the READ completes; the test completes it later.
+          pending_done.push_back({self, a.peer, a.record});
+          break;
+        case ActionKind::kCommit: ++commits[self]; break;
+        case ActionKind::kAbort: aborts[self] = a.reason; break;
+      }
+    }
+  }
+  std::deque<Msg> pending_done;
+
+  // Delivers everything in a random order, duplicating some records.
+  void Run(std::mt19937& rng) {
+    for (uint32_t r = 0; r < ranks.size(); ++r) Apply(r, ranks[r].Start());
+    while (!net.empty() || !reads.empty()) {
+      const bool do_read = !reads.empty() && (net.empty() || rng() % 2);
+      if (do_read) {
+        size_t i = rng() % reads.size();
+        auto [self, task] = reads[i];
+        reads.erase(reads.begin() + static_cast<long>(i));
+        Msg done = pending_done[i];
+        pending_done.erase(pending_done.begin() + static_cast<long>(i));
+        Apply(self, ranks[self].OnReadComplete(task, Status::OK()));
+        net.push_back(done);  // attached notification: after the data
+        continue;
+      }
+      size_t i = rng() % net.size();
+      Msg m = net[i];
+      net.erase(net.begin() + static_cast<long>(i));
+      if (rng() % 5 == 0) net.push_back(m);  // a duplicate
+      bool deferred = false;
+      Apply(m.to, ranks[m.to].OnRecord(m.from, m.r, now, &deferred));
+      EXPECT_FALSE(deferred);
+    }
+  }
+};
+
+// A random plan: each rank reads some experts from other ranks.
+std::vector<LayerStep> RandomSteps(uint32_t world, std::mt19937& rng, uint64_t gen = 9) {
+  std::vector<LayerStep> steps(world);
+  for (uint32_t r = 0; r < world; ++r) steps[r] = LayerStep{gen, 4, r, world, {}, {}};
+  std::set<std::pair<uint32_t, uint32_t>> seen;  // (reader, expert)
+  const int n = static_cast<int>(rng() % (3 * world));
+  for (int i = 0; i < n; ++i) {
+    uint32_t reader = rng() % world, source = rng() % world, expert = rng() % 16;
+    if (reader == source || !seen.insert({reader, expert}).second) continue;
+    steps[reader].reads.push_back({expert, source});
+    steps[source].serves.push_back({expert, reader});
+  }
+  return steps;
+}
+
+TEST(LayerProtocolTest, EveryRankCommitsUnderAnyDeliveryOrder) {
+  std::mt19937 rng(3);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const uint32_t world = 1 + rng() % 6;
+    World w(RandomSteps(world, rng));
+    w.Run(rng);
+    for (uint32_t r = 0; r < world; ++r) {
+      ASSERT_EQ(w.ranks[r].state(), LayerState::kCommitted) << "trial " << trial << " rank " << r << ": " << w.aborts[r];
+      ASSERT_EQ(w.commits[r], 1);
+    }
+  }
+}
+
+LayerStep TwoRankReader() { return LayerStep{5, 2, 0, 2, {{7, 1}}, {}}; }
+
+TEST(LayerProtocolTest, StaleFutureAndDuplicateRecords) {
+  LayerProtocol p(TwoRankReader(), Clock::time_point{}, seconds(10));
+  p.Start();
+  bool deferred = false;
+  EXPECT_TRUE(p.OnRecord(1, {RecordKind::kReady, 4, 2, 7, 1, 0, ""}, {}, &deferred).empty());
+  EXPECT_FALSE(deferred);
+  EXPECT_EQ(p.ignored(), 1u);
+  EXPECT_TRUE(p.OnRecord(1, {RecordKind::kReady, 6, 2, 7, 1, 0, ""}, {}, &deferred).empty());
+  EXPECT_TRUE(deferred);
+  auto a = p.OnRecord(1, {RecordKind::kReady, 5, 2, 7, 1, 0, ""}, {}, &deferred);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(a[0].kind, ActionKind::kPostRead);
+  EXPECT_EQ(a[0].record.kind, RecordKind::kReadDone);
+  EXPECT_EQ(a[0].peer, 1u);
+  EXPECT_TRUE(p.OnRecord(1, {RecordKind::kReady, 5, 2, 7, 1, 0, ""}, {}, &deferred).empty());  // duplicate
+  EXPECT_EQ(p.ignored(), 2u);
+  auto done = p.OnReadComplete({7, 1}, Status::OK());
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].record.kind, RecordKind::kDone);
+  auto commit = p.OnRecord(1, {RecordKind::kDone, 5, 2, 0, 1, 0, ""}, {}, &deferred);
+  ASSERT_EQ(commit.size(), 1u);
+  EXPECT_EQ(commit[0].kind, ActionKind::kCommit);
+  EXPECT_EQ(p.state(), LayerState::kCommitted);
+  // After commit, even an ABORT is ignored: the layer is final.
+  EXPECT_TRUE(p.OnRecord(1, {RecordKind::kAbort, 5, 2, 0, 1, 0, "late"}, {}, &deferred).empty());
+  EXPECT_EQ(p.state(), LayerState::kCommitted);
+}
+
+// Each misrouted or unexpected record aborts, broadcasts ABORT and names the sender.
+TEST(LayerProtocolTest, MisroutedRecordsAbortNamingTheRank) {
+  struct Case {
+    uint32_t from;
+    Record r;
+    const char* says;
+  };
+  const std::vector<Case> cases = {
+      {1, {RecordKind::kReady, 5, 3, 7, 1, 0, ""}, "rank 1 sent READY for layer 3"},
+      {1, {RecordKind::kReady, 5, 2, 7, 2, 0, ""}, "rank 1 sent a misrouted READY"},
+      {1, {RecordKind::kReady, 5, 2, 7, 1, 1, ""}, "rank 1 sent a misrouted READY"},
+      {1, {RecordKind::kReady, 5, 2, 8, 1, 0, ""}, "rank 1 sent READY for expert 8"},
+      {1, {RecordKind::kReadDone, 5, 2, 7, 0, 1, ""}, "rank 1 sent READ_DONE for expert 7"},
+      {1, {RecordKind::kReadDone, 5, 2, 7, 1, 1, ""}, "rank 1 sent a misrouted READ_DONE"},
+      {1, {RecordKind::kDone, 5, 2, 0, 0, 0, ""}, "rank 1 sent a misrouted DONE"},
+      {7, {RecordKind::kDone, 5, 2, 0, 7, 0, ""}, "claims to come from rank 7"},
+  };
+  for (const Case& c : cases) {
+    LayerProtocol p(TwoRankReader(), Clock::time_point{}, seconds(10));
+    p.Start();
+    bool deferred = false;
+    auto a = p.OnRecord(c.from, c.r, {}, &deferred);
+    EXPECT_EQ(p.state(), LayerState::kAborted) << c.says;
+    EXPECT_NE(p.error().find(c.says), std::string::npos) << p.error();
+    ASSERT_EQ(a.size(), 2u);
+    EXPECT_EQ(a[0].kind, ActionKind::kSend);
+    EXPECT_EQ(a[0].record.kind, RecordKind::kAbort);
+    EXPECT_EQ(a[0].peer, 1u);
+    EXPECT_EQ(a[1].kind, ActionKind::kAbort);
+  }
+}
+
+TEST(LayerProtocolTest, FailuresAndDeadlinesNameWhatIsMissing) {
+  const Clock::time_point t0{};
+  {
+    LayerProtocol p(TwoRankReader(), t0, seconds(10));
+    p.Start();
+    EXPECT_TRUE(p.OnTick(t0 + seconds(9)).empty());
+    auto a = p.OnTick(t0 + seconds(10));
+    EXPECT_EQ(p.state(), LayerState::kAborted);
+    EXPECT_NE(p.error().find("waiting for READY of expert 7 from rank 1"), std::string::npos) << p.error();
+    EXPECT_EQ(a.back().kind, ActionKind::kAbort);
+  }
+  {
+    LayerProtocol p(TwoRankReader(), t0, seconds(10));
+    p.Start();
+    bool d = false;
+    p.OnRecord(1, {RecordKind::kReady, 5, 2, 7, 1, 0, ""}, t0, &d);
+    p.OnReadComplete({7, 1}, Status::Unavailable("agent 'rank0': peer unreachable: 'rank1' (gone)"));
+    EXPECT_NE(p.error().find("rank 1 unreachable"), std::string::npos) << p.error();
+  }
+  {
+    LayerProtocol p(TwoRankReader(), t0, seconds(10));
+    p.Start();
+    p.OnPeerFailed(1, Status::Unavailable("no answer for 2000 ms"));
+    EXPECT_NE(p.error().find("rank 1 unreachable: no answer"), std::string::npos);
+  }
+  {
+    LayerProtocol p(TwoRankReader(), t0, seconds(10));
+    p.Start();
+    bool d = false;
+    auto a = p.OnRecord(1, {RecordKind::kAbort, 5, 2, 0, 1, 0, "rank 1: disk on fire"}, t0, &d);
+    ASSERT_EQ(a.size(), 1u);  // no re-broadcast
+    EXPECT_NE(p.error().find("aborted by rank 1 (rank 1: disk on fire)"), std::string::npos);
+  }
+  {
+    LayerProtocol p(TwoRankReader(), t0, seconds(10));
+    p.Start();
+    p.OnMalformed(1, Status::Corruption("protocol record: bad magic"));
+    EXPECT_NE(p.error().find("rank 1 sent a malformed notification"), std::string::npos);
+  }
+  {
+    // A source waits for READ_DONE, then for DONE.
+    LayerProtocol p(LayerStep{5, 2, 1, 2, {}, {{7, 0}}}, t0, seconds(10));
+    auto start = p.Start();
+    ASSERT_EQ(start.size(), 1u);
+    EXPECT_EQ(start[0].record.kind, RecordKind::kReady);
+    p.OnTick(t0 + seconds(11));
+    EXPECT_NE(p.error().find("waiting for READ_DONE of expert 7 from rank 0"), std::string::npos) << p.error();
+  }
+}
+
+}  // namespace
+}  // namespace eplbx::protocol

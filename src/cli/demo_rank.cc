@@ -223,6 +223,13 @@ int RunDemoRank(const DemoOptions& o, int rank, int fd) {
     }
     Result<Balance> before = ComputeBalance(*current, *load, o.ranks);
     Result<Balance> after = ComputeBalance(*next, *load, o.ranks);
+    // Start together, so a step's time is the rearrangement's, not another rank's checking.
+    Result<std::vector<std::string>> sync = boot.AllGather("step", deadline);
+    if (!sync.ok()) {
+      report["error"] = sync.status().message();
+      ok = false;
+      break;
+    }
     RearrangeReport rr = (*rearranger)->Rearrange(*current, *next);
     std::vector<const Placement*> published(o.layers, &*current);
     for (const LayerOutcome& lo : rr.layers) {

@@ -8,6 +8,7 @@
 #include "common/strings.h"
 #include "eplbx/transfer.h"
 #include "transfer/agent_core.h"
+#include "transfer/shm/copier.h"
 
 namespace eplbx {
 
@@ -109,6 +110,7 @@ Result<RegisteredRegion> Agent::AllocateShared(size_t bytes) {
     close(fd);
     return s;
   }
+  internal::TouchPagesForWrite(p, bytes);  // zeroed, and no first-touch cost in transfers
   RegisteredRegion r;
   r.data_ = p;
   r.size_ = bytes;

@@ -16,6 +16,15 @@ constexpr size_t kMaxIov = 512;             // small pieces batched into one sys
 
 }  // namespace
 
+void TouchPagesForWrite(void* p, size_t n) { std::memset(p, 0, n); }
+
+void TouchPagesForRead(const void* p, size_t n) {
+  const volatile uint8_t* b = static_cast<const volatile uint8_t*>(p);
+  uint8_t sink = 0;
+  for (size_t i = 0; i < n; i += 4096) sink ^= b[i];
+  (void)sink;
+}
+
 ShmCopier::ShmCopier(int threads) {
   for (int i = 0; i < std::max(threads, 1); ++i) threads_.emplace_back([this] { Worker(); });
 }

@@ -21,6 +21,15 @@
 
 namespace eplbx::internal {
 
+// Touches every page of a new mapping so the first transfers do not pay for it. On these
+// VMs the first access to each 4 KiB page of a shared mapping costs 5-10 us even after
+// MAP_POPULATE or MADV_POPULATE_WRITE (about 2-4 ms per MiB; measured, docs/transfer.md);
+// a plain access pass is what removes it.
+// Zero-fills: only for memory nobody uses yet.
+void TouchPagesForWrite(void* p, size_t n);
+// Reads one byte per page: for mappings of memory another process owns.
+void TouchPagesForRead(const void* p, size_t n);
+
 struct CopyPiece {
   uint8_t* local = nullptr;
   uint64_t remote = 0;        // address in the peer process

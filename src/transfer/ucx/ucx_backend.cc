@@ -724,9 +724,11 @@ class UcxBackend final : public Backend {
       if ((r.flags & kRegionShared) == 0 || r.shm_fd < 0) continue;
       int fd = open(StrCat("/proc/", p.pid, "/fd/", r.shm_fd).c_str(), O_RDWR | O_CLOEXEC);
       if (fd < 0) continue;  // CMA still works
-      void* m = mmap(nullptr, r.bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+      void* m = mmap(nullptr, r.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
       close(fd);
-      if (m != MAP_FAILED) p.mapped[i] = MappedRegion{static_cast<uint8_t*>(m), r.bytes};
+      if (m == MAP_FAILED) continue;
+      TouchPagesForRead(m, r.bytes);  // first-access cost now, not inside the first transfers
+      p.mapped[i] = MappedRegion{static_cast<uint8_t*>(m), r.bytes};
     }
   }
 

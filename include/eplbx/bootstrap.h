@@ -51,11 +51,13 @@ class SocketBootstrap final : public Bootstrap {
 
 // The coordinator: reads frames from the members' sockets (index = rank), answers each
 // all-gather round once every member contributed, and hands other frames to `on_message`.
-// Returns when every member closed its socket, or kTimeout when `idle_timeout` passed with
-// no frame. A member that closes before a round completes fails that round for the others
-// with an error naming it ("rank 2 left before the all-gather").
+// Returns when every member closed its socket, when `stop` (if set) returns true (checked
+// at least every 200 ms), or kTimeout when `idle_timeout` passed with no frame. A member
+// that closes before a round completes fails that round for the others with an error
+// naming it ("rank 2 left before the all-gather completed").
 Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::milliseconds idle_timeout,
-                            const std::function<void(uint32_t, std::string)>& on_message);
+                            const std::function<void(uint32_t, std::string)>& on_message,
+                            const std::function<bool()>& stop = nullptr);
 
 }  // namespace eplbx
 

@@ -103,6 +103,11 @@ Status RunDemo(DemoOptions o) {
   }
   std::map<int, nlohmann::json> reports;
   const auto t0 = Clock::now();
+  // Every rank's waits are bounded by the deadline: once one rank reported, the others get
+  // one deadline (plus slack) to report too; a rank that does not (stopped, hung) is killed.
+  const auto grace = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000) + 2000);
+  Clock::time_point first_report{};
+  std::vector<bool> gone(o.ranks, false), reaped(o.ranks, false);
   Status served = ServeSocketBootstrap(
       fds, std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000) + 10000),
       [&](uint32_t rank, std::string bytes) {
@@ -112,16 +117,34 @@ Status RunDemo(DemoOptions o) {
           if (!o.json) std::cerr << "  " << j["progress"].get<std::string>() << "\n";
           return;
         }
+        if (reports.empty()) first_report = Clock::now();
         reports[static_cast<int>(rank)] = std::move(j);
+      },
+      [&] {
+        // Done when every rank reported, exited or is stopped (a stopped rank never will).
+        int settled = 0;
+        for (int r = 0; r < o.ranks; ++r) {
+          if (reports.count(r) != 0 || gone[r]) {
+            ++settled;
+            continue;
+          }
+          int st = 0;
+          if (waitpid(pids[r], &st, WNOHANG | WUNTRACED) == pids[r]) {
+            gone[r] = true;
+            reaped[r] = !WIFSTOPPED(st);
+            ++settled;
+          }
+        }
+        return settled == o.ranks || (!reports.empty() && Clock::now() - first_report > grace);
       });
   // Every rank has reported or left; a stopped one is removed now.
   for (int r = 0; r < o.ranks; ++r) {
     close(fds[r]);
-    if (reports.count(r) == 0) {
-      kill(pids[r], SIGCONT);
+    if (reports.count(r) == 0 && !reaped[r]) {
       kill(pids[r], SIGKILL);
+      kill(pids[r], SIGCONT);
     }
-    waitpid(pids[r], nullptr, 0);
+    if (!reaped[r]) waitpid(pids[r], nullptr, 0);
   }
   const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
 

@@ -116,7 +116,8 @@ Result<std::vector<std::string>> SocketBootstrap::AllGather(std::string_view min
 }
 
 Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::milliseconds idle_timeout,
-                            const std::function<void(uint32_t, std::string)>& on_message) {
+                            const std::function<void(uint32_t, std::string)>& on_message,
+                            const std::function<bool()>& stop) {
   const size_t n = fds.size();
   std::vector<bool> open(n, true);
   std::vector<std::optional<std::string>> round(n);
@@ -129,6 +130,7 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
   };
   auto last_frame = Clock::now();
   while (open_count > 0) {
+    if (stop && stop()) return Status::OK();
     std::vector<pollfd> p;
     std::vector<size_t> who;
     for (size_t i = 0; i < n; ++i) {

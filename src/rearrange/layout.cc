@@ -123,9 +123,26 @@ Status ValidateLayouts(std::span<const RankLayout> all, uint32_t self) {
     return Status::InvalidArgument(StrCat("layout check: rank ", self, " of ", all.size()));
   }
   const RankLayout& mine = all[self];
+  // The same problem in many layers is reported once, with the count of further layers.
   std::vector<std::string> problems;
+  std::vector<std::string> keys;
+  std::vector<int> repeats;
   auto add = [&](std::string p) {
-    if (problems.size() < kMaxProblems) problems.push_back(std::move(p));
+    std::string key = p;
+    if (auto at = key.find("layer "); at != std::string::npos) {
+      auto end = key.find_first_not_of("0123456789", at + 6);
+      key.replace(at, (end == std::string::npos ? key.size() : end) - at, "layer #");
+    }
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (keys[i] == key) {
+        ++repeats[i];
+        return;
+      }
+    }
+    if (problems.size() >= kMaxProblems) return;
+    problems.push_back(std::move(p));
+    keys.push_back(std::move(key));
+    repeats.push_back(0);
   };
   for (uint32_t peer = 0; peer < all.size(); ++peer) {
     const RankLayout& other = all[peer];
@@ -190,8 +207,12 @@ Status ValidateLayouts(std::span<const RankLayout> all, uint32_t self) {
     }
   }
   if (problems.empty()) return Status::OK();
-  std::string msg = problems[0];
-  for (size_t i = 1; i < problems.size(); ++i) msg += "; " + problems[i];
+  std::string msg;
+  for (size_t i = 0; i < problems.size(); ++i) {
+    if (i > 0) msg += "; ";
+    msg += problems[i];
+    if (repeats[i] > 0) msg += StrCat(" (the same in ", repeats[i], " more layer", repeats[i] > 1 ? "s" : "", ")");
+  }
   return Status::Mismatch(std::move(msg));
 }
 

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -35,9 +36,9 @@ struct RearrangeOptions {
 struct LayerOutcome {
   uint32_t layer = 0;
   bool committed = false;
-  uint64_t bytes_read = 0;     // by this rank from peers
-  uint64_t bytes_copied = 0;   // within this rank
-  std::string error;           // when rolled back
+  uint64_t bytes_read = 0;    // by this rank from peers
+  uint64_t bytes_copied = 0;  // within this rank
+  std::string error;          // when rolled back
 };
 
 struct RearrangeReport {
@@ -56,7 +57,8 @@ class Rearranger {
   // REQUIRES: every tensor's rows [base, base + rows * bytes_per_expert) lie in memory
   // registered with `agent`; `agent` and `bootstrap` outlive the Rearranger.
   // Fails with kMismatch (layout), kUnavailable / kTimeout (a rank missing or unreachable).
-  static Result<std::unique_ptr<Rearranger>> Create(Agent* agent, Bootstrap* bootstrap, RankLayout layout,
+  static Result<std::unique_ptr<Rearranger>> Create(Agent* agent, Bootstrap* bootstrap,
+                                                    RankLayout layout,
                                                     RearrangeOptions options = {});
   ~Rearranger();
 
@@ -74,6 +76,50 @@ class Rearranger {
  private:
   explicit Rearranger(std::unique_ptr<internal::RearrangerImpl> impl);
   std::unique_ptr<internal::RearrangerImpl> impl_;
+};
+
+// vLLM's EPLB communicator contract, per layer: SetTransferContext, then AddSend for each
+// expert this rank serves and AddRecv for each expert it needs, then Execute. Receivers READ
+// the source's registered weight row directly into the row given to AddRecv (zero copy on
+// the source); Execute returns once every rank's reads for the layer are complete, so no
+// rank overwrites rows a peer still reads. Same setup, validation and failure rules as
+// Rearranger; after a failure every call fails until the communicator is rebuilt.
+class EplbCommunicator {
+ public:
+  static Result<std::unique_ptr<EplbCommunicator>> Create(Agent* agent, Bootstrap* bootstrap,
+                                                          RankLayout layout,
+                                                          RearrangeOptions options = {});
+  ~EplbCommunicator();
+
+  // `old_phy2log`: the layer's physical slot -> logical expert map in force (all ranks).
+  Status SetTransferContext(std::span<const int32_t> old_phy2log, uint32_t layer);
+  // `dst_rank` will read this rank's row of `expert` (a no-op on the wire for READ).
+  Status AddSend(uint32_t dst_rank, uint32_t expert);
+  // READ `expert` from `src_rank` into `dst_rows` (one row per tensor of the layer, each
+  // bytes_per_expert long, inside memory registered with the agent).
+  Status AddRecv(uint32_t src_rank, uint32_t expert, std::span<void* const> dst_rows);
+  // Runs the layer's protocol; on return every AddRecv row holds its expert, or the error
+  // names the rank that failed (nothing was committed by the protocol either way).
+  Status Execute();
+  bool failed() const;
+
+ private:
+  struct State;
+  explicit EplbCommunicator(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+// An all-gather among threads of one process (tests, single-process tools).
+class InMemoryGroup {
+ public:
+  explicit InMemoryGroup(uint32_t size);
+  ~InMemoryGroup();
+  std::unique_ptr<Bootstrap> Member(uint32_t rank);
+
+  struct Shared;  // implementation detail
+
+ private:
+  std::shared_ptr<Shared> shared_;
 };
 
 }  // namespace eplbx

@@ -20,7 +20,7 @@ struct DemoOptions {
   double deadline_s = 30;
   uint64_t seed = 1;
   bool json = false;
-  std::string inject;     // "", or KIND:RANK
+  std::string inject;  // "", or KIND:RANK
   std::string transport = "auto";
   // Parsed:
   uint64_t expert_bytes_value = 0;

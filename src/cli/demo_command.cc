@@ -27,14 +27,20 @@ using internal::StrCat;
 using Clock = std::chrono::steady_clock;
 
 Status ParseDemo(DemoOptions& o) {
-  if (o.ranks < 2 || o.ranks > 64) return Status::InvalidArgument(StrCat("--ranks ", o.ranks, ": expected 2..64"));
-  if (o.layers < 1 || o.layers > 4096) return Status::InvalidArgument(StrCat("--layers ", o.layers, ": expected 1..4096"));
-  if (o.tensors < 1 || o.tensors > 16) return Status::InvalidArgument(StrCat("--tensors ", o.tensors, ": expected 1..16"));
-  if (o.steps < 1) return Status::InvalidArgument(StrCat("--steps ", o.steps, ": expected at least 1"));
-  if (!(o.deadline_s > 0)) return Status::InvalidArgument(StrCat("--deadline ", o.deadline_s, ": expected > 0 seconds"));
+  if (o.ranks < 2 || o.ranks > 64)
+    return Status::InvalidArgument(StrCat("--ranks ", o.ranks, ": expected 2..64"));
+  if (o.layers < 1 || o.layers > 4096)
+    return Status::InvalidArgument(StrCat("--layers ", o.layers, ": expected 1..4096"));
+  if (o.tensors < 1 || o.tensors > 16)
+    return Status::InvalidArgument(StrCat("--tensors ", o.tensors, ": expected 1..16"));
+  if (o.steps < 1)
+    return Status::InvalidArgument(StrCat("--steps ", o.steps, ": expected at least 1"));
+  if (!(o.deadline_s > 0))
+    return Status::InvalidArgument(StrCat("--deadline ", o.deadline_s, ": expected > 0 seconds"));
   if (static_cast<int64_t>(o.ranks) * o.slots_per_rank < o.experts || o.experts < 1) {
-    return Status::InvalidArgument(StrCat("--ranks ", o.ranks, " x --slots-per-rank ", o.slots_per_rank,
-                                          " slots cannot hold --experts ", o.experts));
+    return Status::InvalidArgument(StrCat("--ranks ", o.ranks, " x --slots-per-rank ",
+                                          o.slots_per_rank, " slots cannot hold --experts ",
+                                          o.experts));
   }
   std::string b = o.expert_bytes;
   uint64_t mult = 1;
@@ -44,31 +50,37 @@ Status ParseDemo(DemoOptions& o) {
   char* end = nullptr;
   const unsigned long long v = std::strtoull(b.c_str(), &end, 10);
   if (b.empty() || *end != '\0' || v == 0) {
-    return Status::InvalidArgument(StrCat("--expert-bytes '", o.expert_bytes, "': expected bytes like 4096, 64K, 1M"));
+    return Status::InvalidArgument(
+        StrCat("--expert-bytes '", o.expert_bytes, "': expected bytes like 4096, 64K, 1M"));
   }
   o.expert_bytes_value = v * mult;
   if (o.expert_bytes_value < 8ull * o.tensors || o.expert_bytes_value > (256ull << 20)) {
-    return Status::InvalidArgument(StrCat("--expert-bytes ", o.expert_bytes_value, ": expected ", 8 * o.tensors,
-                                          " .. 256M"));
+    return Status::InvalidArgument(
+        StrCat("--expert-bytes ", o.expert_bytes_value, ": expected ", 8 * o.tensors, " .. 256M"));
   }
   const uint64_t per_rank = o.expert_bytes_value * o.slots_per_rank * o.layers;
   if (per_rank * o.ranks > (16ull << 30)) {
-    return Status::InvalidArgument(StrCat("the demo would allocate ", (per_rank * o.ranks) >> 20,
-                                          " MiB of weights; reduce --layers, --slots-per-rank or --expert-bytes"));
+    return Status::InvalidArgument(
+        StrCat("the demo would allocate ", (per_rank * o.ranks) >> 20,
+               " MiB of weights; reduce --layers, --slots-per-rank or --expert-bytes"));
   }
   if (!o.inject.empty()) {
     const auto colon = o.inject.find(':');
-    static const char* kFaults[] = {"stride-mismatch", "missing-tensor", "kill", "stall", "bad-notify"};
+    static const char* kFaults[] = {"stride-mismatch", "missing-tensor", "kill", "stall",
+                                    "bad-notify"};
     o.fault = o.inject.substr(0, colon);
     bool known = false;
     for (const char* f : kFaults) known |= o.fault == f;
     if (colon == std::string::npos || !known) {
-      return Status::InvalidArgument(StrCat("--inject '", o.inject, "': expected KIND:RANK with KIND one of "
-                                            "stride-mismatch, missing-tensor, kill, stall, bad-notify"));
+      return Status::InvalidArgument(
+          StrCat("--inject '", o.inject,
+                 "': expected KIND:RANK with KIND one of "
+                 "stride-mismatch, missing-tensor, kill, stall, bad-notify"));
     }
     o.fault_rank = std::atoi(o.inject.c_str() + colon + 1);
     if (o.fault_rank < 0 || o.fault_rank >= o.ranks) {
-      return Status::InvalidArgument(StrCat("--inject ", o.inject, ": rank must be 0..", o.ranks - 1));
+      return Status::InvalidArgument(
+          StrCat("--inject ", o.inject, ": rank must be 0..", o.ranks - 1));
     }
   }
   return Status::OK();
@@ -96,10 +108,10 @@ Status RunDemo(DemoOptions o) {
     fds[r] = sv[0];
   }
   if (!o.json) {
-    std::cerr << "eplbx demo: " << o.ranks << " ranks, " << o.layers << " layers x " << o.experts << " experts, "
-              << o.slots_per_rank << " slots per rank, " << o.tensors << " tensors, " << o.expert_bytes_value
-              << " bytes per expert, " << o.steps << " steps" << (o.inject.empty() ? "" : ", inject " + o.inject)
-              << "\n";
+    std::cerr << "eplbx demo: " << o.ranks << " ranks, " << o.layers << " layers x " << o.experts
+              << " experts, " << o.slots_per_rank << " slots per rank, " << o.tensors
+              << " tensors, " << o.expert_bytes_value << " bytes per expert, " << o.steps
+              << " steps" << (o.inject.empty() ? "" : ", inject " + o.inject) << "\n";
   }
   std::map<int, nlohmann::json> reports;
   const auto t0 = Clock::now();
@@ -156,7 +168,8 @@ Status RunDemo(DemoOptions o) {
   std::string survivor_error, faulty_error;
   for (int r = 0; r < o.ranks; ++r) {
     if (reports.count(r) == 0) {
-      if (survivor_error.empty() && o.fault_rank != r) survivor_error = StrCat("rank ", r, " exited without a report");
+      if (survivor_error.empty() && o.fault_rank != r)
+        survivor_error = StrCat("rank ", r, " exited without a report");
       continue;
     }
     const auto& rep = reports[r];
@@ -204,13 +217,15 @@ Status RunDemo(DemoOptions o) {
   } else {
     for (size_t s = 0; s < steps.size(); ++s) {
       const auto& st = steps[s];
-      std::printf("step %zu: balancedness %.3f -> %.3f, %.1f MiB moved in %.3f s (%.2f GB/s, %.2f x memcpy)\n", s + 1,
-                  st["balancedness_before"].get<double>(), st["balancedness_after"].get<double>(),
-                  st["bytes_moved"].get<uint64_t>() / 1048576.0, st["seconds"].get<double>(), st["gbps"].get<double>(),
-                  st["memcpy_ratio"].get<double>());
+      std::printf(
+          "step %zu: balancedness %.3f -> %.3f, %.1f MiB moved in %.3f s (%.2f GB/s, %.2f x "
+          "memcpy)\n",
+          s + 1, st["balancedness_before"].get<double>(), st["balancedness_after"].get<double>(),
+          st["bytes_moved"].get<uint64_t>() / 1048576.0, st["seconds"].get<double>(),
+          st["gbps"].get<double>(), st["memcpy_ratio"].get<double>());
     }
-    std::printf("verified: %s, weights intact: %s, memcpy %.2f GB/s, wall %.2f s\n", verified ? "yes" : "NO",
-                intact ? "yes" : "NO", memcpy_gbps, wall);
+    std::printf("verified: %s, weights intact: %s, memcpy %.2f GB/s, wall %.2f s\n",
+                verified ? "yes" : "NO", intact ? "yes" : "NO", memcpy_gbps, wall);
   }
   if (!error.empty()) return Status::Aborted(error);
   if (!verified) return Status::Internal("the demo did not verify (see the report)");
@@ -221,19 +236,24 @@ Status RunDemo(DemoOptions o) {
 
 void AddDemoCommand(CLI::App& app, Action& run) {
   auto o = std::make_shared<DemoOptions>();
-  CLI::App* demo = app.add_subcommand("demo", "Rearrange real weights between rank processes on this machine");
+  CLI::App* demo =
+      app.add_subcommand("demo", "Rearrange real weights between rank processes on this machine");
   demo->add_option("--ranks", o->ranks, "rank processes")->capture_default_str();
   demo->add_option("--layers", o->layers, "MoE layers")->capture_default_str();
   demo->add_option("--experts", o->experts, "logical experts per layer")->capture_default_str();
-  demo->add_option("--slots-per-rank", o->slots_per_rank, "expert slots per rank")->capture_default_str();
+  demo->add_option("--slots-per-rank", o->slots_per_rank, "expert slots per rank")
+      ->capture_default_str();
   demo->add_option("--tensors", o->tensors, "weight tensors per expert")->capture_default_str();
-  demo->add_option("--expert-bytes", o->expert_bytes, "bytes per expert, all tensors (K, M)")->capture_default_str();
+  demo->add_option("--expert-bytes", o->expert_bytes, "bytes per expert, all tensors (K, M)")
+      ->capture_default_str();
   demo->add_option("--steps", o->steps, "rebalancing steps")->capture_default_str();
-  demo->add_option("--deadline", o->deadline_s, "seconds every phase may take")->capture_default_str();
+  demo->add_option("--deadline", o->deadline_s, "seconds every phase may take")
+      ->capture_default_str();
   demo->add_option("--seed", o->seed, "load generator seed")->capture_default_str();
   demo->add_option("--transport", o->transport, "auto, shm or tcp")->capture_default_str();
   demo->add_option("--inject", o->inject,
-                   "fault drill: stride-mismatch:RANK, missing-tensor:RANK, kill:RANK, stall:RANK, bad-notify:RANK");
+                   "fault drill: stride-mismatch:RANK, missing-tensor:RANK, kill:RANK, stall:RANK, "
+                   "bad-notify:RANK");
   demo->add_flag("--json", o->json, "print one JSON report on stdout");
   demo->callback([&run, o] { run = [o] { return RunDemo(*o); }; });
 }

@@ -33,7 +33,8 @@ uint64_t Mix(uint64_t x) {
 
 // The bytes of (layer, expert, tensor): a pattern anyone can recompute.
 void Pattern(uint8_t* out, uint64_t n, uint32_t layer, uint32_t expert, uint32_t tensor) {
-  const uint64_t key = Mix((static_cast<uint64_t>(layer) << 42) ^ (static_cast<uint64_t>(expert) << 21) ^ tensor);
+  const uint64_t key =
+      Mix((static_cast<uint64_t>(layer) << 42) ^ (static_cast<uint64_t>(expert) << 21) ^ tensor);
   uint64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const uint64_t w = Mix(key + i);
@@ -50,7 +51,8 @@ std::vector<double> InitialLoad(const DemoOptions& o, std::mt19937_64& rng) {
     std::vector<int> perm(o.experts);
     for (int e = 0; e < o.experts; ++e) perm[e] = e;
     for (int e = o.experts - 1; e > 0; --e) std::swap(perm[e], perm[rng() % (e + 1)]);
-    for (int e = 0; e < o.experts; ++e) load[l * o.experts + perm[e]] = 10000.0 / std::pow(e + 1.0, 1.0);
+    for (int e = 0; e < o.experts; ++e)
+      load[l * o.experts + perm[e]] = 10000.0 / std::pow(e + 1.0, 1.0);
   }
   return load;
 }
@@ -67,8 +69,8 @@ void Drift(std::vector<double>& load, std::mt19937_64& rng) {
 
 struct Weights {
   RegisteredRegion region;
-  RankLayout layout;             // true layout
-  std::vector<uint64_t> bytes;   // per tensor bytes per expert
+  RankLayout layout;            // true layout
+  std::vector<uint64_t> bytes;  // per tensor bytes per expert
   int rows = 0;
 };
 
@@ -77,8 +79,8 @@ void FillLayer(Weights& w, const Placement& map, int layer, int rank) {
     const uint32_t expert = static_cast<uint32_t>(map.phy2log(layer, rank * w.rows + row));
     for (size_t t = 0; t < w.bytes.size(); ++t) {
       const TensorSpec& s = w.layout.layers[layer][t];
-      Pattern(reinterpret_cast<uint8_t*>(s.base) + row * s.bytes_per_expert, s.bytes_per_expert, layer, expert,
-              static_cast<uint32_t>(t));
+      Pattern(reinterpret_cast<uint8_t*>(s.base) + row * s.bytes_per_expert, s.bytes_per_expert,
+              layer, expert, static_cast<uint32_t>(t));
     }
   }
 }
@@ -92,9 +94,11 @@ std::string VerifyLayer(const Weights& w, const Placement& map, int layer, int r
       const TensorSpec& s = w.layout.layers[layer][t];
       expect.resize(s.bytes_per_expert);
       Pattern(expect.data(), s.bytes_per_expert, layer, expert, static_cast<uint32_t>(t));
-      if (std::memcmp(expect.data(), reinterpret_cast<const uint8_t*>(s.base) + row * s.bytes_per_expert,
+      if (std::memcmp(expect.data(),
+                      reinterpret_cast<const uint8_t*>(s.base) + row * s.bytes_per_expert,
                       s.bytes_per_expert) != 0) {
-        return StrCat("rank ", rank, " layer ", layer, " row ", row, " tensor ", t, " does not hold expert ", expert);
+        return StrCat("rank ", rank, " layer ", layer, " row ", row, " tensor ", t,
+                      " does not hold expert ", expert);
       }
     }
   }
@@ -105,7 +109,8 @@ std::string VerifyLayer(const Weights& w, const Placement& map, int layer, int r
 
 int RunDemoRank(const DemoOptions& o, int rank, int fd) {
   SocketBootstrap boot(fd, static_cast<uint32_t>(rank), static_cast<uint32_t>(o.ranks));
-  nlohmann::json report = {{"rank", rank}, {"verified", false}, {"weights_intact", false}, {"error", ""}};
+  nlohmann::json report = {
+      {"rank", rank}, {"verified", false}, {"weights_intact", false}, {"error", ""}};
   auto finish = [&](int code) {
     (void)boot.SendMessage(report.dump());
     return code;
@@ -126,7 +131,9 @@ int RunDemoRank(const DemoOptions& o, int rank, int fd) {
   w.rows = o.slots_per_rank;
   uint64_t left = o.expert_bytes_value;
   for (int t = 0; t < o.tensors; ++t) {
-    const uint64_t b = t + 1 < o.tensors ? std::max<uint64_t>(8, (o.expert_bytes_value / o.tensors) & ~7ull) : left;
+    const uint64_t b = t + 1 < o.tensors
+                           ? std::max<uint64_t>(8, (o.expert_bytes_value / o.tensors) & ~7ull)
+                           : left;
     w.bytes.push_back(b);
     left -= std::min(left, b);
   }
@@ -181,7 +188,8 @@ int RunDemoRank(const DemoOptions& o, int rank, int fd) {
   }
   RearrangeOptions ro;
   ro.deadline = deadline;
-  Result<std::unique_ptr<Rearranger>> rearranger = Rearranger::Create(agent->get(), &boot, declared, ro);
+  Result<std::unique_ptr<Rearranger>> rearranger =
+      Rearranger::Create(agent->get(), &boot, declared, ro);
   auto verify_all = [&](const std::vector<const Placement*>& maps) {
     std::string bad;
     for (int l = 0; l < o.layers && bad.empty(); ++l) bad = VerifyLayer(w, *maps[l], l, rank);
@@ -189,7 +197,8 @@ int RunDemoRank(const DemoOptions& o, int rank, int fd) {
   };
   if (!rearranger.ok()) {
     report["error"] = rearranger.status().message();
-    report["weights_intact"] = verify_all(std::vector<const Placement*>(o.layers, &*current)).empty();
+    report["weights_intact"] =
+        verify_all(std::vector<const Placement*>(o.layers, &*current)).empty();
     return finish(1);
   }
   (*rearranger)->set_layer_hook([&](uint32_t layer) {
@@ -250,9 +259,9 @@ int RunDemoRank(const DemoOptions& o, int rank, int fd) {
     } else {
       current = std::move(next);
       if (rank == 0) {
-        (void)boot.SendMessage(nlohmann::json{{"progress", StrCat("step ", s, "/", o.steps, ": ",
-                                                                  rr.bytes_read >> 20, " MiB read by rank 0 in ",
-                                                                  rr.seconds, " s, every byte verified")}}
+        (void)boot.SendMessage(nlohmann::json{
+            {"progress", StrCat("step ", s, "/", o.steps, ": ", rr.bytes_read >> 20,
+                                " MiB read by rank 0 in ", rr.seconds, " s, every byte verified")}}
                                    .dump());
       }
     }

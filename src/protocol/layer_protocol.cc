@@ -31,20 +31,23 @@ LayerProtocol::LayerProtocol(LayerStep step, Clock::time_point now, Clock::durat
       served_(step_.serves.size(), false),
       done_from_(step_.world, false) {}
 
-Record LayerProtocol::Make(RecordKind kind, uint32_t expert, uint32_t source, uint32_t reader) const {
+Record LayerProtocol::Make(RecordKind kind, uint32_t expert, uint32_t source,
+                           uint32_t reader) const {
   return Record{kind, step_.generation, step_.layer, expert, source, reader, {}};
 }
 
 int LayerProtocol::FindRead(uint32_t expert, uint32_t source) const {
   for (size_t i = 0; i < step_.reads.size(); ++i) {
-    if (step_.reads[i].expert == expert && step_.reads[i].source == source) return static_cast<int>(i);
+    if (step_.reads[i].expert == expert && step_.reads[i].source == source)
+      return static_cast<int>(i);
   }
   return -1;
 }
 
 int LayerProtocol::FindServe(uint32_t expert, uint32_t reader) const {
   for (size_t i = 0; i < step_.serves.size(); ++i) {
-    if (step_.serves[i].expert == expert && step_.serves[i].reader == reader) return static_cast<int>(i);
+    if (step_.serves[i].expert == expert && step_.serves[i].reader == reader)
+      return static_cast<int>(i);
   }
   return -1;
 }
@@ -54,7 +57,8 @@ std::vector<Action> LayerProtocol::Start() {
   if (started_ || state_ != LayerState::kRunning) return out;
   started_ = true;
   for (const ServeTask& s : step_.serves) {
-    out.push_back(MakeAction(ActionKind::kSend, s.reader, Make(RecordKind::kReady, s.expert, step_.self, s.reader)));
+    out.push_back(MakeAction(ActionKind::kSend, s.reader,
+                             Make(RecordKind::kReady, s.expert, step_.self, s.reader)));
   }
   MaybeDone(&out);
   return out;
@@ -68,7 +72,8 @@ void LayerProtocol::MaybeDone(std::vector<Action>* out) {
     if (!reads || !serves) return;
     done_from_[step_.self] = true;
     for (uint32_t r = 0; r < step_.world; ++r) {
-      if (r != step_.self) out->push_back(MakeAction(ActionKind::kSend, r, Make(RecordKind::kDone, 0, step_.self, 0)));
+      if (r != step_.self)
+        out->push_back(MakeAction(ActionKind::kSend, r, Make(RecordKind::kDone, 0, step_.self, 0)));
     }
   }
   if (std::all_of(done_from_.begin(), done_from_.end(), [](bool b) { return b; })) {
@@ -110,15 +115,17 @@ std::vector<Action> LayerProtocol::OnRecord(uint32_t from, const Record& r, Cloc
   }
   if (from >= step_.world) return Abort(StrCat("a record claims to come from rank ", from), true);
   if (r.layer != step_.layer) {
-    return Abort(StrCat("rank ", from, " sent ", KindName(r.kind), " for layer ", r.layer, " in generation ",
-                        r.generation, " of layer ", step_.layer, " (misrouted record)"),
-                 true);
+    return Abort(
+        StrCat("rank ", from, " sent ", KindName(r.kind), " for layer ", r.layer, " in generation ",
+               r.generation, " of layer ", step_.layer, " (misrouted record)"),
+        true);
   }
   std::vector<Action> out;
   switch (r.kind) {
     case RecordKind::kReady: {
       if (r.source != from || r.reader != step_.self) {
-        return Abort(StrCat("rank ", from, " sent a misrouted READY (source ", r.source, ", reader ", r.reader, ")"),
+        return Abort(StrCat("rank ", from, " sent a misrouted READY (source ", r.source,
+                            ", reader ", r.reader, ")"),
                      true);
       }
       const int i = FindRead(r.expert, from);
@@ -132,19 +139,21 @@ std::vector<Action> LayerProtocol::OnRecord(uint32_t from, const Record& r, Cloc
         return {};
       }
       ready_[i] = true;
-      out.push_back(MakeAction(ActionKind::kPostRead, from, Make(RecordKind::kReadDone, r.expert, from, step_.self),
+      out.push_back(MakeAction(ActionKind::kPostRead, from,
+                               Make(RecordKind::kReadDone, r.expert, from, step_.self),
                                step_.reads[i]));
       break;
     }
     case RecordKind::kReadDone: {
       if (r.reader != from || r.source != step_.self) {
-        return Abort(StrCat("rank ", from, " sent a misrouted READ_DONE (source ", r.source, ", reader ", r.reader,
-                            ")"),
+        return Abort(StrCat("rank ", from, " sent a misrouted READ_DONE (source ", r.source,
+                            ", reader ", r.reader, ")"),
                      true);
       }
       const int i = FindServe(r.expert, from);
       if (i < 0) {
-        return Abort(StrCat("rank ", from, " sent READ_DONE for expert ", r.expert, ", which it does not read here"),
+        return Abort(StrCat("rank ", from, " sent READ_DONE for expert ", r.expert,
+                            ", which it does not read here"),
                      true);
       }
       if (served_[i]) {
@@ -183,9 +192,11 @@ std::vector<Action> LayerProtocol::OnReadComplete(const ReadTask& task, const St
   const int i = FindRead(task.expert, task.source);
   if (i < 0 || state_ != LayerState::kRunning) return {};
   if (!status.ok()) {
-    const std::string who = status.code() == Code::kUnavailable ? StrCat("rank ", task.source, " unreachable: ")
-                                                                : std::string();
-    return Abort(StrCat(who, "READ of expert ", task.expert, " from rank ", task.source, " failed: ", status.message()),
+    const std::string who = status.code() == Code::kUnavailable
+                                ? StrCat("rank ", task.source, " unreachable: ")
+                                : std::string();
+    return Abort(StrCat(who, "READ of expert ", task.expert, " from rank ", task.source,
+                        " failed: ", status.message()),
                  true);
   }
   read_done_[i] = true;
@@ -203,25 +214,26 @@ std::vector<Action> LayerProtocol::OnTick(Clock::time_point now) {
   // Name the first thing still missing.
   for (size_t i = 0; i < step_.reads.size(); ++i) {
     if (!ready_[i]) {
-      return Abort(StrCat("deadline passed waiting for READY of expert ", step_.reads[i].expert, " from rank ",
-                          step_.reads[i].source),
+      return Abort(StrCat("deadline passed waiting for READY of expert ", step_.reads[i].expert,
+                          " from rank ", step_.reads[i].source),
                    true);
     }
     if (!read_done_[i]) {
-      return Abort(StrCat("deadline passed waiting for the READ of expert ", step_.reads[i].expert, " from rank ",
-                          step_.reads[i].source),
+      return Abort(StrCat("deadline passed waiting for the READ of expert ", step_.reads[i].expert,
+                          " from rank ", step_.reads[i].source),
                    true);
     }
   }
   for (size_t i = 0; i < step_.serves.size(); ++i) {
     if (!served_[i]) {
-      return Abort(StrCat("deadline passed waiting for READ_DONE of expert ", step_.serves[i].expert, " from rank ",
-                          step_.serves[i].reader),
+      return Abort(StrCat("deadline passed waiting for READ_DONE of expert ",
+                          step_.serves[i].expert, " from rank ", step_.serves[i].reader),
                    true);
     }
   }
   for (uint32_t r = 0; r < step_.world; ++r) {
-    if (!done_from_[r]) return Abort(StrCat("deadline passed waiting for DONE from rank ", r), true);
+    if (!done_from_[r])
+      return Abort(StrCat("deadline passed waiting for DONE from rank ", r), true);
   }
   return {};
 }

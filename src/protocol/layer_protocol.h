@@ -65,7 +65,8 @@ class LayerProtocol {
 
   std::vector<Action> Start();
   // `deferred` is set for a record of a later generation: keep it for the next step.
-  std::vector<Action> OnRecord(uint32_t from, const Record& r, Clock::time_point now, bool* deferred);
+  std::vector<Action> OnRecord(uint32_t from, const Record& r, Clock::time_point now,
+                               bool* deferred);
   // A notification from `from` that did not decode.
   std::vector<Action> OnMalformed(uint32_t from, const Status& why);
   std::vector<Action> OnReadComplete(const ReadTask& task, const Status& status);

@@ -16,10 +16,14 @@ constexpr uint16_t kVersion = 1;
 
 std::string_view KindName(RecordKind kind) {
   switch (kind) {
-    case RecordKind::kReady: return "READY";
-    case RecordKind::kReadDone: return "READ_DONE";
-    case RecordKind::kDone: return "DONE";
-    case RecordKind::kAbort: return "ABORT";
+    case RecordKind::kReady:
+      return "READY";
+    case RecordKind::kReadDone:
+      return "READ_DONE";
+    case RecordKind::kDone:
+      return "DONE";
+    case RecordKind::kAbort:
+      return "ABORT";
   }
   return "?";
 }
@@ -55,16 +59,20 @@ Result<Record> DecodeRecord(std::string_view bytes) {
     return Status::Corruption("protocol record: bad magic (expected 'EPXR')");
   }
   (void)(in.U16("version", &version) && in.U8("kind", &kind) && in.U8("reserved", &reserved) &&
-         in.U64("generation", &r.generation) && in.U32("layer", &r.layer) && in.U32("expert", &r.expert) &&
-         in.U32("source", &r.source) && in.U32("reader", &r.reader) && in.U16("reason_length", &reason_len));
+         in.U64("generation", &r.generation) && in.U32("layer", &r.layer) &&
+         in.U32("expert", &r.expert) && in.U32("source", &r.source) &&
+         in.U32("reader", &r.reader) && in.U16("reason_length", &reason_len));
   if (version != kVersion) {
-    return Status::NotSupported(StrCat("protocol record: version ", version, " (this build speaks ", kVersion, ")"));
+    return Status::NotSupported(
+        StrCat("protocol record: version ", version, " (this build speaks ", kVersion, ")"));
   }
-  if (kind < 1 || kind > 4) return Status::Corruption(StrCat("protocol record: unknown kind ", +kind));
+  if (kind < 1 || kind > 4)
+    return Status::Corruption(StrCat("protocol record: unknown kind ", +kind));
   r.kind = static_cast<RecordKind>(kind);
   if (reserved != 0) return Status::Corruption("protocol record: reserved byte is not 0");
   if (reason_len > kMaxReasonBytes) {
-    return Status::Corruption(StrCat("protocol record: reason of ", reason_len, " bytes (limit ", kMaxReasonBytes, ")"));
+    return Status::Corruption(
+        StrCat("protocol record: reason of ", reason_len, " bytes (limit ", kMaxReasonBytes, ")"));
   }
   if (bytes.size() != kRecordFixedBytes + reason_len) {
     return Status::Corruption(StrCat("protocol record: ", bytes.size(), " bytes, the header says ",

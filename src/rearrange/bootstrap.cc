@@ -3,8 +3,8 @@
 #include <poll.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <optional>
 
@@ -43,7 +43,8 @@ bool WriteFrame(int fd, uint8_t type, std::string_view body) {
 bool ReadAll(int fd, char* p, size_t n, Clock::time_point deadline, bool* timed_out) {
   *timed_out = false;
   while (n > 0) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
     if (left <= 0) {
       *timed_out = true;
       return false;
@@ -61,12 +62,14 @@ bool ReadAll(int fd, char* p, size_t n, Clock::time_point deadline, bool* timed_
   return true;
 }
 
-bool ReadFrame(int fd, Clock::time_point deadline, uint8_t* type, std::string* body, bool* timed_out) {
+bool ReadFrame(int fd, Clock::time_point deadline, uint8_t* type, std::string* body,
+               bool* timed_out) {
   char head[5];
   if (!ReadAll(fd, head, 5, deadline, timed_out)) return false;
   *type = static_cast<uint8_t>(head[0]);
   uint32_t n = 0;
-  for (int i = 0; i < 4; ++i) n |= static_cast<uint32_t>(static_cast<uint8_t>(head[1 + i])) << (8 * i);
+  for (int i = 0; i < 4; ++i)
+    n |= static_cast<uint32_t>(static_cast<uint8_t>(head[1 + i])) << (8 * i);
   if (n > kMaxFrame) return false;
   body->resize(n);
   return ReadAll(fd, body->data(), n, deadline, timed_out);
@@ -74,7 +77,8 @@ bool ReadFrame(int fd, Clock::time_point deadline, uint8_t* type, std::string* b
 
 }  // namespace
 
-SocketBootstrap::SocketBootstrap(int fd, uint32_t rank, uint32_t size) : fd_(fd), rank_(rank), size_(size) {}
+SocketBootstrap::SocketBootstrap(int fd, uint32_t rank, uint32_t size)
+    : fd_(fd), rank_(rank), size_(size) {}
 SocketBootstrap::~SocketBootstrap() {
   if (fd_ >= 0) close(fd_);
 }
@@ -86,7 +90,8 @@ Status SocketBootstrap::SendMessage(std::string_view bytes) {
   return Status::OK();
 }
 
-Result<std::vector<std::string>> SocketBootstrap::AllGather(std::string_view mine, std::chrono::milliseconds timeout) {
+Result<std::vector<std::string>> SocketBootstrap::AllGather(std::string_view mine,
+                                                            std::chrono::milliseconds timeout) {
   if (!WriteFrame(fd_, kContribute, mine)) {
     return Status::Unavailable(StrCat("rank ", rank_, ": the coordinator is gone (all-gather)"));
   }
@@ -95,18 +100,20 @@ Result<std::vector<std::string>> SocketBootstrap::AllGather(std::string_view min
   bool timed_out = false;
   if (!ReadFrame(fd_, Clock::now() + timeout, &type, &body, &timed_out)) {
     if (timed_out) {
-      return Status::Timeout(StrCat("rank ", rank_, ": all-gather did not complete within ", timeout.count(),
-                                    " ms (a rank did not join)"));
+      return Status::Timeout(StrCat("rank ", rank_, ": all-gather did not complete within ",
+                                    timeout.count(), " ms (a rank did not join)"));
     }
     return Status::Unavailable(StrCat("rank ", rank_, ": the coordinator is gone (all-gather)"));
   }
   if (type == kFailed) return Status::Unavailable(body);
-  if (type != kGathered) return Status::Corruption(StrCat("rank ", rank_, ": unexpected frame type ", +type));
+  if (type != kGathered)
+    return Status::Corruption(StrCat("rank ", rank_, ": unexpected frame type ", +type));
   internal::ByteReader r(body, "all-gather result");
   uint32_t count = 0;
   if (!r.U32("count", &count)) return r.status();
   if (count != size_) {
-    return Status::Corruption(StrCat("all-gather returned ", count, " contributions for ", size_, " ranks"));
+    return Status::Corruption(
+        StrCat("all-gather returned ", count, " contributions for ", size_, " ranks"));
   }
   std::vector<std::string> out(count);
   for (uint32_t i = 0; i < count; ++i) {

@@ -75,11 +75,13 @@ Result<RankLayout> DecodeLayout(std::string_view bytes) {
     return r.status();
   }
   if (version != kVersion) {
-    return Status::NotSupported(StrCat("layout: version ", version, " is not supported (this build reads ",
-                                       kVersion, "); run the same eplbx release on every rank"));
+    return Status::NotSupported(StrCat("layout: version ", version,
+                                       " is not supported (this build reads ", kVersion,
+                                       "); run the same eplbx release on every rank"));
   }
   if (length != bytes.size()) {
-    return Status::Corruption(StrCat("layout: length field says ", length, " bytes, got ", bytes.size()));
+    return Status::Corruption(
+        StrCat("layout: length field says ", length, " bytes, got ", bytes.size()));
   }
   if (!r.U32("rank", &out.rank) || !r.U32("layer_count", &layers)) return r.status();
   if (layers > kMaxLayers) {
@@ -90,7 +92,8 @@ Result<RankLayout> DecodeLayout(std::string_view bytes) {
     uint32_t tensors = 0;
     if (!r.U32(StrCat("layers[", l, "].tensor_count"), &tensors)) return r.status();
     if (tensors > kMaxTensors) {
-      return Status::Corruption(StrCat("layout: layer ", l, " has ", tensors, " tensors, the limit is ", kMaxTensors));
+      return Status::Corruption(
+          StrCat("layout: layer ", l, " has ", tensors, " tensors, the limit is ", kMaxTensors));
     }
     out.layers[l].resize(tensors);
     for (uint32_t t = 0; t < tensors; ++t) {
@@ -101,7 +104,8 @@ Result<RankLayout> DecodeLayout(std::string_view bytes) {
           !r.U8(f + ".dims", &dims)) {
         return r.status();
       }
-      if (dims > kMaxDims) return Status::Corruption(StrCat("layout: ", f, " has ", +dims, " dimensions"));
+      if (dims > kMaxDims)
+        return Status::Corruption(StrCat("layout: ", f, " has ", +dims, " dimensions"));
       s.expert_shape.resize(dims);
       for (auto& d : s.expert_shape) {
         uint64_t v = 0;
@@ -114,7 +118,8 @@ Result<RankLayout> DecodeLayout(std::string_view bytes) {
       }
     }
   }
-  if (r.remaining() != 0) return Status::Corruption(StrCat("layout: ", r.remaining(), " trailing bytes"));
+  if (r.remaining() != 0)
+    return Status::Corruption(StrCat("layout: ", r.remaining(), " trailing bytes"));
   return out;
 }
 
@@ -153,7 +158,8 @@ Status ValidateLayouts(std::span<const RankLayout> all, uint32_t self) {
     if (peer == self) continue;
     if (other.layers.size() != mine.layers.size()) {
       add(StrCat("layout mismatch with rank ", peer, ": it has ", other.layers.size(),
-                 " MoE layers, rank ", self, " has ", mine.layers.size(), " (a different model or model revision?)"));
+                 " MoE layers, rank ", self, " has ", mine.layers.size(),
+                 " (a different model or model revision?)"));
       continue;
     }
     for (size_t l = 0; l < mine.layers.size(); ++l) {
@@ -161,35 +167,39 @@ Status ValidateLayouts(std::span<const RankLayout> all, uint32_t self) {
       const auto& b = other.layers[l];
       for (size_t t = 0; t < std::max(a.size(), b.size()); ++t) {
         if (t >= b.size()) {
-          add(StrCat("layout mismatch with rank ", peer, ": key (layer ", l, ", tensor ", t, " '", a[t].name,
-                     "') is missing on rank ", peer, " (rank ", self,
+          add(StrCat("layout mismatch with rank ", peer, ": key (layer ", l, ", tensor ", t, " '",
+                     a[t].name, "') is missing on rank ", peer, " (rank ", self,
                      " has it); every rank must register the same tensors for every layer"));
           continue;
         }
         if (t >= a.size()) {
-          add(StrCat("layout mismatch with rank ", peer, ": key (layer ", l, ", tensor ", t, " '", b[t].name,
-                     "') exists on rank ", peer, " but not on rank ", self,
+          add(StrCat("layout mismatch with rank ", peer, ": key (layer ", l, ", tensor ", t, " '",
+                     b[t].name, "') exists on rank ", peer, " but not on rank ", self,
                      "; every rank must register the same tensors for every layer"));
           continue;
         }
         const TensorSpec& x = a[t];
         const TensorSpec& y = b[t];
         if (x.name != y.name) {
-          add(StrCat("layout mismatch with rank ", peer, ": (layer ", l, ", tensor ", t, ") is '", y.name,
-                     "' there and '", x.name, "' on rank ", self, " (tensors registered in another order?)"));
+          add(StrCat("layout mismatch with rank ", peer, ": (layer ", l, ", tensor ", t, ") is '",
+                     y.name, "' there and '", x.name, "' on rank ", self,
+                     " (tensors registered in another order?)"));
         }
-        if (x.bytes_per_expert != y.bytes_per_expert || x.dtype != y.dtype || x.expert_shape != y.expert_shape) {
-          const double ratio = y.bytes_per_expert == 0 ? 0.0
-                                                       : static_cast<double>(x.bytes_per_expert) / y.bytes_per_expert;
-          add(StrCat("nbytes_per_expert mismatch for (layer ", l, ", tensor ", t, " '", x.name, "') with rank ",
-                     peer, ": local (rank ", self, ") = ", Describe(x), ", peer (rank ", peer, ") = ", Describe(y),
-                     ", ratio ", ratio,
-                     "; different quantization, tensor-parallel size or model revision across ranks?"));
+        if (x.bytes_per_expert != y.bytes_per_expert || x.dtype != y.dtype ||
+            x.expert_shape != y.expert_shape) {
+          const double ratio = y.bytes_per_expert == 0
+                                   ? 0.0
+                                   : static_cast<double>(x.bytes_per_expert) / y.bytes_per_expert;
+          add(StrCat(
+              "nbytes_per_expert mismatch for (layer ", l, ", tensor ", t, " '", x.name,
+              "') with rank ", peer, ": local (rank ", self, ") = ", Describe(x), ", peer (rank ",
+              peer, ") = ", Describe(y), ", ratio ", ratio,
+              "; different quantization, tensor-parallel size or model revision across ranks?"));
         }
         if (x.rows != y.rows) {
-          add(StrCat("layout mismatch with rank ", peer, ": (layer ", l, ", tensor ", t, " '", x.name, "') has ",
-                     y.rows, " local experts there and ", x.rows, " on rank ", self,
-                     "; every rank must hold the same number of expert slots"));
+          add(StrCat("layout mismatch with rank ", peer, ": (layer ", l, ", tensor ", t, " '",
+                     x.name, "') has ", y.rows, " local experts there and ", x.rows, " on rank ",
+                     self, "; every rank must hold the same number of expert slots"));
         }
       }
     }
@@ -202,7 +212,8 @@ Status ValidateLayouts(std::span<const RankLayout> all, uint32_t self) {
                    " rows but '", mine.layers[l][0].name, "' has ", mine.layers[l][0].rows));
       }
       if (t.bytes_per_expert == 0) {
-        add(StrCat("layout of rank ", self, ", layer ", l, ": tensor '", t.name, "' has 0 bytes per expert"));
+        add(StrCat("layout of rank ", self, ", layer ", l, ": tensor '", t.name,
+                   "' has 0 bytes per expert"));
       }
     }
   }
@@ -211,7 +222,8 @@ Status ValidateLayouts(std::span<const RankLayout> all, uint32_t self) {
   for (size_t i = 0; i < problems.size(); ++i) {
     if (i > 0) msg += "; ";
     msg += problems[i];
-    if (repeats[i] > 0) msg += StrCat(" (the same in ", repeats[i], " more layer", repeats[i] > 1 ? "s" : "", ")");
+    if (repeats[i] > 0)
+      msg += StrCat(" (the same in ", repeats[i], " more layer", repeats[i] > 1 ? "s" : "", ")");
   }
   return Status::Mismatch(std::move(msg));
 }

@@ -1,8 +1,12 @@
 #include "eplbx/rearrange.h"
 
+#include <algorithm>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <map>
+#include <mutex>
+#include <optional>
 
 #include "common/bytes.h"
 #include "common/strings.h"
@@ -40,29 +44,45 @@ class RearrangerImpl {
   uint32_t world() const { return static_cast<uint32_t>(all.size()); }
 
   Status Setup();
+  // One layer of reads (from a migration plan, or from a communicator's add_recv calls).
+  struct JobRead {
+    ReadTask task;
+    uint64_t src_row = 0;
+    std::vector<uint8_t*> dst;  // one destination row per tensor
+  };
+  struct LayerJob {
+    uint32_t layer = 0;
+    std::vector<JobRead> reads;
+    std::vector<protocol::ServeTask> serves;
+    std::function<void()> commit;  // runs when every rank is done with the layer
+  };
+  LayerOutcome RunJob(LayerJob& job);
   LayerOutcome RunLayer(uint32_t l, const LayerMigration& m);
+  uint64_t RowBytes(uint32_t layer) const {
+    uint64_t b = 0;
+    for (const TensorSpec& t : layout.layers[layer]) b += t.bytes_per_expert;
+    return b;
+  }
 
  private:
   struct Pending {
     TransferId id;
     ReadTask task;
   };
-  struct LayerRun {
-    uint32_t layer = 0;
-    const LayerMigration* m = nullptr;
-    std::vector<uint64_t> offset;  // staging offset of each tensor
-    std::map<std::pair<uint32_t, uint32_t>, const RemoteRead*> read_of;  // (expert, source)
-    std::vector<Pending> pending;
-    LayerOutcome outcome;
-  };
-  void Execute(LayerProtocol& p, LayerRun& run, std::vector<Action> actions);
-  void Commit(LayerRun& run);
-  uint8_t* StageRow(const LayerRun& run, size_t t, int row) const {
-    return static_cast<uint8_t*>(staging.data()) + run.offset[t] + static_cast<uint64_t>(row) * layout.layers[run.layer][t].bytes_per_expert;
+  void Execute(LayerProtocol& p, LayerJob& job, std::vector<Pending>& pending,
+               LayerOutcome& outcome, std::vector<Action> actions);
+  uint8_t* StageRow(uint32_t layer, size_t t, int row) const {
+    uint64_t at = 0;
+    for (size_t k = 0; k < t; ++k)
+      at += static_cast<uint64_t>(layout.layers[layer][k].rows) *
+            layout.layers[layer][k].bytes_per_expert;
+    return static_cast<uint8_t*>(staging.data()) + at +
+           static_cast<uint64_t>(row) * layout.layers[layer][t].bytes_per_expert;
   }
-  uint8_t* WeightRow(const LayerRun& run, size_t t, int row) const {
-    const TensorSpec& s = layout.layers[run.layer][t];
-    return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(s.base)) + static_cast<uint64_t>(row) * s.bytes_per_expert;
+  uint8_t* WeightRow(uint32_t layer, size_t t, int row) const {
+    const TensorSpec& s = layout.layers[layer][t];
+    return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(s.base)) +
+           static_cast<uint64_t>(row) * s.bytes_per_expert;
   }
 };
 
@@ -71,13 +91,15 @@ Status RearrangerImpl::Setup() {
   w.Str32(agent->Metadata());
   w.Str32(EncodeLayout(layout));
   Result<std::vector<std::string>> gathered = boot->AllGather(w.Take(), options.deadline);
-  if (!gathered.ok()) return gathered.status().WithPrefix(StrCat("rank ", self(), ": exchanging metadata"));
+  if (!gathered.ok())
+    return gathered.status().WithPrefix(StrCat("rank ", self(), ": exchanging metadata"));
   std::vector<std::string> blobs(gathered->size());
   all.resize(gathered->size());
   for (uint32_t r = 0; r < gathered->size(); ++r) {
     ByteReader in((*gathered)[r], "rank contribution");
     std::string layout_bytes;
-    if (!in.Str32("agent_metadata", 16u << 20, &blobs[r]) || !in.Str32("layout", 64u << 20, &layout_bytes)) {
+    if (!in.Str32("agent_metadata", 16u << 20, &blobs[r]) ||
+        !in.Str32("layout", 64u << 20, &layout_bytes)) {
       return in.status().WithPrefix(StrCat("rank ", r));
     }
     Result<RankLayout> decoded = DecodeLayout(layout_bytes);
@@ -100,12 +122,14 @@ Status RearrangerImpl::Setup() {
     most = std::max(most, bytes);
   }
   Result<RegisteredRegion> s = agent->AllocateShared(std::max<uint64_t>(most, 1));
-  if (!s.ok()) return s.status().WithPrefix(StrCat("rank ", self(), ": staging buffer of one layer"));
+  if (!s.ok())
+    return s.status().WithPrefix(StrCat("rank ", self(), ": staging buffer of one layer"));
   staging = std::move(*s);
   return Status::OK();
 }
 
-void RearrangerImpl::Execute(LayerProtocol& p, LayerRun& run, std::vector<Action> actions) {
+void RearrangerImpl::Execute(LayerProtocol& p, LayerJob& job, std::vector<Pending>& pending,
+                             LayerOutcome& outcome, std::vector<Action> actions) {
   std::deque<Action> work(actions.begin(), actions.end());
   auto more = [&](std::vector<Action> next) { work.insert(work.end(), next.begin(), next.end()); };
   while (!work.empty()) {
@@ -114,134 +138,152 @@ void RearrangerImpl::Execute(LayerProtocol& p, LayerRun& run, std::vector<Action
     switch (a.kind) {
       case ActionKind::kSend: {
         Status s = agent->Notify(peer_of[a.peer], protocol::EncodeRecord(a.record));
-        if (!s.ok() && a.record.kind != protocol::RecordKind::kAbort) more(p.OnPeerFailed(a.peer, s));
+        if (!s.ok() && a.record.kind != protocol::RecordKind::kAbort)
+          more(p.OnPeerFailed(a.peer, s));
         break;
       }
       case ActionKind::kPostRead: {
-        const RemoteRead* rr = run.read_of.at({a.read.expert, a.read.source});
-        const auto& tensors = layout.layers[run.layer];
+        const JobRead* jr = nullptr;
+        for (const JobRead& r : job.reads) {
+          if (r.task.expert == a.read.expert && r.task.source == a.read.source) jr = &r;
+        }
+        const auto& tensors = layout.layers[job.layer];
         std::vector<Descriptor> local, remote;
         for (size_t t = 0; t < tensors.size(); ++t) {
-          const TensorSpec& theirs = all[a.read.source].layers[run.layer][t];
-          local.push_back(Descriptor::Of(StageRow(run, t, rr->dst_row), tensors[t].bytes_per_expert));
-          remote.push_back({theirs.base + static_cast<uint64_t>(rr->src_row) * theirs.bytes_per_expert,
-                            theirs.bytes_per_expert});
-          run.outcome.bytes_read += tensors[t].bytes_per_expert;
+          const TensorSpec& theirs = all[a.read.source].layers[job.layer][t];
+          local.push_back(Descriptor::Of(jr->dst[t], tensors[t].bytes_per_expert));
+          remote.push_back(
+              {theirs.base + jr->src_row * theirs.bytes_per_expert, theirs.bytes_per_expert});
+          outcome.bytes_read += tensors[t].bytes_per_expert;
         }
-        Result<TransferId> id = agent->Read(peer_of[a.read.source], local, remote, protocol::EncodeRecord(a.record));
+        Result<TransferId> id =
+            agent->Read(peer_of[a.read.source], local, remote, protocol::EncodeRecord(a.record));
         if (id.ok()) {
-          run.pending.push_back({*id, a.read});
+          pending.push_back({*id, a.read});
         } else {
           more(p.OnReadComplete(a.read, id.status()));
         }
         break;
       }
-      case ActionKind::kCommit: Commit(run); break;
-      case ActionKind::kAbort: break;
+      case ActionKind::kCommit:
+        if (job.commit) job.commit();
+        outcome.committed = true;
+        break;
+      case ActionKind::kAbort:
+        break;
     }
   }
 }
 
-void RearrangerImpl::Commit(LayerRun& run) {
-  const auto& tensors = layout.layers[run.layer];
-  std::vector<int> changed;
-  for (const RemoteRead& r : run.m->transfers) {
-    if (r.dst == static_cast<int32_t>(self())) changed.push_back(r.dst_row);
-  }
-  // Copies from old rows first (weights are still the old ones), then from rows just read.
-  for (CopySource pass : {CopySource::kOld, CopySource::kNew}) {
-    for (const LocalCopy& c : run.m->local_copies) {
-      if (c.rank != static_cast<int32_t>(self()) || c.source != pass) continue;
-      for (size_t t = 0; t < tensors.size(); ++t) {
-        const uint8_t* from = pass == CopySource::kOld ? WeightRow(run, t, c.src_row) : StageRow(run, t, c.src_row);
-        std::memcpy(StageRow(run, t, c.dst_row), from, tensors[t].bytes_per_expert);
-        run.outcome.bytes_copied += tensors[t].bytes_per_expert;
-      }
-      if (pass == CopySource::kOld) changed.push_back(c.dst_row);
-      if (pass == CopySource::kNew) changed.push_back(c.dst_row);
-    }
-  }
-  for (int row : changed) {
-    for (size_t t = 0; t < tensors.size(); ++t) {
-      std::memcpy(WeightRow(run, t, row), StageRow(run, t, row), tensors[t].bytes_per_expert);
-    }
-  }
-  run.outcome.committed = true;
-}
-
-LayerOutcome RearrangerImpl::RunLayer(uint32_t l, const LayerMigration& m) {
-  LayerRun run;
-  run.layer = l;
-  run.m = &m;
-  run.outcome.layer = l;
-  uint64_t at = 0;
-  for (const TensorSpec& t : layout.layers[l]) {
-    run.offset.push_back(at);
-    at += static_cast<uint64_t>(t.rows) * t.bytes_per_expert;
-  }
+LayerOutcome RearrangerImpl::RunJob(LayerJob& job) {
+  LayerOutcome outcome;
+  outcome.layer = job.layer;
+  std::vector<Pending> pending;
   protocol::LayerStep step;
   step.generation = ++generation;
-  step.layer = l;
+  step.layer = job.layer;
   step.self = self();
   step.world = world();
-  for (const RemoteRead& r : m.transfers) {
-    if (r.dst == static_cast<int32_t>(self())) {
-      step.reads.push_back({static_cast<uint32_t>(r.expert), static_cast<uint32_t>(r.src)});
-      run.read_of[{static_cast<uint32_t>(r.expert), static_cast<uint32_t>(r.src)}] = &r;
-    }
-    if (r.src == static_cast<int32_t>(self())) {
-      step.serves.push_back({static_cast<uint32_t>(r.expert), static_cast<uint32_t>(r.dst)});
-    }
-  }
+  for (const JobRead& r : job.reads) step.reads.push_back(r.task);
+  step.serves = job.serves;
   LayerProtocol p(step, Clock::now(), options.deadline);
-  Execute(p, run, p.Start());
+  Execute(p, job, pending, outcome, p.Start());
   // Records that arrived early, during an earlier layer.
   std::deque<std::pair<uint32_t, protocol::Record>> later;
   for (auto& [from, rec] : deferred) {
     bool again = false;
-    Execute(p, run, p.OnRecord(from, rec, Clock::now(), &again));
+    Execute(p, job, pending, outcome, p.OnRecord(from, rec, Clock::now(), &again));
     if (again) later.push_back({from, rec});
   }
   deferred.swap(later);
-  if (hook) hook(l);
+  if (hook) hook(job.layer);
   while (p.state() == LayerState::kRunning) {
     for (Notification& n : agent->WaitNotifications(std::chrono::milliseconds(1))) {
       auto who = rank_of_name.find(n.peer);
       if (who == rank_of_name.end()) continue;  // not a member of this group
       Result<protocol::Record> rec = protocol::DecodeRecord(n.payload);
       if (!rec.ok()) {
-        Execute(p, run, p.OnMalformed(who->second, rec.status()));
+        Execute(p, job, pending, outcome, p.OnMalformed(who->second, rec.status()));
         continue;
       }
       bool later_gen = false;
-      Execute(p, run, p.OnRecord(who->second, *rec, Clock::now(), &later_gen));
+      Execute(p, job, pending, outcome, p.OnRecord(who->second, *rec, Clock::now(), &later_gen));
       if (later_gen) deferred.push_back({who->second, *rec});
     }
-    for (size_t i = 0; i < run.pending.size();) {
-      TransferStatus s = agent->GetStatus(run.pending[i].id);
+    for (size_t i = 0; i < pending.size();) {
+      TransferStatus s = agent->GetStatus(pending[i].id);
       if (s.state == TransferState::kInProgress) {
         ++i;
         continue;
       }
-      (void)agent->Release(run.pending[i].id);
-      const ReadTask task = run.pending[i].task;
-      run.pending.erase(run.pending.begin() + static_cast<long>(i));
-      Execute(p, run, p.OnReadComplete(task, s.state == TransferState::kDone ? Status::OK() : s.error));
+      (void)agent->Release(pending[i].id);
+      const ReadTask task = pending[i].task;
+      pending.erase(pending.begin() + static_cast<long>(i));
+      Execute(p, job, pending, outcome,
+              p.OnReadComplete(task, s.state == TransferState::kDone ? Status::OK() : s.error));
     }
     for (uint32_t r = 0; r < world() && p.state() == LayerState::kRunning; ++r) {
       if (r == self()) continue;
       Result<PeerInfo> info = agent->Peer(peer_of[r]);
-      if (info.ok() && !info->reachable) Execute(p, run, p.OnPeerFailed(r, Status::Unavailable(info->failure)));
+      if (info.ok() && !info->reachable) {
+        Execute(p, job, pending, outcome, p.OnPeerFailed(r, Status::Unavailable(info->failure)));
+      }
     }
-    Execute(p, run, p.OnTick(Clock::now()));
+    Execute(p, job, pending, outcome, p.OnTick(Clock::now()));
   }
-  // Nothing of this layer may land in staging after we return.
-  for (const Pending& pending : run.pending) {
-    (void)agent->Cancel(pending.id);
-    (void)agent->Release(pending.id);
+  // Nothing of this layer may land in a destination row after we return.
+  for (const Pending& left : pending) {
+    (void)agent->Cancel(left.id);
+    (void)agent->Release(left.id);
   }
-  if (p.state() == LayerState::kAborted) run.outcome.error = p.error();
-  return run.outcome;
+  if (p.state() == LayerState::kAborted) outcome.error = p.error();
+  return outcome;
+}
+
+LayerOutcome RearrangerImpl::RunLayer(uint32_t l, const LayerMigration& m) {
+  LayerJob job;
+  job.layer = l;
+  const size_t tensors = layout.layers[l].size();
+  std::vector<int> changed;
+  for (const RemoteRead& r : m.transfers) {
+    if (r.dst == static_cast<int32_t>(self())) {
+      JobRead jr;
+      jr.task = {static_cast<uint32_t>(r.expert), static_cast<uint32_t>(r.src)};
+      jr.src_row = static_cast<uint64_t>(r.src_row);
+      for (size_t t = 0; t < tensors; ++t) jr.dst.push_back(StageRow(l, t, r.dst_row));
+      job.reads.push_back(std::move(jr));
+      changed.push_back(r.dst_row);
+    }
+    if (r.src == static_cast<int32_t>(self())) {
+      job.serves.push_back({static_cast<uint32_t>(r.expert), static_cast<uint32_t>(r.dst)});
+    }
+  }
+  uint64_t copied = 0;
+  job.commit = [&, l, tensors] {
+    // Copies from old rows first (the weights are still the old ones), then from rows just
+    // read; then every changed row goes from staging to the weights.
+    for (CopySource pass : {CopySource::kOld, CopySource::kNew}) {
+      for (const LocalCopy& c : m.local_copies) {
+        if (c.rank != static_cast<int32_t>(self()) || c.source != pass) continue;
+        for (size_t t = 0; t < tensors; ++t) {
+          const uint8_t* from =
+              pass == CopySource::kOld ? WeightRow(l, t, c.src_row) : StageRow(l, t, c.src_row);
+          std::memcpy(StageRow(l, t, c.dst_row), from, layout.layers[l][t].bytes_per_expert);
+          copied += layout.layers[l][t].bytes_per_expert;
+        }
+        changed.push_back(c.dst_row);
+      }
+    }
+    for (int row : changed) {
+      for (size_t t = 0; t < tensors; ++t) {
+        std::memcpy(WeightRow(l, t, row), StageRow(l, t, row),
+                    layout.layers[l][t].bytes_per_expert);
+      }
+    }
+  };
+  LayerOutcome o = RunJob(job);
+  o.bytes_copied = copied;
+  return o;
 }
 
 }  // namespace internal
@@ -251,12 +293,14 @@ using internal::StrCat;
 Rearranger::Rearranger(std::unique_ptr<internal::RearrangerImpl> impl) : impl_(std::move(impl)) {}
 Rearranger::~Rearranger() = default;
 
-Result<std::unique_ptr<Rearranger>> Rearranger::Create(Agent* agent, Bootstrap* bootstrap, RankLayout layout,
+Result<std::unique_ptr<Rearranger>> Rearranger::Create(Agent* agent, Bootstrap* bootstrap,
+                                                       RankLayout layout,
                                                        RearrangeOptions options) {
-  if (agent == nullptr || bootstrap == nullptr) return Status::InvalidArgument("Rearranger: null agent or bootstrap");
+  if (agent == nullptr || bootstrap == nullptr)
+    return Status::InvalidArgument("Rearranger: null agent or bootstrap");
   if (layout.rank != bootstrap->rank()) {
-    return Status::InvalidArgument(StrCat("Rearranger: layout is for rank ", layout.rank, " but the bootstrap says rank ",
-                                          bootstrap->rank()));
+    return Status::InvalidArgument(StrCat("Rearranger: layout is for rank ", layout.rank,
+                                          " but the bootstrap says rank ", bootstrap->rank()));
   }
   auto impl = std::make_unique<internal::RearrangerImpl>();
   impl->agent = agent;
@@ -272,22 +316,23 @@ RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to
   RearrangeReport report;
   const auto t0 = std::chrono::steady_clock::now();
   if (d.failed) {
-    report.status = Status::Aborted(StrCat("rank ", d.self(), ": this Rearranger failed earlier (", d.failure,
-                                           "); build a new one"));
+    report.status = Status::Aborted(StrCat("rank ", d.self(), ": this Rearranger failed earlier (",
+                                           d.failure, "); build a new one"));
     return report;
   }
   const int layers = static_cast<int>(d.layout.layers.size());
   if (from.layers() != layers || to.layers() != layers || from.slots() != to.slots()) {
-    report.status = Status::InvalidArgument(StrCat("rank ", d.self(), ": placements have ", from.layers(), " and ",
-                                                   to.layers(), " layers, ", from.slots(), " and ", to.slots(),
-                                                   " slots; the layout has ", layers, " layers"));
+    report.status = Status::InvalidArgument(StrCat(
+        "rank ", d.self(), ": placements have ", from.layers(), " and ", to.layers(), " layers, ",
+        from.slots(), " and ", to.slots(), " slots; the layout has ", layers, " layers"));
     return report;
   }
   for (int l = 0; l < layers; ++l) {
     const uint64_t rows = d.layout.layers[l].empty() ? 0 : d.layout.layers[l][0].rows;
     if (rows * d.world() != static_cast<uint64_t>(from.slots())) {
-      report.status = Status::InvalidArgument(StrCat("rank ", d.self(), ": layer ", l, " has ", rows, " rows x ",
-                                                     d.world(), " ranks, the placements have ", from.slots(), " slots"));
+      report.status = Status::InvalidArgument(
+          StrCat("rank ", d.self(), ": layer ", l, " has ", rows, " rows x ", d.world(),
+                 " ranks, the placements have ", from.slots(), " slots"));
       return report;
     }
   }
@@ -307,8 +352,8 @@ RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to
     if (!ok) {
       d.failed = true;
       d.failure = report.layers.back().error;
-      report.status = Status::Aborted(StrCat("rank ", d.self(), ": ", d.failure,
-                                             "; this layer kept its old weights and map"));
+      report.status = Status::Aborted(
+          StrCat("rank ", d.self(), ": ", d.failure, "; this layer kept its old weights and map"));
       break;
     }
   }
@@ -325,6 +370,218 @@ Result<PeerId> Rearranger::peer(uint32_t rank) const {
   return impl_->peer_of[rank];
 }
 
-void Rearranger::set_layer_hook(std::function<void(uint32_t layer)> hook) { impl_->hook = std::move(hook); }
+void Rearranger::set_layer_hook(std::function<void(uint32_t layer)> hook) {
+  impl_->hook = std::move(hook);
+}
+
+// ---- EplbCommunicator -------------------------------------------------------------------
+
+struct EplbCommunicator::State {
+  std::unique_ptr<internal::RearrangerImpl> impl;
+  std::vector<int32_t> old_map;
+  bool has_context = false;
+  internal::RearrangerImpl::LayerJob job;
+
+  Status Check() const {
+    if (impl->failed) {
+      return Status::Aborted(StrCat("rank ", impl->self(), ": this communicator failed earlier (",
+                                    impl->failure, "); build a new one"));
+    }
+    if (!has_context)
+      return Status::InvalidArgument("call SetTransferContext(old_phy2log, layer) first");
+    return Status::OK();
+  }
+  // The row of `rank` that holds `expert` in the old map, or -1.
+  int RowOf(uint32_t rank, uint32_t expert) const {
+    const uint32_t rows = impl->layout.layers[job.layer][0].rows;
+    for (uint32_t i = 0; i < rows; ++i) {
+      if (old_map[rank * rows + i] == static_cast<int32_t>(expert)) return static_cast<int>(i);
+    }
+    return -1;
+  }
+};
+
+EplbCommunicator::EplbCommunicator(std::unique_ptr<State> state) : state_(std::move(state)) {}
+EplbCommunicator::~EplbCommunicator() = default;
+
+Result<std::unique_ptr<EplbCommunicator>> EplbCommunicator::Create(Agent* agent,
+                                                                   Bootstrap* bootstrap,
+                                                                   RankLayout layout,
+                                                                   RearrangeOptions options) {
+  if (agent == nullptr || bootstrap == nullptr)
+    return Status::InvalidArgument("EplbCommunicator: null agent or bootstrap");
+  if (layout.rank != bootstrap->rank()) {
+    return Status::InvalidArgument(StrCat("EplbCommunicator: layout is for rank ", layout.rank,
+                                          " but the bootstrap says rank ", bootstrap->rank()));
+  }
+  auto state = std::make_unique<State>();
+  state->impl = std::make_unique<internal::RearrangerImpl>();
+  state->impl->agent = agent;
+  state->impl->boot = bootstrap;
+  state->impl->layout = std::move(layout);
+  state->impl->options = options;
+  EPLBX_RETURN_IF_ERROR(state->impl->Setup());
+  return std::unique_ptr<EplbCommunicator>(new EplbCommunicator(std::move(state)));
+}
+
+Status EplbCommunicator::SetTransferContext(std::span<const int32_t> old_phy2log, uint32_t layer) {
+  State& s = *state_;
+  const auto& d = *s.impl;
+  if (d.failed)
+    return Status::Aborted(
+        StrCat("rank ", d.self(), ": this communicator failed earlier (", d.failure, ")"));
+  if (layer >= d.layout.layers.size() || d.layout.layers[layer].empty()) {
+    return Status::InvalidArgument(StrCat("rank ", d.self(), ": layer ", layer,
+                                          " is not in the layout (", d.layout.layers.size(),
+                                          " layers)"));
+  }
+  const uint64_t slots = static_cast<uint64_t>(d.layout.layers[layer][0].rows) * d.world();
+  if (old_phy2log.size() != slots) {
+    return Status::InvalidArgument(StrCat("rank ", d.self(), ": old_phy2log of layer ", layer,
+                                          " has ", old_phy2log.size(), " slots, expected ", slots,
+                                          " (ranks x rows)"));
+  }
+  s.old_map.assign(old_phy2log.begin(), old_phy2log.end());
+  s.job = {};
+  s.job.layer = layer;
+  s.has_context = true;
+  return Status::OK();
+}
+
+Status EplbCommunicator::AddSend(uint32_t dst_rank, uint32_t expert) {
+  State& s = *state_;
+  EPLBX_RETURN_IF_ERROR(s.Check());
+  const auto& d = *s.impl;
+  if (dst_rank >= d.world() || dst_rank == d.self()) {
+    return Status::InvalidArgument(
+        StrCat("rank ", d.self(), ": add_send to rank ", dst_rank, " (world ", d.world(), ")"));
+  }
+  if (s.RowOf(d.self(), expert) < 0) {
+    return Status::InvalidArgument(StrCat("rank ", d.self(), ": add_send of expert ", expert,
+                                          " in layer ", s.job.layer,
+                                          ", which this rank does not hold in the old map"));
+  }
+  s.job.serves.push_back({expert, dst_rank});
+  return Status::OK();
+}
+
+Status EplbCommunicator::AddRecv(uint32_t src_rank, uint32_t expert,
+                                 std::span<void* const> dst_rows) {
+  State& s = *state_;
+  EPLBX_RETURN_IF_ERROR(s.Check());
+  const auto& d = *s.impl;
+  if (src_rank >= d.world() || src_rank == d.self()) {
+    return Status::InvalidArgument(
+        StrCat("rank ", d.self(), ": add_recv from rank ", src_rank, " (world ", d.world(), ")"));
+  }
+  const size_t tensors = d.layout.layers[s.job.layer].size();
+  if (dst_rows.size() != tensors) {
+    return Status::InvalidArgument(StrCat("rank ", d.self(), ": add_recv of expert ", expert,
+                                          " gives ", dst_rows.size(), " rows; layer ", s.job.layer,
+                                          " has ", tensors, " tensors"));
+  }
+  const int row = s.RowOf(src_rank, expert);
+  if (row < 0) {
+    return Status::InvalidArgument(
+        StrCat("rank ", d.self(), ": add_recv of expert ", expert, " from rank ", src_rank,
+               ", which does not hold it in layer ", s.job.layer, "'s old map"));
+  }
+  internal::RearrangerImpl::JobRead jr;
+  jr.task = {expert, src_rank};
+  jr.src_row = static_cast<uint64_t>(row);
+  for (void* p : dst_rows) jr.dst.push_back(static_cast<uint8_t*>(p));
+  s.job.reads.push_back(std::move(jr));
+  return Status::OK();
+}
+
+Status EplbCommunicator::Execute() {
+  State& s = *state_;
+  EPLBX_RETURN_IF_ERROR(s.Check());
+  LayerOutcome o = s.impl->RunJob(s.job);
+  s.has_context = false;
+  if (!o.committed) {
+    s.impl->failed = true;
+    s.impl->failure = o.error;
+    return Status::Aborted(StrCat("rank ", s.impl->self(), ": ", o.error));
+  }
+  return Status::OK();
+}
+
+bool EplbCommunicator::failed() const { return state_->impl->failed; }
+
+// ---- InMemoryGroup ----------------------------------------------------------------------
+
+struct InMemoryGroup::Shared {
+  std::mutex mu;
+  std::condition_variable cv;
+  uint32_t size = 0;
+  uint64_t round = 0;
+  std::vector<std::optional<std::string>> pending;
+  std::map<uint64_t, std::vector<std::string>> done;  // round -> result
+  std::map<uint64_t, uint32_t> taken;
+};
+
+namespace {
+
+class InMemoryMember final : public Bootstrap {
+ public:
+  InMemoryMember(std::shared_ptr<InMemoryGroup::Shared> g, uint32_t rank)
+      : g_(std::move(g)), rank_(rank) {}
+  uint32_t rank() const override { return rank_; }
+  uint32_t size() const override;
+  Result<std::vector<std::string>> AllGather(std::string_view mine,
+                                             std::chrono::milliseconds timeout) override;
+
+ private:
+  std::shared_ptr<InMemoryGroup::Shared> g_;
+  uint32_t rank_;
+  uint64_t next_round_ = 0;
+};
+
+}  // namespace
+
+InMemoryGroup::InMemoryGroup(uint32_t size) : shared_(std::make_shared<Shared>()) {
+  shared_->size = size;
+  shared_->pending.resize(size);
+}
+InMemoryGroup::~InMemoryGroup() = default;
+std::unique_ptr<Bootstrap> InMemoryGroup::Member(uint32_t rank) {
+  return std::make_unique<InMemoryMember>(shared_, rank);
+}
+
+uint32_t InMemoryMember::size() const { return g_->size; }
+
+Result<std::vector<std::string>> InMemoryMember::AllGather(std::string_view mine,
+                                                           std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(g_->mu);
+  const uint64_t round = next_round_++;
+  if (!g_->cv.wait_for(lock, timeout, [&] { return g_->round == round; })) {
+    return Status::Timeout(
+        StrCat("rank ", rank_, ": all-gather round ", round, " did not start in time"));
+  }
+  g_->pending[rank_] = std::string(mine);
+  if (std::all_of(g_->pending.begin(), g_->pending.end(),
+                  [](const auto& p) { return p.has_value(); })) {
+    std::vector<std::string> all;
+    for (auto& p : g_->pending) all.push_back(std::move(*p)), p.reset();
+    g_->done[round] = std::move(all);
+    ++g_->round;
+    g_->cv.notify_all();
+  }
+  if (!g_->cv.wait_for(lock, timeout, [&] { return g_->done.count(round) != 0; })) {
+    for (uint32_t r = 0; r < g_->size; ++r) {
+      if (!g_->pending[r])
+        return Status::Timeout(
+            StrCat("rank ", rank_, ": all-gather: rank ", r, " did not join in time"));
+    }
+    return Status::Timeout(StrCat("rank ", rank_, ": all-gather timed out"));
+  }
+  std::vector<std::string> result = g_->done[round];
+  if (++g_->taken[round] == g_->size) {
+    g_->done.erase(round);
+    g_->taken.erase(round);
+  }
+  return result;
+}
 
 }  // namespace eplbx

@@ -31,7 +31,8 @@ DemoRun Demo(const std::string& args) {
   return r;
 }
 
-constexpr const char* kSmall = "--ranks 3 --layers 3 --experts 16 --slots-per-rank 7 --expert-bytes 100K --steps 2";
+constexpr const char* kSmall =
+    "--ranks 3 --layers 3 --experts 16 --slots-per-rank 7 --expert-bytes 100K --steps 2";
 
 TEST(DemoTest, RearrangesAndVerifiesEveryByte) {
   for (const char* transport : {"auto", "tcp"}) {
@@ -43,7 +44,8 @@ TEST(DemoTest, RearrangesAndVerifiesEveryByte) {
     ASSERT_EQ(r.report["steps"].size(), 2u);
     for (const auto& s : r.report["steps"]) {
       EXPECT_GT(s["bytes_moved"].get<uint64_t>(), 0u);
-      EXPECT_GE(s["balancedness_after"].get<double>(), s["balancedness_before"].get<double>() - 0.01);
+      EXPECT_GE(s["balancedness_after"].get<double>(),
+                s["balancedness_before"].get<double>() - 0.01);
       EXPECT_GT(s["gbps"].get<double>(), 0);
     }
     EXPECT_FALSE(r.report.contains("error"));
@@ -51,15 +53,17 @@ TEST(DemoTest, RearrangesAndVerifiesEveryByte) {
 }
 
 TEST(DemoTest, OddSizesAndManyTensors) {
-  DemoRun r = Demo("--ranks 2 --layers 2 --experts 8 --slots-per-rank 5 --tensors 5 --expert-bytes 1001 --steps 3");
+  DemoRun r = Demo(
+      "--ranks 2 --layers 2 --experts 8 --slots-per-rank 5 --tensors 5 --expert-bytes 1001 --steps "
+      "3");
   EXPECT_EQ(r.exit_code, 0) << r.report.dump();
   EXPECT_TRUE(r.report.value("verified", false)) << r.report.dump();
 }
 
 struct Fault {
   const char* inject;
-  const char* names;       // the error must contain this
-  const char* also;        // and this ("" for nothing more)
+  const char* names;  // the error must contain this
+  const char* also;   // and this ("" for nothing more)
 };
 
 class DemoFaultTest : public ::testing::TestWithParam<Fault> {};
@@ -79,18 +83,20 @@ TEST_P(DemoFaultTest, EndsWithNamedErrorInTimeWeightsIntact) {
   EXPECT_LT(r.seconds, kDeadline + 8) << error;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Faults, DemoFaultTest,
-    ::testing::Values(Fault{"stride-mismatch:2", "rank 2", "mismatch"}, Fault{"missing-tensor:1", "rank 1", "mismatch"},
-                      Fault{"kill:2", "rank 2 unreachable", ""}, Fault{"stall:1", "rank 1 unreachable", ""},
-                      Fault{"bad-notify:0", "rank 0 sent a malformed notification", ""}),
-    [](const ::testing::TestParamInfo<Fault>& info) {
-      std::string n = info.param.inject;
-      for (char& c : n) {
-        if (c == '-' || c == ':') c = '_';
-      }
-      return n;
-    });
+INSTANTIATE_TEST_SUITE_P(Faults, DemoFaultTest,
+                         ::testing::Values(Fault{"stride-mismatch:2", "rank 2", "mismatch"},
+                                           Fault{"missing-tensor:1", "rank 1", "mismatch"},
+                                           Fault{"kill:2", "rank 2 unreachable", ""},
+                                           Fault{"stall:1", "rank 1 unreachable", ""},
+                                           Fault{"bad-notify:0",
+                                                 "rank 0 sent a malformed notification", ""}),
+                         [](const ::testing::TestParamInfo<Fault>& info) {
+                           std::string n = info.param.inject;
+                           for (char& c : n) {
+                             if (c == '-' || c == ':') c = '_';
+                           }
+                           return n;
+                         });
 
 TEST(DemoTest, BadFlagsAreRejectedBeforeAnythingStarts) {
   DemoRun r = Demo("--inject explode:1");

@@ -17,7 +17,8 @@ namespace {
 using std::chrono::seconds;
 
 TEST(RecordTest, RoundTripsEveryKind) {
-  for (RecordKind k : {RecordKind::kReady, RecordKind::kReadDone, RecordKind::kDone, RecordKind::kAbort}) {
+  for (RecordKind k :
+       {RecordKind::kReady, RecordKind::kReadDone, RecordKind::kDone, RecordKind::kAbort}) {
     Record r{k, 77, 3, 12, 1, 2, k == RecordKind::kAbort ? "rank 1: boom" : ""};
     Result<Record> d = DecodeRecord(EncodeRecord(r));
     ASSERT_TRUE(d.ok()) << d.status().ToString();
@@ -75,14 +76,20 @@ struct World {
   void Apply(uint32_t self, const std::vector<Action>& actions) {
     for (const Action& a : actions) {
       switch (a.kind) {
-        case ActionKind::kSend: net.push_back({self, a.peer, a.record}); break;
+        case ActionKind::kSend:
+          net.push_back({self, a.peer, a.record});
+          break;
         case ActionKind::kPostRead:
           reads.push_back({self, a.read});
           // READ_DONE is delivered only after the READ completes; the test completes it later.
           pending_done.push_back({self, a.peer, a.record});
           break;
-        case ActionKind::kCommit: ++commits[self]; break;
-        case ActionKind::kAbort: aborts[self] = a.reason; break;
+        case ActionKind::kCommit:
+          ++commits[self];
+          break;
+        case ActionKind::kAbort:
+          aborts[self] = a.reason;
+          break;
       }
     }
   }
@@ -136,7 +143,8 @@ TEST(LayerProtocolTest, EveryRankCommitsUnderAnyDeliveryOrder) {
     World w(RandomSteps(world, rng));
     w.Run(rng);
     for (uint32_t r = 0; r < world; ++r) {
-      ASSERT_EQ(w.ranks[r].state(), LayerState::kCommitted) << "trial " << trial << " rank " << r << ": " << w.aborts[r];
+      ASSERT_EQ(w.ranks[r].state(), LayerState::kCommitted)
+          << "trial " << trial << " rank " << r << ": " << w.aborts[r];
       ASSERT_EQ(w.commits[r], 1);
     }
   }
@@ -158,7 +166,8 @@ TEST(LayerProtocolTest, StaleFutureAndDuplicateRecords) {
   EXPECT_EQ(a[0].kind, ActionKind::kPostRead);
   EXPECT_EQ(a[0].record.kind, RecordKind::kReadDone);
   EXPECT_EQ(a[0].peer, 1u);
-  EXPECT_TRUE(p.OnRecord(1, {RecordKind::kReady, 5, 2, 7, 1, 0, ""}, {}, &deferred).empty());  // duplicate
+  EXPECT_TRUE(
+      p.OnRecord(1, {RecordKind::kReady, 5, 2, 7, 1, 0, ""}, {}, &deferred).empty());  // duplicate
   EXPECT_EQ(p.ignored(), 2u);
   auto done = p.OnReadComplete({7, 1}, Status::OK());
   ASSERT_EQ(done.size(), 1u);
@@ -212,7 +221,8 @@ TEST(LayerProtocolTest, FailuresAndDeadlinesNameWhatIsMissing) {
     EXPECT_TRUE(p.OnTick(t0 + seconds(9)).empty());
     auto a = p.OnTick(t0 + seconds(10));
     EXPECT_EQ(p.state(), LayerState::kAborted);
-    EXPECT_NE(p.error().find("waiting for READY of expert 7 from rank 1"), std::string::npos) << p.error();
+    EXPECT_NE(p.error().find("waiting for READY of expert 7 from rank 1"), std::string::npos)
+        << p.error();
     EXPECT_EQ(a.back().kind, ActionKind::kAbort);
   }
   {
@@ -220,7 +230,8 @@ TEST(LayerProtocolTest, FailuresAndDeadlinesNameWhatIsMissing) {
     p.Start();
     bool d = false;
     p.OnRecord(1, {RecordKind::kReady, 5, 2, 7, 1, 0, ""}, t0, &d);
-    p.OnReadComplete({7, 1}, Status::Unavailable("agent 'rank0': peer unreachable: 'rank1' (gone)"));
+    p.OnReadComplete({7, 1},
+                     Status::Unavailable("agent 'rank0': peer unreachable: 'rank1' (gone)"));
     EXPECT_NE(p.error().find("rank 1 unreachable"), std::string::npos) << p.error();
   }
   {
@@ -250,7 +261,8 @@ TEST(LayerProtocolTest, FailuresAndDeadlinesNameWhatIsMissing) {
     ASSERT_EQ(start.size(), 1u);
     EXPECT_EQ(start[0].record.kind, RecordKind::kReady);
     p.OnTick(t0 + seconds(11));
-    EXPECT_NE(p.error().find("waiting for READ_DONE of expert 7 from rank 0"), std::string::npos) << p.error();
+    EXPECT_NE(p.error().find("waiting for READ_DONE of expert 7 from rank 0"), std::string::npos)
+        << p.error();
   }
 }
 

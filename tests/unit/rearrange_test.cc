@@ -1,0 +1,293 @@
+// Layouts, the Rearranger and the vLLM-shaped EplbCommunicator, with ranks as threads on
+// loopback agents (the real multi-process runs are tests/cli/demo_test.cc).
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "eplbx/layout.h"
+#include "eplbx/rearrange.h"
+#include "transfer/loopback/loopback_backend.h"
+
+namespace eplbx {
+namespace {
+
+RankLayout SampleLayout(uint32_t rank, int layers = 2) {
+  RankLayout l;
+  l.rank = rank;
+  for (int i = 0; i < layers; ++i) {
+    l.layers.push_back({TensorSpec{"w13", "bf16", {7168, 1024}, 0x1000, 14680064, 8},
+                        TensorSpec{"w2", "bf16", {1024, 7168}, 0x2000, 14680064, 8}});
+  }
+  return l;
+}
+
+TEST(LayoutTest, RoundTripsAndRejectsTruncation) {
+  const std::string bytes = EncodeLayout(SampleLayout(3));
+  Result<RankLayout> d = DecodeLayout(bytes);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->rank, 3u);
+  ASSERT_EQ(d->layers.size(), 2u);
+  EXPECT_EQ(d->layers[1][1].name, "w2");
+  EXPECT_EQ(d->layers[1][1].expert_shape, (std::vector<int64_t>{1024, 7168}));
+  EXPECT_EQ(d->layers[1][1].bytes_per_expert, 14680064u);
+  for (size_t n = 0; n < bytes.size(); ++n)
+    EXPECT_FALSE(DecodeLayout(bytes.substr(0, n)).ok()) << n;
+  std::string bad = bytes;
+  bad[0] = 'Z';
+  EXPECT_NE(DecodeLayout(bad).status().message().find("bad magic"), std::string::npos);
+}
+
+TEST(LayoutTest, MismatchMessagesNameRankLayerTensorBothValuesAndCause) {
+  std::vector<RankLayout> all = {SampleLayout(0), SampleLayout(1), SampleLayout(2)};
+  EXPECT_TRUE(ValidateLayouts(all, 0).ok());
+  // Rank 2 loaded the w2 weights in fp8: half the bytes, in every layer.
+  for (auto& layer : all[2].layers) {
+    layer[1].bytes_per_expert = 7340032;
+    layer[1].dtype = "fp8_e4m3";
+  }
+  for (uint32_t self : {0u, 1u}) {
+    Status s = ValidateLayouts(all, self);
+    EXPECT_EQ(s.code(), Code::kMismatch);
+    EXPECT_EQ(s.message(),
+              "nbytes_per_expert mismatch for (layer 0, tensor 1 'w2') with rank 2: local (rank " +
+                  std::to_string(self) +
+                  ") = 14680064 bytes per expert (dtype bf16, shape [1024, 7168]), peer (rank 2) = "
+                  "7340032 bytes per "
+                  "expert (dtype fp8_e4m3, shape [1024, 7168]), ratio 2; different quantization, "
+                  "tensor-parallel size "
+                  "or model revision across ranks? (the same in 1 more layer)");
+  }
+  // Rank 2 sees the others as the odd ones, and says so too.
+  EXPECT_NE(ValidateLayouts(all, 2).message().find("with rank 0"), std::string::npos);
+  all = {SampleLayout(0), SampleLayout(1)};
+  all[1].layers[1].pop_back();
+  EXPECT_EQ(ValidateLayouts(all, 0).message(),
+            "layout mismatch with rank 1: key (layer 1, tensor 1 'w2') is missing on rank 1 (rank "
+            "0 has it); every "
+            "rank must register the same tensors for every layer");
+  EXPECT_NE(ValidateLayouts(all, 1).message().find("exists on rank 0 but not on rank 1"),
+            std::string::npos);
+  all = {SampleLayout(0), SampleLayout(1, 3)};
+  EXPECT_NE(ValidateLayouts(all, 0).message().find("it has 3 MoE layers, rank 0 has 2"),
+            std::string::npos);
+  all = {SampleLayout(0), SampleLayout(1)};
+  all[1].layers[0][0].rows = 9;
+  all[1].layers[0][1].rows = 9;
+  EXPECT_NE(ValidateLayouts(all, 0).message().find("has 9 local experts there and 8 on rank 0"),
+            std::string::npos);
+}
+
+// A rank as a thread: loopback agent, weights, layout.
+struct Rank {
+  std::unique_ptr<Agent> agent;
+  std::vector<std::vector<std::vector<uint8_t>>> weights;  // [layer][tensor] rows * bytes
+  RegisteredRegion region_store[8];
+  RankLayout layout;
+};
+
+constexpr int kRanks = 3, kLayers = 3, kRows = 4, kExperts = 9;
+const uint64_t kBytes[2] = {96, 40};
+
+uint8_t Byte(int layer, int expert, int tensor, uint64_t i) {
+  return static_cast<uint8_t>((layer * 131 + expert * 17 + tensor * 7 + i * 3) & 0xff);
+}
+
+std::vector<int32_t> RandomMap(std::mt19937& rng) {
+  std::vector<int32_t> map(kRanks * kRows);
+  for (int s = 0; s < kRanks * kRows; ++s)
+    map[s] = s < kExperts ? s : static_cast<int32_t>(rng() % kExperts);
+  std::shuffle(map.begin(), map.end(), rng);
+  return map;
+}
+
+std::unique_ptr<Rank> MakeRank(uint32_t r, const std::vector<std::vector<int32_t>>& map) {
+  auto rank = std::make_unique<Rank>();
+  AgentConfig config;
+  config.backend = "loopback";
+  rank->agent = std::move(*Agent::Create(
+      "r" + std::to_string(r) + "_" + std::to_string(reinterpret_cast<uintptr_t>(rank.get())),
+      config));
+  rank->layout.rank = r;
+  rank->weights.resize(kLayers);
+  int region = 0;
+  for (int l = 0; l < kLayers; ++l) {
+    std::vector<TensorSpec> tensors;
+    for (int t = 0; t < 2; ++t) {
+      auto& w = rank->weights[l].emplace_back(kRows * kBytes[t]);
+      for (int row = 0; row < kRows; ++row) {
+        for (uint64_t i = 0; i < kBytes[t]; ++i)
+          w[row * kBytes[t] + i] = Byte(l, map[l][r * kRows + row], t, i);
+      }
+      rank->region_store[region++] = std::move(*rank->agent->RegisterMemory(w.data(), w.size()));
+      tensors.push_back({t ? "w2" : "w13",
+                         "bf16",
+                         {static_cast<int64_t>(kBytes[t] / 2)},
+                         reinterpret_cast<uintptr_t>(w.data()),
+                         kBytes[t],
+                         kRows});
+    }
+    rank->layout.layers.push_back(tensors);
+  }
+  return rank;
+}
+
+TEST(RearrangerTest, RandomPlacementsEveryByteLands) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 20; ++trial) {
+    std::vector<std::vector<int32_t>> before, after;
+    std::vector<int32_t> flat_before, flat_after;
+    for (int l = 0; l < kLayers; ++l) {
+      before.push_back(RandomMap(rng));
+      after.push_back(RandomMap(rng));
+      flat_before.insert(flat_before.end(), before[l].begin(), before[l].end());
+      flat_after.insert(flat_after.end(), after[l].begin(), after[l].end());
+    }
+    auto from = Placement::FromPhy2Log(kLayers, kRanks * kRows, kExperts, flat_before);
+    auto to = Placement::FromPhy2Log(kLayers, kRanks * kRows, kExperts, flat_after);
+    ASSERT_TRUE(from.ok() && to.ok());
+    InMemoryGroup group(kRanks);
+    std::vector<std::unique_ptr<Rank>> ranks;
+    for (uint32_t r = 0; r < kRanks; ++r) ranks.push_back(MakeRank(r, before));
+    std::vector<std::thread> threads;
+    std::vector<Status> results(kRanks);
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] {
+        auto boot = group.Member(r);
+        RearrangeOptions o;
+        o.deadline = std::chrono::seconds(10);
+        auto re = Rearranger::Create(ranks[r]->agent.get(), boot.get(), ranks[r]->layout, o);
+        if (!re.ok()) {
+          results[r] = re.status();
+          return;
+        }
+        results[r] = (*re)->Rearrange(*from, *to).status;
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      ASSERT_TRUE(results[r].ok()) << results[r].ToString();
+      for (int l = 0; l < kLayers; ++l) {
+        for (int t = 0; t < 2; ++t) {
+          for (int row = 0; row < kRows; ++row) {
+            for (uint64_t i = 0; i < kBytes[t]; ++i) {
+              ASSERT_EQ(ranks[r]->weights[l][t][row * kBytes[t] + i],
+                        Byte(l, after[l][r * kRows + row], t, i))
+                  << "trial " << trial << " rank " << r << " layer " << l << " row " << row;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Drives the communicator exactly as vLLM does: per layer, set_transfer_context, add_send
+// for each expert this rank serves, add_recv for each expert it needs, execute, then copy.
+TEST(EplbCommunicatorTest, DrivenLikeVllm) {
+  std::mt19937 rng(5);
+  std::vector<std::vector<int32_t>> before, after;
+  for (int l = 0; l < kLayers; ++l) {
+    before.push_back(RandomMap(rng));
+    after.push_back(RandomMap(rng));
+  }
+  InMemoryGroup group(kRanks);
+  std::vector<std::unique_ptr<Rank>> ranks;
+  for (uint32_t r = 0; r < kRanks; ++r) ranks.push_back(MakeRank(r, before));
+  std::vector<std::string> errors(kRanks);
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      auto boot = group.Member(r);
+      auto comm = EplbCommunicator::Create(ranks[r]->agent.get(), boot.get(), ranks[r]->layout);
+      if (!comm.ok()) {
+        errors[r] = comm.status().ToString();
+        return;
+      }
+      // One layer's buffer, registered once.
+      std::vector<std::vector<uint8_t>> buffer = {std::vector<uint8_t>(kRows * kBytes[0]),
+                                                  std::vector<uint8_t>(kRows * kBytes[1])};
+      auto b0 = ranks[r]->agent->RegisterMemory(buffer[0].data(), buffer[0].size());
+      auto b1 = ranks[r]->agent->RegisterMemory(buffer[1].data(), buffer[1].size());
+      auto holder = [&](int l, int32_t e) {  // the lowest rank holding e before
+        for (int s = 0; s < kRanks * kRows; ++s) {
+          if (before[l][s] == e) return s / kRows;
+        }
+        return -1;
+      };
+      auto holds = [&](int l, int rank, int32_t e) {
+        for (int row = 0; row < kRows; ++row) {
+          if (before[l][rank * kRows + row] == e) return true;
+        }
+        return false;
+      };
+      for (int l = 0; l < kLayers; ++l) {
+        Status s = (*comm)->SetTransferContext(before[l], l);
+        for (int dst = 0; dst < kRanks; ++dst) {  // what others need from this rank
+          std::vector<int32_t> asked;
+          for (int row = 0; row < kRows; ++row) {
+            const int32_t e = after[l][dst * kRows + row];
+            if (dst == static_cast<int>(r) || holds(l, dst, e) ||
+                holder(l, e) != static_cast<int>(r))
+              continue;
+            if (std::find(asked.begin(), asked.end(), e) != asked.end()) continue;
+            asked.push_back(e);
+            if (s.ok()) s = (*comm)->AddSend(dst, e);
+          }
+        }
+        std::vector<std::pair<int32_t, int>> received;  // expert, buffer row
+        for (int row = 0; row < kRows && s.ok(); ++row) {
+          const int32_t e = after[l][r * kRows + row];
+          if (holds(l, r, e)) continue;
+          bool dup = false;
+          for (auto& [x, at] : received) dup |= x == e;
+          if (dup) continue;
+          void* rows[2] = {buffer[0].data() + row * kBytes[0], buffer[1].data() + row * kBytes[1]};
+          s = (*comm)->AddRecv(holder(l, e), e, rows);
+          received.push_back({e, row});
+        }
+        if (s.ok()) s = (*comm)->Execute();
+        if (!s.ok()) {
+          errors[r] = s.ToString();
+          return;
+        }
+        for (auto& [e, row] : received) {
+          for (int t = 0; t < 2; ++t) {
+            for (uint64_t i = 0; i < kBytes[t]; ++i) {
+              if (buffer[t][row * kBytes[t] + i] != Byte(l, e, t, i)) {
+                errors[r] = "wrong byte in layer " + std::to_string(l);
+                return;
+              }
+            }
+          }
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (uint32_t r = 0; r < kRanks; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
+}
+
+TEST(EplbCommunicatorTest, MisuseIsRejectedClearly) {
+  std::mt19937 rng(2);
+  std::vector<std::vector<int32_t>> before = {RandomMap(rng), RandomMap(rng), RandomMap(rng)};
+  InMemoryGroup group(1);
+  // A group of one still exercises the argument checks.
+  auto rank = MakeRank(0, before);
+  auto boot = group.Member(0);
+  RankLayout layout = rank->layout;
+  auto comm = EplbCommunicator::Create(rank->agent.get(), boot.get(), layout);
+  ASSERT_TRUE(comm.ok()) << comm.status().ToString();
+  EXPECT_NE((*comm)->AddSend(0, 1).message().find("SetTransferContext"), std::string::npos);
+  std::vector<int32_t> short_map(3, 0);
+  EXPECT_NE((*comm)->SetTransferContext(short_map, 0).message().find("expected 4"),
+            std::string::npos);
+  EXPECT_NE(
+      (*comm)->SetTransferContext(before[0], 7).message().find("layer 7 is not in the layout"),
+      std::string::npos);
+}
+
+}  // namespace
+}  // namespace eplbx

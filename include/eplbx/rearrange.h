@@ -36,6 +36,7 @@ struct RearrangeOptions {
 struct LayerOutcome {
   uint32_t layer = 0;
   bool committed = false;
+  uint64_t experts_read = 0;  // expert rows this rank read from peers
   uint64_t bytes_read = 0;    // by this rank from peers
   uint64_t bytes_copied = 0;  // within this rank
   std::string error;          // when rolled back
@@ -44,6 +45,7 @@ struct LayerOutcome {
 struct RearrangeReport {
   Status status;                     // OK when every layer committed
   std::vector<LayerOutcome> layers;  // layers run so far, in order
+  uint64_t experts_read = 0;         // this rank, all layers
   uint64_t bytes_read = 0;           // this rank, all layers
   double seconds = 0;
 };

@@ -183,7 +183,7 @@ Status RunDemo(DemoOptions o) {
   if (!served.ok() && error.empty()) error = served.message();
   nlohmann::json steps = nlohmann::json::array();
   for (int s = 0; s < o.steps; ++s) {
-    uint64_t bytes = 0;
+    uint64_t bytes = 0, experts = 0;
     double seconds = 0;
     nlohmann::json first;
     bool any = false;
@@ -191,6 +191,7 @@ Status RunDemo(DemoOptions o) {
       if (!rep.contains("steps") || static_cast<int>(rep["steps"].size()) <= s) continue;
       const auto& st = rep["steps"][s];
       bytes += st.value("bytes_read", uint64_t{0});
+      experts += st.value("experts_read", uint64_t{0});
       seconds = std::max(seconds, st.value("seconds", 0.0));
       if (!any) first = st;
       any = true;
@@ -199,6 +200,7 @@ Status RunDemo(DemoOptions o) {
     const double gbps = seconds > 0 ? bytes / seconds / 1e9 : 0.0;
     steps.push_back({{"balancedness_before", first.value("balancedness_before", 0.0)},
                      {"balancedness_after", first.value("balancedness_after", 0.0)},
+                     {"experts_moved", experts},
                      {"bytes_moved", bytes},
                      {"seconds", seconds},
                      {"gbps", gbps},
@@ -218,9 +220,10 @@ Status RunDemo(DemoOptions o) {
     for (size_t s = 0; s < steps.size(); ++s) {
       const auto& st = steps[s];
       std::printf(
-          "step %zu: balancedness %.3f -> %.3f, %.1f MiB moved in %.3f s (%.2f GB/s, %.2f x "
-          "memcpy)\n",
+          "step %zu: balancedness %.3f -> %.3f, %llu experts (%.1f MiB) moved in %.3f s "
+          "(%.2f GB/s, %.2f x memcpy)\n",
           s + 1, st["balancedness_before"].get<double>(), st["balancedness_after"].get<double>(),
+          static_cast<unsigned long long>(st["experts_moved"].get<uint64_t>()),
           st["bytes_moved"].get<uint64_t>() / 1048576.0, st["seconds"].get<double>(),
           st["gbps"].get<double>(), st["memcpy_ratio"].get<double>());
     }

@@ -249,6 +249,7 @@ int RunDemoRank(const DemoOptions& o, int rank, int fd) {
     steps.push_back({{"balancedness_before", before.ok() ? before->total : 0.0},
                      {"balancedness_after", after.ok() ? after->total : 0.0},
                      {"bytes_read", rr.bytes_read},
+                     {"experts_read", rr.experts_read},
                      {"seconds", rr.seconds}});
     if (!rr.status.ok()) {
       report["error"] = rr.status.message();

@@ -158,6 +158,7 @@ void RearrangerImpl::Execute(LayerProtocol& p, LayerJob& job, std::vector<Pendin
         }
         Result<TransferId> id =
             agent->Read(peer_of[a.read.source], local, remote, protocol::EncodeRecord(a.record));
+        ++outcome.experts_read;
         if (id.ok()) {
           pending.push_back({*id, a.read});
         } else {
@@ -347,6 +348,7 @@ RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to
   for (int l = 0; l < layers; ++l) {
     LayerOutcome o = d.RunLayer(static_cast<uint32_t>(l), plan->layers[l]);
     report.bytes_read += o.bytes_read;
+    report.experts_read += o.experts_read;
     const bool ok = o.committed;
     report.layers.push_back(std::move(o));
     if (!ok) {

@@ -246,6 +246,38 @@ TEST_P(TransferMultiProcTest, MalformedAndDuplicateMetadataIsRejected) {
   EXPECT_NE(again.status().message().find("already connected"), std::string::npos);
 }
 
+TEST_P(TransferMultiProcTest, CancelEndsTheTransferForGood) {
+  constexpr uint64_t kBytes = 64ull << 20;
+  RemotePeer peer = RemotePeer::Start("peer", kBytes, 4, GetParam().shared);
+  auto agent = MakeAgent("tester");
+  ASSERT_NE(agent, nullptr);
+  std::vector<uint8_t> local(kBytes);
+  auto region = agent->RegisterMemory(local.data(), local.size());
+  ASSERT_TRUE(region.ok());
+  auto pid = agent->Connect(peer.blob);
+  ASSERT_TRUE(pid.ok());
+  std::vector<Descriptor> l, r;
+  for (uint64_t off = 0; off < kBytes; off += 1 << 20) {
+    l.push_back(Descriptor::Of(local.data() + off, 1 << 20));
+    r.push_back({peer.base + off, 1 << 20});
+  }
+  auto id = agent->Read(*pid, l, r);
+  ASSERT_TRUE(id.ok());
+  ASSERT_TRUE(agent->Cancel(*id).ok());
+  // Terminal at once, and it stays so: done if it won the race, aborted otherwise.
+  TransferStatus s = agent->GetStatus(*id);
+  ASSERT_NE(s.state, TransferState::kInProgress);
+  if (s.state == TransferState::kError)
+    EXPECT_EQ(s.error.code(), Code::kAborted) << s.error.ToString();
+  EXPECT_EQ(agent->Wait(*id, milliseconds(100)).state, s.state);
+  EXPECT_TRUE(agent->Release(*id).ok());
+  // The peer stays usable.
+  auto again = agent->Read(*pid, {l.data(), 1}, {r.data(), 1});
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(agent->Wait(*again, std::chrono::seconds(10)).state, TransferState::kDone);
+  EXPECT_EQ(local[100], PatternByte(4, 100));
+}
+
 // Posts 16 MiB reads from `victim` until one fails; returns that failure and its delay
 // after `signal` was sent (mid-transfer: right after a read was posted).
 struct Failure {

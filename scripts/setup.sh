@@ -4,7 +4,8 @@
 set -euo pipefail
 
 PACKAGES=(cmake ninja-build g++ libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev
-          nlohmann-json3-dev clang-format libucx-dev ucx-utils)
+          nlohmann-json3-dev clang-format libucx-dev ucx-utils pybind11-dev python3-dev
+          python3-numpy python3-torch)
 
 missing=()
 for p in "${PACKAGES[@]}"; do

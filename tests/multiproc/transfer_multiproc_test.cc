@@ -267,8 +267,9 @@ TEST_P(TransferMultiProcTest, CancelEndsTheTransferForGood) {
   // Terminal at once, and it stays so: done if it won the race, aborted otherwise.
   TransferStatus s = agent->GetStatus(*id);
   ASSERT_NE(s.state, TransferState::kInProgress);
-  if (s.state == TransferState::kError)
+  if (s.state == TransferState::kError) {
     EXPECT_EQ(s.error.code(), Code::kAborted) << s.error.ToString();
+  }
   EXPECT_EQ(agent->Wait(*id, milliseconds(100)).state, s.state);
   EXPECT_TRUE(agent->Release(*id).ok());
   // The peer stays usable.

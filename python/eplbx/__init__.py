@@ -1,0 +1,47 @@
+"""eplbx: expert-parallel load balancing for Mixture-of-Experts inference.
+
+    import eplbx
+    p = eplbx.plan(load, slots=288, ranks=32, nodes=4, groups=8)   # numpy in, numpy out
+    m = eplbx.migrate(old_phy2log, p.phy2log, ranks=32, nodes=4)
+    from eplbx.vllm import EplbxCommunicator                        # vLLM's EPLB communicator
+
+Errors are eplbx.EplbxError subclasses named after the C++ status codes
+(InvalidArgumentError, MismatchError, TimeoutError, UnavailableError, ...); the ones that
+have a builtin counterpart also derive from it (ValueError, TimeoutError, ConnectionError).
+"""
+
+from ._eplbx import (  # noqa: F401
+    AbortedError,
+    CorruptionError,
+    EplbxError,
+    InternalError,
+    InvalidArgumentError,
+    IoError,
+    MismatchError,
+    NotFoundError,
+    NotSupportedError,
+    OutOfRangeError,
+    PlanResult,
+    TimeoutError,
+    UnavailableError,
+    migrate,
+    plan,
+)
+
+__all__ = [
+    "plan",
+    "migrate",
+    "PlanResult",
+    "EplbxError",
+    "AbortedError",
+    "CorruptionError",
+    "InternalError",
+    "InvalidArgumentError",
+    "IoError",
+    "MismatchError",
+    "NotFoundError",
+    "NotSupportedError",
+    "OutOfRangeError",
+    "TimeoutError",
+    "UnavailableError",
+]

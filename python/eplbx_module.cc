@@ -1,0 +1,321 @@
+// The `eplbx._eplbx` extension: plans and migrations as numpy arrays, and the C++
+// EplbCommunicator for eplbx.vllm. Status codes become typed exceptions; the GIL is
+// released in every call that can block.
+#include <pybind11/functional.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "eplbx/bootstrap.h"
+#include "eplbx/layout.h"
+#include "eplbx/migration.h"
+#include "eplbx/policy.h"
+#include "eplbx/rearrange.h"
+#include "eplbx/transfer.h"
+
+namespace py = pybind11;
+
+namespace eplbx::python {
+namespace {
+
+// Exception classes, created in the module init.
+struct Exceptions {
+  PyObject* base = nullptr;
+  std::map<Code, PyObject*> by_code;
+};
+Exceptions g_exc;
+
+[[noreturn]] void Throw(const Status& s) {
+  auto it = g_exc.by_code.find(s.code());
+  PyErr_SetString(it != g_exc.by_code.end() ? it->second : g_exc.base, s.message().c_str());
+  throw py::error_already_set();
+}
+
+template <typename T>
+T Take(Result<T> r) {
+  if (!r.ok()) Throw(r.status());
+  return std::move(*r);
+}
+
+void Check(const Status& s) {
+  if (!s.ok()) Throw(s);
+}
+
+Result<LoadMatrix> ToLoad(const py::array_t<double, py::array::c_style | py::array::forcecast>& a) {
+  if (a.ndim() != 2) {
+    return Status::InvalidArgument("load must be a 2-D array (layers x experts), got " + std::to_string(a.ndim()) +
+                                   " dimensions");
+  }
+  std::vector<double> v(a.data(), a.data() + a.size());
+  return LoadMatrix::Create(static_cast<int>(a.shape(0)), static_cast<int>(a.shape(1)), std::move(v));
+}
+
+Result<Placement> ToPlacement(const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& a, int experts) {
+  if (a.ndim() != 2) return Status::InvalidArgument("a placement must be a 2-D phy2log array (layers x slots)");
+  std::vector<int32_t> v(a.data(), a.data() + a.size());
+  int e = experts;
+  if (e <= 0) {
+    for (int32_t x : v) e = std::max(e, x + 1);
+  }
+  return Placement::FromPhy2Log(static_cast<int>(a.shape(0)), static_cast<int>(a.shape(1)), e, std::move(v));
+}
+
+py::array_t<int32_t> Array2(const std::vector<int32_t>& v, size_t rows, size_t cols) {
+  py::array_t<int32_t> a({rows, cols});
+  std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(int32_t));
+  return a;
+}
+
+struct PlanResult {
+  py::array_t<int32_t> phy2log, log2phy, logcnt;
+  double balancedness = 0;
+  py::array_t<double> balancedness_per_layer;
+  py::object moves = py::none();
+};
+
+PlanResult DoPlan(const py::array_t<double, py::array::c_style | py::array::forcecast>& load, int slots, int ranks,
+                  int nodes, int groups, const std::string& policy, const py::object& previous, double tolerance) {
+  LoadMatrix lm = Take(ToLoad(load));
+  Topology topo{ranks, nodes, slots, groups};
+  PlanOptions options;
+  options.policy = Take(ParsePolicy(policy));
+  options.tolerance = tolerance;
+  std::optional<Placement> prev;
+  if (!previous.is_none()) {
+    prev = Take(ToPlacement(previous.cast<py::array_t<int32_t, py::array::c_style | py::array::forcecast>>(),
+                            lm.experts()));
+    options.previous = &*prev;
+  }
+  Result<Placement> plan = [&] {
+    py::gil_scoped_release release;
+    return Plan(lm, topo, options);
+  }();
+  Placement p = Take(std::move(plan));
+  PlanResult out;
+  out.phy2log = Array2(p.phy2log(), p.layers(), p.slots());
+  out.logcnt = Array2(p.logcnt(), p.layers(), p.experts());
+  std::vector<int32_t> padded = p.Log2PhyPadded();
+  py::array_t<int32_t> l2p({static_cast<size_t>(p.layers()), static_cast<size_t>(p.experts()),
+                            static_cast<size_t>(std::max(p.max_replicas(), 1))});
+  std::memcpy(l2p.mutable_data(), padded.data(), padded.size() * sizeof(int32_t));
+  out.log2phy = l2p;
+  Balance b = Take(ComputeBalance(p, lm, ranks));
+  out.balancedness = b.total;
+  out.balancedness_per_layer = py::array_t<double>(b.per_layer.size(), b.per_layer.data());
+  if (prev) {
+    Moves m = Take(CountMoves(*prev, p, ranks));
+    out.moves = py::dict(py::arg("remote_copies") = m.total.remote_copies,
+                         py::arg("local_copies") = m.total.local_copies,
+                         py::arg("unchanged_slots") = m.total.unchanged_slots);
+  }
+  return out;
+}
+
+py::dict DoMigrate(const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& old_map,
+                   const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& new_map, int ranks, int nodes,
+                   uint64_t bytes_per_expert, double link_gbps) {
+  int experts = 0;
+  for (const auto* a : {&old_map, &new_map}) {
+    for (py::ssize_t i = 0; i < a->size(); ++i) experts = std::max(experts, a->data()[i] + 1);
+  }
+  Placement from = Take(ToPlacement(old_map, experts));
+  Placement to = Take(ToPlacement(new_map, experts));
+  MigrationOptions o;
+  o.ranks = ranks;
+  o.nodes = nodes;
+  o.bytes_per_expert = bytes_per_expert;
+  o.link_gbps = link_gbps;
+  MigrationPlan plan = Take(PlanMigration(from, to, o));
+  py::list layers;
+  for (const LayerMigration& l : plan.layers) {
+    py::array_t<int32_t> t({l.transfers.size(), size_t{6}});
+    auto tv = t.mutable_unchecked<2>();
+    for (size_t i = 0; i < l.transfers.size(); ++i) {
+      const RemoteRead& r = l.transfers[i];
+      const int32_t row[6] = {r.src, r.src_row, r.dst, r.dst_row, r.expert, r.round};
+      for (int k = 0; k < 6; ++k) tv(i, k) = row[k];
+    }
+    py::array_t<int32_t> c({l.local_copies.size(), size_t{5}});
+    auto cv = c.mutable_unchecked<2>();
+    for (size_t i = 0; i < l.local_copies.size(); ++i) {
+      const LocalCopy& x = l.local_copies[i];
+      const int32_t row[5] = {x.rank, x.src_row, x.dst_row, x.expert, x.source == CopySource::kOld ? 0 : 1};
+      for (int k = 0; k < 5; ++k) cv(i, k) = row[k];
+    }
+    layers.append(py::dict(py::arg("transfers") = t, py::arg("local_copies") = c, py::arg("rounds") = l.rounds,
+                           py::arg("bytes_remote") = l.bytes_remote));
+  }
+  const MigrationSummary& s = plan.summary;
+  return py::dict(py::arg("layers") = layers, py::arg("remote_transfers") = s.remote_transfers,
+                  py::arg("local_copies") = s.local_copies, py::arg("bytes_moved") = s.bytes_moved,
+                  py::arg("cross_node_bytes") = s.cross_node_bytes, py::arg("rounds") = s.rounds,
+                  py::arg("time_lower_bound_s") = s.time_lower_bound_s);
+}
+
+// All-gather through a Python callable (bytes -> list of bytes), e.g. one built on
+// torch.distributed.all_gather_object. Called without the GIL; takes it for the call.
+class PyBootstrap final : public Bootstrap {
+ public:
+  PyBootstrap(uint32_t rank, uint32_t size, py::function fn) : rank_(rank), size_(size), fn_(std::move(fn)) {}
+  ~PyBootstrap() override {
+    py::gil_scoped_acquire gil;
+    fn_ = py::function();
+  }
+  uint32_t rank() const override { return rank_; }
+  uint32_t size() const override { return size_; }
+  Result<std::vector<std::string>> AllGather(std::string_view mine, std::chrono::milliseconds) override {
+    py::gil_scoped_acquire gil;
+    try {
+      py::list got = fn_(py::bytes(std::string(mine)));
+      std::vector<std::string> out;
+      for (auto item : got) out.push_back(item.cast<std::string>());
+      if (out.size() != size_) {
+        return Status::Corruption("all-gather returned " + std::to_string(out.size()) + " blobs for " +
+                                  std::to_string(size_) + " ranks");
+      }
+      return out;
+    } catch (py::error_already_set& e) {
+      return Status::Unavailable("rank " + std::to_string(rank_) + ": all-gather failed: " + e.what());
+    }
+  }
+
+ private:
+  uint32_t rank_, size_;
+  py::function fn_;
+};
+
+// Agent + registered regions + communicator, owned together.
+class Communicator {
+ public:
+  Communicator(uint32_t rank, uint32_t world, py::function allgather, const py::list& layers,
+               const py::list& regions, double timeout_s, const std::string& transport) {
+    AgentConfig config;
+    config.transport = Take(ParseTransport(transport));
+    const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+    config.peer_timeout = std::max(std::chrono::milliseconds(100), std::min<std::chrono::milliseconds>(timeout / 2, std::chrono::seconds(30)));
+    agent_ = Take(Agent::Create("rank" + std::to_string(rank), config));
+    for (auto r : regions) {
+      auto t = r.cast<py::tuple>();
+      regions_.push_back(Take(agent_->RegisterMemory(reinterpret_cast<void*>(t[0].cast<uintptr_t>()), t[1].cast<size_t>())));
+    }
+    RankLayout layout;
+    layout.rank = rank;
+    for (auto l : layers) {
+      std::vector<TensorSpec> tensors;
+      for (auto t : l.cast<py::list>()) {
+        auto x = t.cast<py::tuple>();
+        TensorSpec s;
+        s.name = x[0].cast<std::string>();
+        s.dtype = x[1].cast<std::string>();
+        s.expert_shape = x[2].cast<std::vector<int64_t>>();
+        s.base = x[3].cast<uint64_t>();
+        s.bytes_per_expert = x[4].cast<uint64_t>();
+        s.rows = x[5].cast<uint32_t>();
+        tensors.push_back(std::move(s));
+      }
+      layout.layers.push_back(std::move(tensors));
+    }
+    boot_ = std::make_unique<PyBootstrap>(rank, world, std::move(allgather));
+    RearrangeOptions o;
+    o.deadline = timeout;
+    Result<std::unique_ptr<EplbCommunicator>> comm = [&] {
+      py::gil_scoped_release release;
+      return EplbCommunicator::Create(agent_.get(), boot_.get(), layout, o);
+    }();
+    comm_ = Take(std::move(comm));
+  }
+
+  void SetTransferContext(const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& old, uint32_t layer) {
+    Check(comm_->SetTransferContext(std::span<const int32_t>(old.data(), old.size()), layer));
+  }
+  void AddSend(uint32_t dst, uint32_t expert) { Check(comm_->AddSend(dst, expert)); }
+  void AddRecv(uint32_t src, uint32_t expert, const std::vector<uintptr_t>& rows) {
+    std::vector<void*> p;
+    for (uintptr_t r : rows) p.push_back(reinterpret_cast<void*>(r));
+    Check(comm_->AddRecv(src, expert, p));
+  }
+  void Execute() {
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = comm_->Execute();
+    }
+    Check(s);
+  }
+  bool failed() const { return comm_->failed(); }
+
+ private:
+  std::unique_ptr<Agent> agent_;
+  std::vector<RegisteredRegion> regions_;
+  std::unique_ptr<PyBootstrap> boot_;
+  std::unique_ptr<EplbCommunicator> comm_;
+};
+
+}  // namespace
+}  // namespace eplbx::python
+
+PYBIND11_MODULE(_eplbx, m) {
+  using namespace eplbx;
+  using namespace eplbx::python;
+  m.doc() = "eplbx: expert-parallel load balancing (plans, migrations, rearrangement)";
+
+  static py::exception<std::runtime_error> base(m, "EplbxError", PyExc_RuntimeError);
+  g_exc.base = base.ptr();
+  struct Def {
+    Code code;
+    const char* name;
+    PyObject* also;
+  };
+  const Def defs[] = {
+      {Code::kInvalidArgument, "InvalidArgumentError", PyExc_ValueError},
+      {Code::kOutOfRange, "OutOfRangeError", PyExc_ValueError},
+      {Code::kMismatch, "MismatchError", PyExc_ValueError},
+      {Code::kNotFound, "NotFoundError", PyExc_LookupError},
+      {Code::kIoError, "IoError", PyExc_OSError},
+      {Code::kCorruption, "CorruptionError", PyExc_ValueError},
+      {Code::kTimeout, "TimeoutError", PyExc_TimeoutError},
+      {Code::kAborted, "AbortedError", nullptr},
+      {Code::kUnavailable, "UnavailableError", PyExc_ConnectionError},
+      {Code::kNotSupported, "NotSupportedError", PyExc_NotImplementedError},
+      {Code::kInternal, "InternalError", nullptr},
+  };
+  for (const Def& d : defs) {
+    PyObject* bases = d.also != nullptr ? PyTuple_Pack(2, base.ptr(), d.also) : PyTuple_Pack(1, base.ptr());
+    PyObject* cls = PyErr_NewException((std::string("eplbx.") + d.name).c_str(), bases, nullptr);
+    Py_DECREF(bases);
+    m.add_object(d.name, py::handle(cls));
+    g_exc.by_code[d.code] = cls;
+  }
+
+  py::class_<PlanResult>(m, "PlanResult")
+      .def_readonly("phy2log", &PlanResult::phy2log, "layers x slots: logical expert in each physical slot")
+      .def_readonly("log2phy", &PlanResult::log2phy, "layers x experts x max replicas: slots, padded with -1")
+      .def_readonly("logcnt", &PlanResult::logcnt, "layers x experts: replica counts")
+      .def_readonly("balancedness", &PlanResult::balancedness, "sum of mean rank loads / sum of max rank loads")
+      .def_readonly("balancedness_per_layer", &PlanResult::balancedness_per_layer)
+      .def_readonly("moves", &PlanResult::moves, "with previous: remote_copies, local_copies, unchanged_slots");
+
+  m.def("plan", &DoPlan, py::arg("load"), py::arg("slots"), py::arg("ranks"), py::arg("nodes") = 1,
+        py::arg("groups") = 1, py::arg("policy") = "deepseek", py::arg("previous") = py::none(),
+        py::arg("tolerance") = 0.002, "Places every layer's experts into slots (see docs/placement.md).");
+  m.def("migrate", &DoMigrate, py::arg("old"), py::arg("new"), py::arg("ranks"), py::arg("nodes") = 1,
+        py::arg("bytes_per_expert") = 1, py::arg("link_gbps") = 100.0,
+        "Transfers that turn placement `old` into `new` (see docs/migration.md). transfers rows: "
+        "(src, src_row, dst, dst_row, expert, round); local_copies rows: (rank, src_row, dst_row, expert, "
+        "from_new).");
+
+  py::class_<Communicator>(m, "_Communicator")
+      .def(py::init<uint32_t, uint32_t, py::function, const py::list&, const py::list&, double, const std::string&>(),
+           py::arg("rank"), py::arg("world"), py::arg("allgather"), py::arg("layers"), py::arg("regions"),
+           py::arg("timeout_s"), py::arg("transport") = "auto")
+      .def("set_transfer_context", &Communicator::SetTransferContext)
+      .def("add_send", &Communicator::AddSend)
+      .def("add_recv", &Communicator::AddRecv)
+      .def("execute", &Communicator::Execute)
+      .def_property_readonly("failed", &Communicator::failed);
+}

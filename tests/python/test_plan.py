@@ -1,0 +1,67 @@
+"""eplbx.plan / eplbx.migrate from Python: numpy in, numpy out, typed errors."""
+import unittest
+
+import numpy as np
+
+import eplbx
+
+# DeepSeek's published example (FIELD-NOTES): 2 layers x 12 experts, 16 slots, 4 groups, 2 nodes, 8 ranks.
+WEIGHT = np.array([[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+                   [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]], dtype=np.float64)
+PHY2LOG = [[5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+           [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]]
+LOGCNT = [[1, 2, 1, 1, 2, 2, 1, 1, 1, 1, 2, 1], [1, 2, 1, 1, 1, 2, 2, 1, 2, 1, 1, 1]]
+
+
+class PlanTest(unittest.TestCase):
+    def test_deepseek_reference_vector(self):
+        p = eplbx.plan(WEIGHT, slots=16, ranks=8, nodes=2, groups=4)
+        self.assertIsInstance(p.phy2log, np.ndarray)
+        self.assertEqual(p.phy2log.dtype, np.int32)
+        self.assertEqual(p.phy2log.tolist(), PHY2LOG)
+        self.assertEqual(p.logcnt.tolist(), LOGCNT)
+        self.assertEqual(p.log2phy.shape, (2, 12, 2))
+        for layer in range(2):
+            for expert in range(12):
+                slots = [s for s in p.log2phy[layer, expert] if s >= 0]
+                self.assertEqual(len(slots), LOGCNT[layer][expert])
+                for s in slots:
+                    self.assertEqual(PHY2LOG[layer][s], expert)
+        self.assertGreater(p.balancedness, 0.5)
+        self.assertEqual(p.balancedness_per_layer.shape, (2,))
+
+    def test_incremental_with_previous_reports_moves(self):
+        rng = np.random.default_rng(1)
+        load = rng.pareto(1.0, size=(3, 32)) + 1
+        first = eplbx.plan(load, slots=40, ranks=8)
+        drifted = load * np.exp(rng.normal(0, 0.3, size=load.shape))
+        second = eplbx.plan(drifted, slots=40, ranks=8, policy="incremental", previous=first.phy2log)
+        self.assertEqual(set(second.moves), {"remote_copies", "local_copies", "unchanged_slots"})
+        self.assertGreater(second.moves["unchanged_slots"], 0)
+
+    def test_errors_are_typed(self):
+        with self.assertRaises(eplbx.InvalidArgumentError) as e:
+            eplbx.plan(WEIGHT, slots=15, ranks=8)
+        self.assertIsInstance(e.exception, ValueError)
+        self.assertIn("15", str(e.exception))
+        with self.assertRaises(eplbx.InvalidArgumentError):
+            eplbx.plan(WEIGHT, slots=16, ranks=8, policy="greedy")
+        with self.assertRaises(eplbx.EplbxError):
+            eplbx.plan(np.array([1.0, 2.0]), slots=2, ranks=1)
+        with self.assertRaises(eplbx.InvalidArgumentError):
+            eplbx.plan(-WEIGHT, slots=16, ranks=8)
+
+    def test_migrate(self):
+        old = np.array([[0, 1, 2, 3]], dtype=np.int32)
+        new = np.array([[3, 1, 2, 0]], dtype=np.int32)
+        m = eplbx.migrate(old, new, ranks=2, bytes_per_expert=1000)
+        self.assertEqual(m["remote_transfers"], 2)
+        t = m["layers"][0]["transfers"]
+        self.assertEqual(t.shape, (2, 6))
+        moved = sorted((int(r[2]), int(r[4])) for r in t)  # (dst, expert)
+        self.assertEqual(moved, [(0, 3), (1, 0)])
+        self.assertEqual(m["bytes_moved"], 2000)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,168 @@
+"""Side by side: one multi-layer EPLB rearrangement through eplbx.vllm.EplbxCommunicator and
+through a baseline communicator on torch.distributed gloo isend/irecv with CPU staging (how
+vLLM moves expert weights without NIXL), in the same run, same placements, same tensors.
+
+    PYTHONPATH=build/python /usr/bin/python3 bench/python/bench_vllm_communicator.py [--json]
+
+Prints seconds, GB/s and the ratio; every received row is verified for both.
+"""
+import argparse
+import json
+import multiprocessing as mp
+import random
+import socket
+import time
+
+WORLD, LAYERS, ROWS, EXPERTS = 4, 4, 4, 12
+TENSOR_MIB = [8, 4, 1]  # per expert: 3 tensors of 1-8 MiB
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def maps(seed):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(LAYERS):
+        m = list(range(EXPERTS)) + [rng.randrange(EXPERTS) for _ in range(WORLD * ROWS - EXPERTS)]
+        rng.shuffle(m)
+        out.append(m)
+    return out
+
+
+class GlooStagingCommunicator:
+    """The baseline: per expert, the source copies its rows into a staging tensor and
+    isends them; the reader irecvs into staging and copies into the buffer row."""
+
+    def __init__(self, group):
+        self.group = group
+        self.ops = []
+        self.copies = []
+
+    def set_transfer_context(self, old_indices, layer_idx):
+        self.ops, self.copies = [], []
+
+    def add_send(self, tensors, dst_rank, expert_id):
+        import torch.distributed as dist
+        for t in tensors:
+            staging = t.clone()  # CPU staging, as vLLM does for device memory
+            self.ops.append(dist.isend(staging, dst_rank, group=self.group, tag=expert_id))
+
+    def add_recv(self, tensors, src_rank, expert_id):
+        import torch.distributed as dist
+        for t in tensors:
+            staging = t.new_empty(t.shape)
+            self.ops.append(dist.irecv(staging, src_rank, group=self.group, tag=expert_id))
+            self.copies.append((t, staging))
+
+    def execute(self):
+        import torch.distributed as dist
+        for op in self.ops:
+            op.wait()
+        for dst, staging in self.copies:
+            dst.copy_(staging)
+        dist.barrier(group=self.group)  # nobody overwrites rows a peer still reads
+
+
+def worker(rank, port, results):
+    import torch
+    import torch.distributed as dist
+
+    from eplbx.vllm import EplbxCommunicator
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    group = dist.new_group(backend="gloo")
+    before, after = maps(1), maps(2)
+    elems = [mib * (1 << 20) // 4 for mib in TENSOR_MIB]
+    weights = []
+    for layer in range(LAYERS):
+        tensors = []
+        for t, n in enumerate(elems):
+            w = torch.empty((ROWS, n), dtype=torch.float32)
+            for row in range(ROWS):
+                w[row].fill_(layer * 1000 + before[layer][rank * ROWS + row] * 10 + t)
+            tensors.append(w)
+        weights.append(tensors)
+    buffer = [torch.zeros((ROWS, n), dtype=torch.float32) for n in elems]
+
+    def holder(layer, e):
+        return next(s // ROWS for s in range(WORLD * ROWS) if before[layer][s] == e)
+
+    def holds(layer, r, e):
+        return e in before[layer][r * ROWS:(r + 1) * ROWS]
+
+    def rearrange(comm):
+        moved = 0
+        for layer in range(LAYERS):
+            comm.set_transfer_context(torch.tensor(before[layer]), layer)
+            # Sends and receives in one global order, so blocking baselines cannot deadlock.
+            received = {}
+            for dst in range(WORLD):
+                seen = set()
+                for row in range(ROWS):
+                    e = after[layer][dst * ROWS + row]
+                    if holds(layer, dst, e) or e in seen:
+                        continue
+                    seen.add(e)
+                    src = holder(layer, e)
+                    if src == rank:
+                        r0 = before[layer].index(e, rank * ROWS) - rank * ROWS
+                        comm.add_send([w[r0] for w in weights[layer]], dst, e)
+                    if dst == rank:
+                        received[e] = row
+                        comm.add_recv([b[row] for b in buffer], src, e)
+            comm.execute()
+            for e, row in received.items():
+                for t in range(len(elems)):
+                    assert float(buffer[t][row][0]) == layer * 1000 + e * 10 + t, (layer, e, t)
+                    assert float(buffer[t][row][-1]) == layer * 1000 + e * 10 + t, (layer, e, t)
+                moved += sum(elems) * 4
+        return moved
+
+    out = {}
+    for name, make in (("eplbx", lambda: EplbxCommunicator(group, weights, buffer, timeout_s=60.0)),
+                       ("gloo_isend_irecv_staging", lambda: GlooStagingCommunicator(group))):
+        comm = make()
+        rearrange(comm)  # warm-up (connections, first touch)
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        moved = rearrange(comm)
+        dist.barrier(group=group)
+        seconds = time.perf_counter() - t0
+        totals = [None] * WORLD
+        dist.all_gather_object(totals, moved, group=group)
+        out[name] = {"seconds": seconds, "bytes_moved": sum(totals)}
+    if rank == 0:
+        results.put(out)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, port, results)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    out = results.get(timeout=600)
+    for p in procs:
+        p.join()
+    for v in out.values():
+        v["gbps"] = v["bytes_moved"] / v["seconds"] / 1e9
+    report = {"ranks": WORLD, "layers": LAYERS, "tensor_mib_per_expert": TENSOR_MIB, "results": out,
+              "speedup": out["gloo_isend_irecv_staging"]["seconds"] / out["eplbx"]["seconds"]}
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        for name, v in out.items():
+            print(f"{name:26s} {v['seconds']:.3f} s  {v['bytes_moved'] / 2**20:.0f} MiB  {v['gbps']:.2f} GB/s")
+        print(f"eplbx is {report['speedup']:.1f}x faster")
+
+
+if __name__ == "__main__":
+    main()

@@ -48,21 +48,25 @@ void Check(const Status& s) {
 
 Result<LoadMatrix> ToLoad(const py::array_t<double, py::array::c_style | py::array::forcecast>& a) {
   if (a.ndim() != 2) {
-    return Status::InvalidArgument("load must be a 2-D array (layers x experts), got " + std::to_string(a.ndim()) +
-                                   " dimensions");
+    return Status::InvalidArgument("load must be a 2-D array (layers x experts), got " +
+                                   std::to_string(a.ndim()) + " dimensions");
   }
   std::vector<double> v(a.data(), a.data() + a.size());
-  return LoadMatrix::Create(static_cast<int>(a.shape(0)), static_cast<int>(a.shape(1)), std::move(v));
+  return LoadMatrix::Create(static_cast<int>(a.shape(0)), static_cast<int>(a.shape(1)),
+                            std::move(v));
 }
 
-Result<Placement> ToPlacement(const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& a, int experts) {
-  if (a.ndim() != 2) return Status::InvalidArgument("a placement must be a 2-D phy2log array (layers x slots)");
+Result<Placement> ToPlacement(
+    const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& a, int experts) {
+  if (a.ndim() != 2)
+    return Status::InvalidArgument("a placement must be a 2-D phy2log array (layers x slots)");
   std::vector<int32_t> v(a.data(), a.data() + a.size());
   int e = experts;
   if (e <= 0) {
     for (int32_t x : v) e = std::max(e, x + 1);
   }
-  return Placement::FromPhy2Log(static_cast<int>(a.shape(0)), static_cast<int>(a.shape(1)), e, std::move(v));
+  return Placement::FromPhy2Log(static_cast<int>(a.shape(0)), static_cast<int>(a.shape(1)), e,
+                                std::move(v));
 }
 
 py::array_t<int32_t> Array2(const std::vector<int32_t>& v, size_t rows, size_t cols) {
@@ -78,8 +82,9 @@ struct PlanResult {
   py::object moves = py::none();
 };
 
-PlanResult DoPlan(const py::array_t<double, py::array::c_style | py::array::forcecast>& load, int slots, int ranks,
-                  int nodes, int groups, const std::string& policy, const py::object& previous, double tolerance) {
+PlanResult DoPlan(const py::array_t<double, py::array::c_style | py::array::forcecast>& load,
+                  int slots, int ranks, int nodes, int groups, const std::string& policy,
+                  const py::object& previous, double tolerance) {
   LoadMatrix lm = Take(ToLoad(load));
   Topology topo{ranks, nodes, slots, groups};
   PlanOptions options;
@@ -87,8 +92,9 @@ PlanResult DoPlan(const py::array_t<double, py::array::c_style | py::array::forc
   options.tolerance = tolerance;
   std::optional<Placement> prev;
   if (!previous.is_none()) {
-    prev = Take(ToPlacement(previous.cast<py::array_t<int32_t, py::array::c_style | py::array::forcecast>>(),
-                            lm.experts()));
+    prev = Take(ToPlacement(
+        previous.cast<py::array_t<int32_t, py::array::c_style | py::array::forcecast>>(),
+        lm.experts()));
     options.previous = &*prev;
   }
   Result<Placement> plan = [&] {
@@ -117,8 +123,8 @@ PlanResult DoPlan(const py::array_t<double, py::array::c_style | py::array::forc
 }
 
 py::dict DoMigrate(const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& old_map,
-                   const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& new_map, int ranks, int nodes,
-                   uint64_t bytes_per_expert, double link_gbps) {
+                   const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& new_map,
+                   int ranks, int nodes, uint64_t bytes_per_expert, double link_gbps) {
   int experts = 0;
   for (const auto* a : {&old_map, &new_map}) {
     for (py::ssize_t i = 0; i < a->size(); ++i) experts = std::max(experts, a->data()[i] + 1);
@@ -144,11 +150,12 @@ py::dict DoMigrate(const py::array_t<int32_t, py::array::c_style | py::array::fo
     auto cv = c.mutable_unchecked<2>();
     for (size_t i = 0; i < l.local_copies.size(); ++i) {
       const LocalCopy& x = l.local_copies[i];
-      const int32_t row[5] = {x.rank, x.src_row, x.dst_row, x.expert, x.source == CopySource::kOld ? 0 : 1};
+      const int32_t row[5] = {x.rank, x.src_row, x.dst_row, x.expert,
+                              x.source == CopySource::kOld ? 0 : 1};
       for (int k = 0; k < 5; ++k) cv(i, k) = row[k];
     }
-    layers.append(py::dict(py::arg("transfers") = t, py::arg("local_copies") = c, py::arg("rounds") = l.rounds,
-                           py::arg("bytes_remote") = l.bytes_remote));
+    layers.append(py::dict(py::arg("transfers") = t, py::arg("local_copies") = c,
+                           py::arg("rounds") = l.rounds, py::arg("bytes_remote") = l.bytes_remote));
   }
   const MigrationSummary& s = plan.summary;
   return py::dict(py::arg("layers") = layers, py::arg("remote_transfers") = s.remote_transfers,
@@ -161,26 +168,29 @@ py::dict DoMigrate(const py::array_t<int32_t, py::array::c_style | py::array::fo
 // torch.distributed.all_gather_object. Called without the GIL; takes it for the call.
 class PyBootstrap final : public Bootstrap {
  public:
-  PyBootstrap(uint32_t rank, uint32_t size, py::function fn) : rank_(rank), size_(size), fn_(std::move(fn)) {}
+  PyBootstrap(uint32_t rank, uint32_t size, py::function fn)
+      : rank_(rank), size_(size), fn_(std::move(fn)) {}
   ~PyBootstrap() override {
     py::gil_scoped_acquire gil;
     fn_ = py::function();
   }
   uint32_t rank() const override { return rank_; }
   uint32_t size() const override { return size_; }
-  Result<std::vector<std::string>> AllGather(std::string_view mine, std::chrono::milliseconds) override {
+  Result<std::vector<std::string>> AllGather(std::string_view mine,
+                                             std::chrono::milliseconds) override {
     py::gil_scoped_acquire gil;
     try {
       py::list got = fn_(py::bytes(std::string(mine)));
       std::vector<std::string> out;
       for (auto item : got) out.push_back(item.cast<std::string>());
       if (out.size() != size_) {
-        return Status::Corruption("all-gather returned " + std::to_string(out.size()) + " blobs for " +
-                                  std::to_string(size_) + " ranks");
+        return Status::Corruption("all-gather returned " + std::to_string(out.size()) +
+                                  " blobs for " + std::to_string(size_) + " ranks");
       }
       return out;
     } catch (py::error_already_set& e) {
-      return Status::Unavailable("rank " + std::to_string(rank_) + ": all-gather failed: " + e.what());
+      return Status::Unavailable("rank " + std::to_string(rank_) +
+                                 ": all-gather failed: " + e.what());
     }
   }
 
@@ -197,11 +207,14 @@ class Communicator {
     AgentConfig config;
     config.transport = Take(ParseTransport(transport));
     const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
-    config.peer_timeout = std::max(std::chrono::milliseconds(100), std::min<std::chrono::milliseconds>(timeout / 2, std::chrono::seconds(30)));
+    config.peer_timeout =
+        std::max(std::chrono::milliseconds(100),
+                 std::min<std::chrono::milliseconds>(timeout / 2, std::chrono::seconds(30)));
     agent_ = Take(Agent::Create("rank" + std::to_string(rank), config));
     for (auto r : regions) {
       auto t = r.cast<py::tuple>();
-      regions_.push_back(Take(agent_->RegisterMemory(reinterpret_cast<void*>(t[0].cast<uintptr_t>()), t[1].cast<size_t>())));
+      regions_.push_back(Take(agent_->RegisterMemory(
+          reinterpret_cast<void*>(t[0].cast<uintptr_t>()), t[1].cast<size_t>())));
     }
     RankLayout layout;
     layout.rank = rank;
@@ -230,7 +243,8 @@ class Communicator {
     comm_ = Take(std::move(comm));
   }
 
-  void SetTransferContext(const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& old, uint32_t layer) {
+  void SetTransferContext(
+      const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& old, uint32_t layer) {
     Check(comm_->SetTransferContext(std::span<const int32_t>(old.data(), old.size()), layer));
   }
   void AddSend(uint32_t dst, uint32_t expert) { Check(comm_->AddSend(dst, expert)); }
@@ -285,7 +299,8 @@ PYBIND11_MODULE(_eplbx, m) {
       {Code::kInternal, "InternalError", nullptr},
   };
   for (const Def& d : defs) {
-    PyObject* bases = d.also != nullptr ? PyTuple_Pack(2, base.ptr(), d.also) : PyTuple_Pack(1, base.ptr());
+    PyObject* bases =
+        d.also != nullptr ? PyTuple_Pack(2, base.ptr(), d.also) : PyTuple_Pack(1, base.ptr());
     PyObject* cls = PyErr_NewException((std::string("eplbx.") + d.name).c_str(), bases, nullptr);
     Py_DECREF(bases);
     m.add_object(d.name, py::handle(cls));
@@ -293,26 +308,33 @@ PYBIND11_MODULE(_eplbx, m) {
   }
 
   py::class_<PlanResult>(m, "PlanResult")
-      .def_readonly("phy2log", &PlanResult::phy2log, "layers x slots: logical expert in each physical slot")
-      .def_readonly("log2phy", &PlanResult::log2phy, "layers x experts x max replicas: slots, padded with -1")
+      .def_readonly("phy2log", &PlanResult::phy2log,
+                    "layers x slots: logical expert in each physical slot")
+      .def_readonly("log2phy", &PlanResult::log2phy,
+                    "layers x experts x max replicas: slots, padded with -1")
       .def_readonly("logcnt", &PlanResult::logcnt, "layers x experts: replica counts")
-      .def_readonly("balancedness", &PlanResult::balancedness, "sum of mean rank loads / sum of max rank loads")
+      .def_readonly("balancedness", &PlanResult::balancedness,
+                    "sum of mean rank loads / sum of max rank loads")
       .def_readonly("balancedness_per_layer", &PlanResult::balancedness_per_layer)
-      .def_readonly("moves", &PlanResult::moves, "with previous: remote_copies, local_copies, unchanged_slots");
+      .def_readonly("moves", &PlanResult::moves,
+                    "with previous: remote_copies, local_copies, unchanged_slots");
 
   m.def("plan", &DoPlan, py::arg("load"), py::arg("slots"), py::arg("ranks"), py::arg("nodes") = 1,
         py::arg("groups") = 1, py::arg("policy") = "deepseek", py::arg("previous") = py::none(),
-        py::arg("tolerance") = 0.002, "Places every layer's experts into slots (see docs/placement.md).");
-  m.def("migrate", &DoMigrate, py::arg("old"), py::arg("new"), py::arg("ranks"), py::arg("nodes") = 1,
-        py::arg("bytes_per_expert") = 1, py::arg("link_gbps") = 100.0,
+        py::arg("tolerance") = 0.002,
+        "Places every layer's experts into slots (see docs/placement.md).");
+  m.def("migrate", &DoMigrate, py::arg("old"), py::arg("new"), py::arg("ranks"),
+        py::arg("nodes") = 1, py::arg("bytes_per_expert") = 1, py::arg("link_gbps") = 100.0,
         "Transfers that turn placement `old` into `new` (see docs/migration.md). transfers rows: "
-        "(src, src_row, dst, dst_row, expert, round); local_copies rows: (rank, src_row, dst_row, expert, "
+        "(src, src_row, dst, dst_row, expert, round); local_copies rows: (rank, src_row, dst_row, "
+        "expert, "
         "from_new).");
 
   py::class_<Communicator>(m, "_Communicator")
-      .def(py::init<uint32_t, uint32_t, py::function, const py::list&, const py::list&, double, const std::string&>(),
-           py::arg("rank"), py::arg("world"), py::arg("allgather"), py::arg("layers"), py::arg("regions"),
-           py::arg("timeout_s"), py::arg("transport") = "auto")
+      .def(py::init<uint32_t, uint32_t, py::function, const py::list&, const py::list&, double,
+                    const std::string&>(),
+           py::arg("rank"), py::arg("world"), py::arg("allgather"), py::arg("layers"),
+           py::arg("regions"), py::arg("timeout_s"), py::arg("transport") = "auto")
       .def("set_transfer_context", &Communicator::SetTransferContext)
       .def("add_send", &Communicator::AddSend)
       .def("add_recv", &Communicator::AddRecv)

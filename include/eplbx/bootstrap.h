@@ -59,6 +59,55 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
                             const std::function<void(uint32_t, std::string)>& on_message,
                             const std::function<bool()>& stop = nullptr);
 
+// ---- TCP rendezvous (multi-host) -------------------------------------------------------
+//
+// Configured like torchrun: EPLBX_MASTER_ADDR, EPLBX_MASTER_PORT, EPLBX_RANK,
+// EPLBX_WORLD_SIZE, and a shared secret EPLBX_TOKEN that every member must present.
+
+struct RendezvousEnv {
+  std::string addr;
+  uint16_t port = 0;
+  uint32_t rank = 0;
+  uint32_t world = 0;
+  std::string token;  // never printed
+};
+// Reads the EPLBX_* variables; names the missing or malformed one.
+Result<RendezvousEnv> RendezvousFromEnv();
+
+// The store, served by rank 0 (`eplbx worker`) or by `eplbx store`. Members join with
+// (rank, world size, token); the token is compared in constant time. A wrong token, a
+// world-size mismatch, an out-of-range or duplicate rank is refused with its own message to
+// that member (and recorded in refusals()); the others keep waiting.
+class TcpStore {
+ public:
+  static Result<std::unique_ptr<TcpStore>> Listen(const std::string& addr, uint16_t port,
+                                                  std::string token, uint32_t world);
+  ~TcpStore();
+  TcpStore(const TcpStore&) = delete;
+  TcpStore& operator=(const TcpStore&) = delete;
+
+  // Waits up to `join_timeout` for every rank to join (kTimeout naming the missing ranks),
+  // then serves like ServeSocketBootstrap.
+  Status Serve(std::chrono::milliseconds join_timeout, std::chrono::milliseconds idle_timeout,
+               const std::function<void(uint32_t, std::string)>& on_message,
+               const std::function<bool()>& stop = nullptr);
+  const std::vector<std::string>& refusals() const { return refusals_; }
+
+ private:
+  TcpStore() = default;
+  int listen_fd_ = -1;
+  std::string token_;
+  uint32_t world_ = 0;
+  std::vector<int> members_;
+  std::vector<std::string> refusals_;
+};
+
+// Joins the store at addr:port (retrying until it listens, up to `timeout`).
+Result<std::unique_ptr<SocketBootstrap>> JoinTcpStore(const std::string& addr, uint16_t port,
+                                                      const std::string& token, uint32_t rank,
+                                                      uint32_t world,
+                                                      std::chrono::milliseconds timeout);
+
 }  // namespace eplbx
 
 #endif  // EPLBX_BOOTSTRAP_H_

@@ -31,15 +31,18 @@ struct RearrangeOptions {
   // Deadline of every phase: metadata exchange, and each layer's protocol.
   std::chrono::milliseconds deadline{300000};
   int nodes = 1;  // for the migration planner's same-node-first source choice
+  // Node of every rank (optional): bytes read from another node are counted separately.
+  std::vector<uint32_t> node_of_rank;
 };
 
 struct LayerOutcome {
   uint32_t layer = 0;
   bool committed = false;
-  uint64_t experts_read = 0;  // expert rows this rank read from peers
-  uint64_t bytes_read = 0;    // by this rank from peers
-  uint64_t bytes_copied = 0;  // within this rank
-  std::string error;          // when rolled back
+  uint64_t experts_read = 0;      // expert rows this rank read from peers
+  uint64_t bytes_read = 0;        // by this rank from peers
+  uint64_t bytes_copied = 0;      // within this rank
+  uint64_t bytes_cross_node = 0;  // of bytes_read, from ranks on other nodes
+  std::string error;              // when rolled back
 };
 
 struct RearrangeReport {
@@ -47,6 +50,7 @@ struct RearrangeReport {
   std::vector<LayerOutcome> layers;  // layers run so far, in order
   uint64_t experts_read = 0;         // this rank, all layers
   uint64_t bytes_read = 0;           // this rank, all layers
+  uint64_t bytes_cross_node = 0;     // of bytes_read, from other nodes
   double seconds = 0;
 };
 

@@ -17,6 +17,7 @@ void AddPlanCommand(CLI::App& app, Action& run);
 void AddMigrateCommand(CLI::App& app, Action& run);
 void AddBenchCommand(CLI::App& app, Action& run);
 void AddDemoCommand(CLI::App& app, Action& run);
+void AddWorkerCommand(CLI::App& app, Action& run);  // also `eplbx store`
 
 }  // namespace eplbx::cli
 

@@ -5,7 +5,13 @@
 #include <cstdint>
 #include <string>
 
+#include <map>
+
+#include <nlohmann/json.hpp>
+
 #include "cli/measure.h"
+#include "eplbx/bootstrap.h"
+#include "eplbx/status.h"
 
 namespace eplbx::cli {
 
@@ -28,9 +34,17 @@ struct DemoOptions {
   int fault_rank = -1;
 };
 
-// One rank's life, in its own process; reports to the coordinator over `fd`. Returns the
-// process exit code.
-int RunDemoRank(const DemoOptions& o, int rank, int fd);
+// One rank's life, in its own process; reports to the coordinator through `boot`. Returns
+// the process exit code.
+int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot);
+
+// Checks and completes parsed demo flags (sizes, fault spec).
+Status ParseDemo(DemoOptions& o);
+
+// Prints the report built from the ranks' reports (JSON or text); the Status says whether
+// every step verified, or names the failure.
+Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& reports,
+                  double memcpy_gbps, double wall_seconds, const Status& coordinator);
 
 }  // namespace eplbx::cli
 

@@ -26,6 +26,8 @@ namespace {
 using internal::StrCat;
 using Clock = std::chrono::steady_clock;
 
+}  // namespace
+
 Status ParseDemo(DemoOptions& o) {
   if (o.ranks < 2 || o.ranks > 64)
     return Status::InvalidArgument(StrCat("--ranks ", o.ranks, ": expected 2..64"));
@@ -86,6 +88,8 @@ Status ParseDemo(DemoOptions& o) {
   return Status::OK();
 }
 
+namespace {
+
 Status RunDemo(DemoOptions o) {
   EPLBX_RETURN_IF_ERROR(ParseDemo(o));
   const double memcpy_gbps = MeasureMemcpyGbps();
@@ -102,7 +106,8 @@ Status RunDemo(DemoOptions o) {
     if (pids[r] == 0) {
       close(sv[0]);
       for (int k = 0; k < r; ++k) close(fds[k]);
-      _exit(RunDemoRank(o, r, sv[1]));
+      SocketBootstrap boot(sv[1], static_cast<uint32_t>(r), static_cast<uint32_t>(o.ranks));
+      _exit(RunDemoRank(o, r, boot));
     }
     close(sv[1]);
     fds[r] = sv[0];
@@ -159,7 +164,13 @@ Status RunDemo(DemoOptions o) {
     if (!reaped[r]) waitpid(pids[r], nullptr, 0);
   }
   const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+  return ReportDemo(o, reports, memcpy_gbps, wall, served);
+}
 
+}  // namespace
+
+Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& reports,
+                  double memcpy_gbps, double wall, const Status& served) {
   // Aggregate: steps from the ranks' reports, errors from the survivors.
   nlohmann::json out;
   bool verified = static_cast<int>(reports.size()) == o.ranks;
@@ -172,7 +183,7 @@ Status RunDemo(DemoOptions o) {
         survivor_error = StrCat("rank ", r, " exited without a report");
       continue;
     }
-    const auto& rep = reports[r];
+    const auto& rep = reports.at(r);
     verified = verified && rep.value("verified", false);
     intact = intact && rep.value("weights_intact", false);
     const std::string e = rep.value("error", "");
@@ -180,10 +191,12 @@ Status RunDemo(DemoOptions o) {
     if (!e.empty() && slot.empty()) slot = e;
   }
   std::string error = survivor_error.empty() ? faulty_error : survivor_error;
-  if (!served.ok() && error.empty()) error = served.message();
+  // The coordinator's failure (a rank that never joined, a refused token) explains the rest.
+  if (!served.ok())
+    error = error.empty() ? served.message() : StrCat(served.message(), "; ", error);
   nlohmann::json steps = nlohmann::json::array();
   for (int s = 0; s < o.steps; ++s) {
-    uint64_t bytes = 0, experts = 0;
+    uint64_t bytes = 0, experts = 0, cross = 0;
     double seconds = 0;
     nlohmann::json first;
     bool any = false;
@@ -192,6 +205,7 @@ Status RunDemo(DemoOptions o) {
       const auto& st = rep["steps"][s];
       bytes += st.value("bytes_read", uint64_t{0});
       experts += st.value("experts_read", uint64_t{0});
+      cross += st.value("bytes_cross_node", uint64_t{0});
       seconds = std::max(seconds, st.value("seconds", 0.0));
       if (!any) first = st;
       any = true;
@@ -202,6 +216,7 @@ Status RunDemo(DemoOptions o) {
                      {"balancedness_after", first.value("balancedness_after", 0.0)},
                      {"experts_moved", experts},
                      {"bytes_moved", bytes},
+                     {"cross_node_bytes", cross},
                      {"seconds", seconds},
                      {"gbps", gbps},
                      {"memcpy_ratio", memcpy_gbps > 0 ? gbps / memcpy_gbps : 0.0}});
@@ -213,6 +228,9 @@ Status RunDemo(DemoOptions o) {
   out["memcpy_gbps"] = memcpy_gbps;
   out["ranks"] = o.ranks;
   out["wall_seconds"] = wall;
+  uint64_t cross_total = 0;
+  for (const auto& st : steps) cross_total += st["cross_node_bytes"].get<uint64_t>();
+  out["cross_node_bytes"] = cross_total;
   if (!error.empty()) out["error"] = error;
   if (o.json) {
     std::cout << out.dump(1) << "\n";
@@ -234,8 +252,6 @@ Status RunDemo(DemoOptions o) {
   if (!verified) return Status::Internal("the demo did not verify (see the report)");
   return Status::OK();
 }
-
-}  // namespace
 
 void AddDemoCommand(CLI::App& app, Action& run) {
   auto o = std::make_shared<DemoOptions>();

@@ -2,8 +2,10 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -105,10 +107,17 @@ std::string VerifyLayer(const Weights& w, const Placement& map, int layer, int r
   return "";
 }
 
+// This rank's node: EPLBX_NODE, else the host name.
+std::string NodeName() {
+  if (const char* n = std::getenv("EPLBX_NODE"); n != nullptr && *n != '\0') return n;
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  return host;
+}
+
 }  // namespace
 
-int RunDemoRank(const DemoOptions& o, int rank, int fd) {
-  SocketBootstrap boot(fd, static_cast<uint32_t>(rank), static_cast<uint32_t>(o.ranks));
+int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
   nlohmann::json report = {
       {"rank", rank}, {"verified", false}, {"weights_intact", false}, {"error", ""}};
   auto finish = [&](int code) {
@@ -188,6 +197,24 @@ int RunDemoRank(const DemoOptions& o, int rank, int fd) {
   }
   RearrangeOptions ro;
   ro.deadline = deadline;
+  // Ranks on one host form a node: the migration planner reads from the same node first
+  // (when nodes are contiguous, equal groups of ranks) and the report counts cross-node bytes.
+  Result<std::vector<std::string>> nodes = boot.AllGather(NodeName(), deadline);
+  if (!nodes.ok()) {
+    report["error"] = nodes.status().message();
+    return finish(1);
+  }
+  std::vector<std::string> names;
+  for (const std::string& n : *nodes) {
+    auto at = std::find(names.begin(), names.end(), n);
+    ro.node_of_rank.push_back(static_cast<uint32_t>(at - names.begin()));
+    if (at == names.end()) names.push_back(n);
+  }
+  const int per_node = o.ranks / static_cast<int>(names.size());
+  bool contiguous = o.ranks % static_cast<int>(names.size()) == 0;
+  for (int r = 0; r < o.ranks && contiguous; ++r)
+    contiguous = ro.node_of_rank[r] == static_cast<uint32_t>(r / per_node);
+  ro.nodes = contiguous ? static_cast<int>(names.size()) : 1;
   Result<std::unique_ptr<Rearranger>> rearranger =
       Rearranger::Create(agent->get(), &boot, declared, ro);
   auto verify_all = [&](const std::vector<const Placement*>& maps) {
@@ -249,6 +276,7 @@ int RunDemoRank(const DemoOptions& o, int rank, int fd) {
     steps.push_back({{"balancedness_before", before.ok() ? before->total : 0.0},
                      {"balancedness_after", after.ok() ? after->total : 0.0},
                      {"bytes_read", rr.bytes_read},
+                     {"bytes_cross_node", rr.bytes_cross_node},
                      {"experts_read", rr.experts_read},
                      {"seconds", rr.seconds}});
     if (!rr.status.ok()) {

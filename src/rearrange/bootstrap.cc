@@ -10,6 +10,7 @@
 
 #include "common/bytes.h"
 #include "common/strings.h"
+#include "rearrange/frames.h"
 
 namespace eplbx {
 namespace {
@@ -17,7 +18,6 @@ namespace {
 using internal::StrCat;
 using Clock = std::chrono::steady_clock;
 
-enum FrameType : uint8_t { kContribute = 1, kMessage = 2, kGathered = 3, kFailed = 4 };
 constexpr uint32_t kMaxFrame = 64u << 20;
 
 bool WriteAll(int fd, const char* p, size_t n) {
@@ -30,6 +30,10 @@ bool WriteAll(int fd, const char* p, size_t n) {
   }
   return true;
 }
+
+}  // namespace
+
+namespace internal {
 
 bool WriteFrame(int fd, uint8_t type, std::string_view body) {
   internal::ByteWriter w;
@@ -62,8 +66,8 @@ bool ReadAll(int fd, char* p, size_t n, Clock::time_point deadline, bool* timed_
   return true;
 }
 
-bool ReadFrame(int fd, Clock::time_point deadline, uint8_t* type, std::string* body,
-               bool* timed_out) {
+bool ReadFrame(int fd, std::chrono::steady_clock::time_point deadline, uint8_t* type,
+               std::string* body, bool* timed_out) {
   char head[5];
   if (!ReadAll(fd, head, 5, deadline, timed_out)) return false;
   *type = static_cast<uint8_t>(head[0]);
@@ -75,7 +79,14 @@ bool ReadFrame(int fd, Clock::time_point deadline, uint8_t* type, std::string* b
   return ReadAll(fd, body->data(), n, deadline, timed_out);
 }
 
-}  // namespace
+}  // namespace internal
+
+using internal::kContribute;
+using internal::kFailed;
+using internal::kGathered;
+using internal::kMessage;
+using internal::ReadFrame;
+using internal::WriteFrame;
 
 SocketBootstrap::SocketBootstrap(int fd, uint32_t rank, uint32_t size)
     : fd_(fd), rank_(rank), size_(size) {}

@@ -155,6 +155,10 @@ void RearrangerImpl::Execute(LayerProtocol& p, LayerJob& job, std::vector<Pendin
           remote.push_back(
               {theirs.base + jr->src_row * theirs.bytes_per_expert, theirs.bytes_per_expert});
           outcome.bytes_read += tensors[t].bytes_per_expert;
+          if (options.node_of_rank.size() == world() &&
+              options.node_of_rank[a.read.source] != options.node_of_rank[self()]) {
+            outcome.bytes_cross_node += tensors[t].bytes_per_expert;
+          }
         }
         Result<TransferId> id =
             agent->Read(peer_of[a.read.source], local, remote, protocol::EncodeRecord(a.record));
@@ -349,6 +353,7 @@ RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to
     LayerOutcome o = d.RunLayer(static_cast<uint32_t>(l), plan->layers[l]);
     report.bytes_read += o.bytes_read;
     report.experts_read += o.experts_read;
+    report.bytes_cross_node += o.bytes_cross_node;
     const bool ok = o.committed;
     report.layers.push_back(std::move(o));
     if (!ok) {

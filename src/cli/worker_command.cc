@@ -1,0 +1,158 @@
+// `eplbx worker`: one rank of the demo as its own process, for runs where each host starts
+// its own ranks; configured by EPLBX_MASTER_ADDR/PORT, EPLBX_RANK, EPLBX_WORLD_SIZE and
+// EPLBX_TOKEN (docs/deploy.md). Rank 0 serves the rendezvous store and prints the report.
+// `eplbx store`: the same store as a process of its own.
+#include <chrono>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "cli/commands.h"
+#include "cli/demo.h"
+#include "common/strings.h"
+#include "eplbx/bootstrap.h"
+
+namespace eplbx::cli {
+namespace {
+
+using internal::StrCat;
+using Clock = std::chrono::steady_clock;
+
+// Serves the store on a thread, collecting the ranks' reports.
+class StoreThread {
+ public:
+  StoreThread(std::unique_ptr<TcpStore> store, const DemoOptions& o, bool print_progress)
+      : store_(std::move(store)) {
+    const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
+    thread_ = std::thread([this, deadline, print_progress, world = o.ranks] {
+      status_ = store_->Serve(
+          deadline, deadline + std::chrono::seconds(10),
+          [&](uint32_t rank, std::string bytes) {
+            nlohmann::json j = nlohmann::json::parse(bytes, nullptr, false);
+            if (j.is_discarded()) return;
+            std::lock_guard<std::mutex> lock(mu_);
+            if (j.contains("progress")) {
+              if (print_progress) std::cerr << "  " << j["progress"].get<std::string>() << "\n";
+              return;
+            }
+            if (reports_.empty()) first_ = Clock::now();
+            reports_[static_cast<int>(rank)] = std::move(j);
+          },
+          [&, world, deadline] {
+            // Every rank's waits are bounded by the deadline: once one reported, the others
+            // get one deadline (plus slack); an unreachable rank never will.
+            std::lock_guard<std::mutex> lock(mu_);
+            return static_cast<int>(reports_.size()) == world ||
+                   (!reports_.empty() &&
+                    Clock::now() - first_ > deadline + std::chrono::seconds(2));
+          });
+    });
+  }
+  std::map<int, nlohmann::json> Finish(Status* status) {
+    thread_.join();
+    *status = status_;
+    for (const std::string& r : store_->refusals())
+      std::cerr << "eplbx: rendezvous refused: " << r << "\n";
+    return reports_;
+  }
+
+ private:
+  std::unique_ptr<TcpStore> store_;
+  std::thread thread_;
+  std::mutex mu_;
+  std::map<int, nlohmann::json> reports_;
+  Clock::time_point first_{};
+  Status status_;
+};
+
+Status RunWorker(DemoOptions o, bool ranks_given) {
+  Result<RendezvousEnv> env = RendezvousFromEnv();
+  if (!env.ok()) return env.status().WithPrefix("eplbx worker");
+  if (ranks_given && static_cast<uint32_t>(o.ranks) != env->world) {
+    return Status::InvalidArgument(
+        StrCat("--ranks ", o.ranks, " but EPLBX_WORLD_SIZE=", env->world));
+  }
+  o.ranks = static_cast<int>(env->world);
+  EPLBX_RETURN_IF_ERROR(ParseDemo(o));
+  const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
+  const double memcpy_gbps = env->rank == 0 ? MeasureMemcpyGbps() : 0.0;
+  std::unique_ptr<StoreThread> store;
+  if (env->rank == 0) {
+    Result<std::unique_ptr<TcpStore>> s =
+        TcpStore::Listen(env->addr, env->port, env->token, env->world);
+    if (!s.ok()) return s.status();
+    store = std::make_unique<StoreThread>(std::move(*s), o, !o.json);
+  }
+  const auto t0 = Clock::now();
+  Result<std::unique_ptr<SocketBootstrap>> boot =
+      JoinTcpStore(env->addr, env->port, env->token, env->rank, env->world, deadline);
+  int code = 1;
+  if (boot.ok()) {
+    code = RunDemoRank(o, static_cast<int>(env->rank), **boot);
+    boot->reset();  // closes the socket: the store sees this rank leave
+  }
+  if (env->rank != 0) {
+    if (!boot.ok()) return boot.status();
+    return code == 0
+               ? Status::OK()
+               : Status::Aborted(StrCat("rank ", env->rank, " failed (rank 0 prints the report)"));
+  }
+  Status served;
+  std::map<int, nlohmann::json> reports = store->Finish(&served);
+  if (!boot.ok() && served.ok()) served = boot.status();
+  const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+  return ReportDemo(o, reports, memcpy_gbps, wall, served);
+}
+
+Status RunStore(const std::string& listen, double timeout_s) {
+  Result<RendezvousEnv> env = RendezvousFromEnv();
+  if (!env.ok()) return env.status().WithPrefix("eplbx store");
+  Result<std::unique_ptr<TcpStore>> s =
+      TcpStore::Listen(listen.empty() ? env->addr : listen, env->port, env->token, env->world);
+  if (!s.ok()) return s.status();
+  const auto t = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  Status served = (*s)->Serve(t, t, [](uint32_t, std::string) {});
+  for (const std::string& r : (*s)->refusals())
+    std::cerr << "eplbx: rendezvous refused: " << r << "\n";
+  return served;
+}
+
+}  // namespace
+
+void AddWorkerCommand(CLI::App& app, Action& run) {
+  auto o = std::make_shared<DemoOptions>();
+  CLI::App* worker =
+      app.add_subcommand("worker", "One rank of the demo; ranks meet through EPLBX_* variables");
+  CLI::Option* ranks =
+      worker->add_option("--ranks", o->ranks, "must equal EPLBX_WORLD_SIZE when given");
+  worker->add_option("--layers", o->layers, "MoE layers")->capture_default_str();
+  worker->add_option("--experts", o->experts, "logical experts per layer")->capture_default_str();
+  worker->add_option("--slots-per-rank", o->slots_per_rank, "expert slots per rank")
+      ->capture_default_str();
+  worker->add_option("--tensors", o->tensors, "weight tensors per expert")->capture_default_str();
+  worker->add_option("--expert-bytes", o->expert_bytes, "bytes per expert, all tensors (K, M)")
+      ->capture_default_str();
+  worker->add_option("--steps", o->steps, "rebalancing steps")->capture_default_str();
+  worker->add_option("--deadline", o->deadline_s, "seconds every phase may take")
+      ->capture_default_str();
+  worker->add_option("--seed", o->seed, "load generator seed (same on every rank)")
+      ->capture_default_str();
+  worker->add_option("--transport", o->transport, "auto, shm or tcp")->capture_default_str();
+  worker->add_option("--inject", o->inject, "fault drill (as in eplbx demo)");
+  worker->add_flag("--json", o->json, "rank 0 prints one JSON report");
+  worker->callback(
+      [&run, o, ranks] { run = [o, ranks] { return RunWorker(*o, ranks->count() > 0); }; });
+
+  auto listen = std::make_shared<std::string>();
+  auto timeout = std::make_shared<double>(600);
+  CLI::App* store =
+      app.add_subcommand("store", "A standalone rendezvous store for EPLBX_WORLD_SIZE ranks");
+  store->add_option("--listen", *listen, "address to listen on (default: EPLBX_MASTER_ADDR)");
+  store->add_option("--timeout", *timeout, "seconds to wait for ranks and between frames")
+      ->capture_default_str();
+  store->callback(
+      [&run, listen, timeout] { run = [listen, timeout] { return RunStore(*listen, *timeout); }; });
+}
+
+}  // namespace eplbx::cli

@@ -1,0 +1,29 @@
+// Internal: the framing shared by the bootstrap's socket transports: [u8 type][u32 length]
+// [body], little-endian; frames over 64 MiB are refused.
+#ifndef EPLBX_SRC_REARRANGE_FRAMES_H_
+#define EPLBX_SRC_REARRANGE_FRAMES_H_
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace eplbx::internal {
+
+enum FrameType : uint8_t {
+  kContribute = 1,  // member -> coordinator: all-gather contribution
+  kMessage = 2,     // member -> coordinator: a report
+  kGathered = 3,    // coordinator -> member: every contribution
+  kFailed = 4,      // coordinator -> member: why the round or the join failed
+  kHello = 5,       // member -> store: rank, world size, token
+  kWelcome = 6,     // store -> member: joined
+};
+
+bool WriteFrame(int fd, uint8_t type, std::string_view body);
+// False on EOF, error, an oversized frame or `deadline` (then *timed_out).
+bool ReadFrame(int fd, std::chrono::steady_clock::time_point deadline, uint8_t* type,
+               std::string* body, bool* timed_out);
+
+}  // namespace eplbx::internal
+
+#endif  // EPLBX_SRC_REARRANGE_FRAMES_H_

@@ -1,0 +1,225 @@
+// The TCP rendezvous store: members join with (rank, world size, token); once all joined it
+// serves all-gathers and collects reports like the embedded rendezvous of `eplbx demo`.
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+#include "common/bytes.h"
+#include "common/strings.h"
+#include "eplbx/bootstrap.h"
+#include "rearrange/frames.h"
+
+namespace eplbx {
+namespace {
+
+using internal::StrCat;
+using Clock = std::chrono::steady_clock;
+
+// Compares in time that depends only on the lengths, never on where the bytes differ.
+bool ConstantTimeEqual(std::string_view a, std::string_view b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  const size_t n = std::max(a.size(), b.size());
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
+    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
+    diff |= static_cast<unsigned char>(x ^ y);
+  }
+  return diff == 0;
+}
+
+Result<sockaddr_in> Resolve(const std::string& addr, uint16_t port) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (int rc = getaddrinfo(addr.c_str(), nullptr, &hints, &res); rc != 0 || res == nullptr) {
+    return Status::InvalidArgument(StrCat("cannot resolve '", addr, "': ", gai_strerror(rc)));
+  }
+  sockaddr_in sa = *reinterpret_cast<sockaddr_in*>(res->ai_addr);
+  freeaddrinfo(res);
+  sa.sin_port = htons(port);
+  return sa;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<TcpStore>> TcpStore::Listen(const std::string& addr, uint16_t port,
+                                                   std::string token, uint32_t world) {
+  if (token.empty()) {
+    return Status::InvalidArgument(
+        "the rendezvous token is empty; set EPLBX_TOKEN to the same secret on every rank");
+  }
+  if (world == 0) return Status::InvalidArgument("world size 0");
+  Result<sockaddr_in> sa = Resolve(addr, port);
+  if (!sa.ok()) return sa.status();
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  if (bind(fd, reinterpret_cast<sockaddr*>(&*sa), sizeof(*sa)) != 0 || listen(fd, 128) != 0) {
+    Status s = Status::Unavailable(
+        StrCat("rendezvous store cannot listen on ", addr, ":", port, ": ", std::strerror(errno)));
+    close(fd);
+    return s;
+  }
+  auto store = std::unique_ptr<TcpStore>(new TcpStore());
+  store->listen_fd_ = fd;
+  store->token_ = std::move(token);
+  store->world_ = world;
+  return store;
+}
+
+TcpStore::~TcpStore() {
+  if (listen_fd_ >= 0) close(listen_fd_);
+  for (int fd : members_) {
+    if (fd >= 0) close(fd);
+  }
+}
+
+Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
+                       std::chrono::milliseconds idle_timeout,
+                       const std::function<void(uint32_t, std::string)>& on_message,
+                       const std::function<bool()>& stop) {
+  members_.assign(world_, -1);
+  uint32_t joined = 0;
+  const auto deadline = Clock::now() + join_timeout;
+  while (joined < world_) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) {
+      std::string missing;
+      for (uint32_t r = 0; r < world_; ++r) {
+        if (members_[r] < 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      }
+      return Status::Timeout(
+          StrCat("rendezvous: ranks ", missing, " did not join within ", join_timeout.count(),
+                 " ms (check EPLBX_MASTER_ADDR/PORT and that every rank started)"));
+    }
+    pollfd p{listen_fd_, POLLIN, 0};
+    if (poll(&p, 1, static_cast<int>(std::min<long long>(left, 200))) <= 0) continue;
+    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    uint8_t type = 0;
+    std::string body;
+    bool timed_out = false;
+    if (!internal::ReadFrame(fd, Clock::now() + std::chrono::seconds(5), &type, &body,
+                             &timed_out) ||
+        type != internal::kHello) {
+      close(fd);  // not a member (or too slow to say hello)
+      continue;
+    }
+    internal::ByteReader r(body, "hello");
+    uint32_t rank = 0, world = 0;
+    std::string token;
+    if (!r.U32("rank", &rank) || !r.U32("world", &world) || !r.Str16("token", 4096, &token)) {
+      internal::WriteFrame(fd, internal::kFailed, r.status().message());
+      close(fd);
+      continue;
+    }
+    std::string refusal;
+    if (!ConstantTimeEqual(token, token_)) {
+      refusal = StrCat("rank ", rank,
+                       " presented a wrong rendezvous token (EPLBX_TOKEN differs across ranks)");
+    } else if (world != world_) {
+      refusal = StrCat("world size mismatch: rank ", rank, " says ", world, ", the store expects ",
+                       world_, " (EPLBX_WORLD_SIZE differs across ranks)");
+    } else if (rank >= world_) {
+      refusal = StrCat("rank ", rank, " is out of range for world size ", world_);
+    } else if (members_[rank] >= 0) {
+      refusal = StrCat("rank ", rank, " joined twice (two processes with the same EPLBX_RANK)");
+    }
+    if (!refusal.empty()) {
+      internal::WriteFrame(fd, internal::kFailed, refusal);
+      close(fd);
+      refusals_.push_back(refusal);
+      continue;
+    }
+    internal::WriteFrame(fd, internal::kWelcome, {});
+    members_[rank] = fd;
+    ++joined;
+  }
+  return ServeSocketBootstrap(members_, idle_timeout, on_message, stop);
+}
+
+Result<std::unique_ptr<SocketBootstrap>> JoinTcpStore(const std::string& addr, uint16_t port,
+                                                      const std::string& token, uint32_t rank,
+                                                      uint32_t world,
+                                                      std::chrono::milliseconds timeout) {
+  Result<sockaddr_in> sa = Resolve(addr, port);
+  if (!sa.ok()) return sa.status();
+  const auto deadline = Clock::now() + timeout;
+  while (true) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (connect(fd, reinterpret_cast<sockaddr*>(&*sa), sizeof(*sa)) == 0) {
+      int one = 1;
+      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      internal::ByteWriter w;
+      w.U32(rank);
+      w.U32(world);
+      w.Str16(token);
+      uint8_t type = 0;
+      std::string body;
+      bool timed_out = false;
+      if (internal::WriteFrame(fd, internal::kHello, w.Take()) &&
+          internal::ReadFrame(fd, deadline, &type, &body, &timed_out)) {
+        if (type == internal::kWelcome) return std::make_unique<SocketBootstrap>(fd, rank, world);
+        close(fd);
+        return Status::Unavailable(StrCat("rank ", rank, ": the rendezvous store refused: ", body));
+      }
+      close(fd);
+      if (timed_out) break;
+    } else {
+      close(fd);
+    }
+    if (Clock::now() >= deadline) break;
+    usleep(100000);  // the store may not listen yet
+  }
+  return Status::Timeout(StrCat("rank ", rank, ": no rendezvous store answered at ", addr, ":",
+                                port, " within ", timeout.count(), " ms"));
+}
+
+Result<RendezvousEnv> RendezvousFromEnv() {
+  auto get = [](const char* name) -> std::string {
+    const char* v = std::getenv(name);
+    return v != nullptr ? v : "";
+  };
+  RendezvousEnv e;
+  e.addr = get("EPLBX_MASTER_ADDR");
+  const std::string port = get("EPLBX_MASTER_PORT"), rank = get("EPLBX_RANK"),
+                    world = get("EPLBX_WORLD_SIZE");
+  e.token = get("EPLBX_TOKEN");
+  for (const auto& [name, value] :
+       {std::pair<const char*, const std::string*>{"EPLBX_MASTER_ADDR", &e.addr},
+        {"EPLBX_MASTER_PORT", &port},
+        {"EPLBX_RANK", &rank},
+        {"EPLBX_WORLD_SIZE", &world},
+        {"EPLBX_TOKEN", &e.token}}) {
+    if (value->empty())
+      return Status::InvalidArgument(StrCat("environment variable ", name, " is not set"));
+  }
+  char* end = nullptr;
+  const long p = std::strtol(port.c_str(), &end, 10);
+  if (*end != '\0' || p <= 0 || p > 65535)
+    return Status::InvalidArgument(StrCat("EPLBX_MASTER_PORT='", port, "'"));
+  const long r = std::strtol(rank.c_str(), &end, 10);
+  if (*end != '\0' || r < 0) return Status::InvalidArgument(StrCat("EPLBX_RANK='", rank, "'"));
+  const long w = std::strtol(world.c_str(), &end, 10);
+  if (*end != '\0' || w <= 0 || r >= w) {
+    return Status::InvalidArgument(StrCat("EPLBX_WORLD_SIZE='", world, "' (EPLBX_RANK=", r, ")"));
+  }
+  e.port = static_cast<uint16_t>(p);
+  e.rank = static_cast<uint32_t>(r);
+  e.world = static_cast<uint32_t>(w);
+  return e;
+}
+
+}  // namespace eplbx

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Multi-host rearrangement across network namespaces joined by veth pairs and a bridge on
+# this machine: three "hosts", one `eplbx worker` rank each, rendezvous over TCP with a
+# token, transfers over UCX tcp. Then the same with one host's link taken down mid-run:
+# the survivors must fail with an error naming that rank, within the deadline, weights
+# consistent with their maps. Needs root and iproute2; exits 77 (skipped) otherwise.
+#   tests/multihost/netns_test.sh BUILD_DIR
+set -uo pipefail
+EPLBX=${1:-build}/bin/eplbx
+if [[ $(id -u) -ne 0 ]] || ! command -v ip >/dev/null; then
+  echo "SKIP: needs root and iproute2 (ip netns)"; exit 77
+fi
+tag=e$$
+br=br$tag
+ns=(${tag}n0 ${tag}n1 ${tag}n2)
+work=$(mktemp -d)
+cleanup() {
+  for n in "${ns[@]}"; do ip netns pids "$n" 2>/dev/null | xargs -r kill -9 2>/dev/null; ip netns del "$n" 2>/dev/null; done
+  ip link del "$br" 2>/dev/null
+  rm -rf "$work"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*"; for f in "$work"/*; do echo "--- $f"; tail -5 "$f"; done; exit 1; }
+
+ip link add "$br" type bridge || { echo "SKIP: cannot create a bridge here"; exit 77; }
+ip link set "$br" up
+for i in 0 1 2; do
+  n=${ns[$i]}
+  ip netns add "$n" || { echo "SKIP: cannot create network namespaces here"; exit 77; }
+  ip link add v${tag}$i type veth peer name b${tag}$i
+  ip link set v${tag}$i netns "$n"
+  ip link set b${tag}$i master "$br"
+  ip link set b${tag}$i up
+  ip netns exec "$n" ip addr add 10.77.$((($$ % 200) + 1)).$((i + 1))/24 dev v${tag}$i
+  ip netns exec "$n" ip link set v${tag}$i up
+  ip netns exec "$n" ip link set lo up
+done
+master=10.77.$((($$ % 200) + 1)).1
+port=$((20000 + $$ % 20000))
+
+# run_ranks NAME EXTRA_FLAGS... : starts rank i in namespace i, waits for all.
+run_ranks() {
+  local name=$1; shift
+  local pids=()
+  for i in 0 1 2; do
+    ip netns exec "${ns[$i]}" env EPLBX_MASTER_ADDR=$master EPLBX_MASTER_PORT=$port EPLBX_RANK=$i \
+      EPLBX_WORLD_SIZE=3 EPLBX_TOKEN=s3cret-$tag EPLBX_NODE=host$i UCX_NET_DEVICES=v${tag}$i \
+      "$EPLBX" worker --json "$@" >"$work/$name.$i.json" 2>"$work/$name.$i.err" &
+    pids+=($!)
+  done
+  local codes=()
+  for p in "${pids[@]}"; do wait "$p"; codes+=($?); done
+  echo "${codes[@]}"
+}
+json() { /usr/bin/python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print($2)" "$1"; }
+
+# 1. A full rearrangement across the three hosts, every byte verified.
+codes=$(run_ranks ok --layers 4 --experts 16 --slots-per-rank 6 --expert-bytes 256K --steps 2 --deadline 20)
+[[ "$codes" == "0 0 0" ]] || fail "exit codes $codes"
+[[ $(json "$work/ok.0.json" "d['verified'] and d['weights_intact']") == True ]] || fail "not verified"
+[[ $(json "$work/ok.0.json" "d['cross_node_bytes'] > 0") == True ]] || fail "no cross-node bytes"
+echo "ok: $(json "$work/ok.0.json" "[(round(s['gbps'],3), s['bytes_moved']) for s in d['steps']]")"
+
+# 2. Rank 2's link goes down mid-run: named errors within the deadline on the survivors.
+port=$((port + 1))
+( sleep 3; ip link set b${tag}2 down ) &
+start=$(date +%s)
+codes=$(run_ranks down --layers 8 --experts 16 --slots-per-rank 6 --expert-bytes 1M --steps 400 --deadline 6)
+took=$(( $(date +%s) - start ))
+read -r c0 c1 c2 <<<"$codes"
+[[ $c0 -ne 0 && $c1 -ne 0 ]] || fail "survivors exited $c0 $c1"
+err=$(json "$work/down.0.json" "d.get('error','')")
+[[ "$err" == *"rank 2"* ]] || fail "error does not name rank 2: $err"
+[[ $(json "$work/down.0.json" "d['weights_intact']") == True ]] || fail "weights not intact"
+[[ $took -le 30 ]] || fail "took $took s"
+echo "link down: exit $codes in ${took}s: $err"
+echo PASS

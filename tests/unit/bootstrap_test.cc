@@ -1,0 +1,100 @@
+// The TCP rendezvous store and its refusals; the in-memory group.
+#include <atomic>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "eplbx/bootstrap.h"
+#include "eplbx/rearrange.h"
+
+namespace eplbx {
+namespace {
+
+using std::chrono::milliseconds;
+
+uint16_t Port() {
+  static std::atomic<int> next{0};
+  return static_cast<uint16_t>(31000 + (getpid() % 1000) * 7 + next++);
+}
+
+TEST(TcpStoreTest, AllGatherAndRefusals) {
+  const uint16_t port = Port();
+  auto store = TcpStore::Listen("127.0.0.1", port, "secret", 2);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  Status served;
+  std::thread serve([&] {
+    served =
+        (*store)->Serve(milliseconds(10000), milliseconds(10000), [](uint32_t, std::string) {});
+  });
+  // Refused: wrong token, wrong world size, out-of-range rank. None of them is let in.
+  auto bad_token = JoinTcpStore("127.0.0.1", port, "guess", 0, 2, milliseconds(5000));
+  EXPECT_EQ(bad_token.status().code(), Code::kUnavailable);
+  EXPECT_NE(bad_token.status().message().find("wrong rendezvous token"), std::string::npos);
+  EXPECT_EQ(bad_token.status().message().find("secret"), std::string::npos);  // never echoed
+  auto bad_world = JoinTcpStore("127.0.0.1", port, "secret", 1, 3, milliseconds(5000));
+  EXPECT_NE(
+      bad_world.status().message().find("world size mismatch: rank 1 says 3, the store expects 2"),
+      std::string::npos)
+      << bad_world.status().ToString();
+  auto bad_rank = JoinTcpStore("127.0.0.1", port, "secret", 5, 2, milliseconds(5000));
+  EXPECT_NE(bad_rank.status().message().find("rank 5 is out of range"), std::string::npos);
+  // The real members, and a duplicate of rank 0.
+  auto r0 = JoinTcpStore("127.0.0.1", port, "secret", 0, 2, milliseconds(5000));
+  ASSERT_TRUE(r0.ok()) << r0.status().ToString();
+  auto dup = JoinTcpStore("127.0.0.1", port, "secret", 0, 2, milliseconds(5000));
+  EXPECT_NE(dup.status().message().find("rank 0 joined twice"), std::string::npos)
+      << dup.status().ToString();
+  auto r1 = JoinTcpStore("127.0.0.1", port, "secret", 1, 2, milliseconds(5000));
+  ASSERT_TRUE(r1.ok());
+  Result<std::vector<std::string>> g1 = Status::Internal("unset");
+  std::thread t([&] { g1 = (*r1)->AllGather("one", milliseconds(5000)); });
+  auto g0 = (*r0)->AllGather("zero", milliseconds(5000));
+  t.join();
+  ASSERT_TRUE(g0.ok() && g1.ok());
+  EXPECT_EQ(*g0, (std::vector<std::string>{"zero", "one"}));
+  EXPECT_EQ(*g1, *g0);
+  r0->reset();
+  r1->reset();
+  serve.join();
+  EXPECT_TRUE(served.ok()) << served.ToString();
+  EXPECT_EQ((*store)->refusals().size(), 4u);
+}
+
+TEST(TcpStoreTest, MissingRanksTimeOutByName) {
+  const uint16_t port = Port();
+  auto store = TcpStore::Listen("127.0.0.1", port, "t", 3);
+  ASSERT_TRUE(store.ok());
+  auto r1 =
+      std::thread([&] { auto m = JoinTcpStore("127.0.0.1", port, "t", 1, 3, milliseconds(2000)); });
+  Status s = (*store)->Serve(milliseconds(500), milliseconds(500), [](uint32_t, std::string) {});
+  r1.join();
+  EXPECT_EQ(s.code(), Code::kTimeout);
+  EXPECT_NE(s.message().find("ranks 0, 2 did not join"), std::string::npos) << s.ToString();
+  EXPECT_EQ(TcpStore::Listen("127.0.0.1", port, "", 2).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(JoinTcpStore("127.0.0.1", Port(), "t", 0, 1, milliseconds(300)).status().code(),
+            Code::kTimeout);
+}
+
+TEST(RendezvousEnvTest, NamesTheMissingVariable) {
+  unsetenv("EPLBX_MASTER_ADDR");
+  EXPECT_NE(RendezvousFromEnv().status().message().find("EPLBX_MASTER_ADDR is not set"),
+            std::string::npos);
+  setenv("EPLBX_MASTER_ADDR", "127.0.0.1", 1);
+  setenv("EPLBX_MASTER_PORT", "70000", 1);
+  setenv("EPLBX_RANK", "0", 1);
+  setenv("EPLBX_WORLD_SIZE", "2", 1);
+  setenv("EPLBX_TOKEN", "x", 1);
+  EXPECT_NE(RendezvousFromEnv().status().message().find("EPLBX_MASTER_PORT"), std::string::npos);
+  setenv("EPLBX_MASTER_PORT", "29500", 1);
+  auto env = RendezvousFromEnv();
+  ASSERT_TRUE(env.ok());
+  EXPECT_EQ(env->port, 29500);
+  EXPECT_EQ(env->world, 2u);
+  for (const char* v : {"EPLBX_MASTER_ADDR", "EPLBX_MASTER_PORT", "EPLBX_RANK", "EPLBX_WORLD_SIZE",
+                        "EPLBX_TOKEN"}) {
+    unsetenv(v);
+  }
+}
+
+}  // namespace
+}  // namespace eplbx

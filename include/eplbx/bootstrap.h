@@ -25,6 +25,8 @@ class Bootstrap {
   // same number of times.
   virtual Result<std::vector<std::string>> AllGather(std::string_view mine,
                                                      std::chrono::milliseconds timeout) = 0;
+  // Returns once every rank called it (or the error naming who did not).
+  Status Barrier(std::chrono::milliseconds timeout) { return AllGather({}, timeout).status(); }
 };
 
 // A member of a group that talks to one coordinator over a connected stream socket: the

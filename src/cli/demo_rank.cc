@@ -260,9 +260,9 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
     Result<Balance> before = ComputeBalance(*current, *load, o.ranks);
     Result<Balance> after = ComputeBalance(*next, *load, o.ranks);
     // Start together, so a step's time is the rearrangement's, not another rank's checking.
-    Result<std::vector<std::string>> sync = boot.AllGather("step", deadline);
+    Status sync = boot.Barrier(deadline);
     if (!sync.ok()) {
-      report["error"] = sync.status().message();
+      report["error"] = sync.message();
       ok = false;
       break;
     }

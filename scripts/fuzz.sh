@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets with clang (build-fuzz/) and runs each for SECONDS (default 60)
+# on a copy of its seed corpus. A crash fails the script and leaves the input in
+# build-fuzz/crashes/; turn it into a regression test.
+#   scripts/fuzz.sh [SECONDS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+seconds=${1:-60}
+scripts/setup.sh
+CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DEPLBX_FUZZ=ON \
+  -DEPLBX_BUILD_TESTS=OFF -DEPLBX_BUILD_BENCH=OFF -DEPLBX_BUILD_PYTHON=OFF >/dev/null
+cmake --build build-fuzz --target fuzz_agent_metadata fuzz_layout fuzz_protocol_record fuzz_load_file
+mkdir -p build-fuzz/crashes
+for target in fuzz_agent_metadata fuzz_layout fuzz_protocol_record fuzz_load_file; do
+  work=build-fuzz/corpus/$target
+  rm -rf "$work" && mkdir -p "$work" && cp tests/fuzz/corpus/$target/* "$work/"
+  echo "== $target (${seconds}s) =="
+  build-fuzz/bin/$target -max_total_time="$seconds" -max_len=65536 -print_final_stats=1 \
+    -artifact_prefix=build-fuzz/crashes/$target- "$work" 2>&1 | grep -E "stat::number_of_executed_units|stat::peak_rss|ERROR|SUMMARY|Done" || true
+  if ls build-fuzz/crashes/$target-* >/dev/null 2>&1; then
+    echo "fuzz: $target found a crash: $(ls build-fuzz/crashes/$target-*)" >&2
+    exit 1
+  fi
+done
+echo "fuzz: no crash"

@@ -1,0 +1,48 @@
+// Writes the binary seed corpora (valid encodings) into tests/fuzz/corpus/. Run once when a
+// format changes: build-fuzz/bin/fuzz_seeds tests/fuzz/corpus
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "eplbx/layout.h"
+#include "protocol/records.h"
+#include "transfer/metadata.h"
+
+namespace {
+void Put(const std::filesystem::path& dir, const std::string& name, const std::string& bytes) {
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / name, std::ios::binary) << bytes;
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::filesystem::path root = argc > 1 ? argv[1] : "tests/fuzz/corpus";
+  using namespace eplbx;
+  internal::AgentMetadata m;
+  m.name = "rank3";
+  m.host_id = "host/boot/net:[1]/pid:[2]";
+  m.backend = "ucx";
+  m.pid = 77;
+  m.probe_addr = 4096;
+  m.conn_info = std::string(40, '\x11');
+  m.regions.push_back({0x10000, 1 << 20, 0, -1, std::string(30, 'k')});
+  m.regions.push_back({0x200000, 4096, internal::kRegionShared, 5, "r"});
+  Put(root / "fuzz_agent_metadata", "two_regions", internal::EncodeAgentMetadata(m));
+  m.regions.clear();
+  Put(root / "fuzz_agent_metadata", "no_regions", internal::EncodeAgentMetadata(m));
+  Put(root / "fuzz_agent_metadata", "message_header",
+      internal::EncodeMessageHeader({internal::MessageKind::kNotify, "rank1"}) + "payload");
+  RankLayout l;
+  l.rank = 0;
+  l.layers = {{{"w13", "bf16", {7168, 512}, 0x1000, 7340032, 8}, {"w2", "bf16", {512, 7168}, 0x9000, 7340032, 8}}};
+  Put(root / "fuzz_layout", "one_layer", EncodeLayout(l));
+  l.layers.push_back(l.layers[0]);
+  Put(root / "fuzz_layout", "two_layers", EncodeLayout(l));
+  using protocol::Record;
+  using protocol::RecordKind;
+  Put(root / "fuzz_protocol_record", "ready", protocol::EncodeRecord({RecordKind::kReady, 1, 0, 1, 1, 0, ""}));
+  Put(root / "fuzz_protocol_record", "read_done", protocol::EncodeRecord({RecordKind::kReadDone, 1, 0, 3, 0, 1, ""}));
+  Put(root / "fuzz_protocol_record", "done", protocol::EncodeRecord({RecordKind::kDone, 1, 0, 0, 2, 0, ""}));
+  Put(root / "fuzz_protocol_record", "abort", protocol::EncodeRecord({RecordKind::kAbort, 1, 0, 0, 1, 0, "rank 1: x"}));
+  return 0;
+}

@@ -11,13 +11,18 @@ CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWit
   -DEPLBX_BUILD_TESTS=OFF -DEPLBX_BUILD_BENCH=OFF -DEPLBX_BUILD_PYTHON=OFF >/dev/null
 cmake --build build-fuzz --target fuzz_agent_metadata fuzz_layout fuzz_protocol_record fuzz_load_file
 mkdir -p build-fuzz/crashes
+# UCX (linked through libeplbx) installs its own fatal-signal handlers; let libFuzzer's run.
+export UCX_HANDLE_ERRORS=none
 for target in fuzz_agent_metadata fuzz_layout fuzz_protocol_record fuzz_load_file; do
   work=build-fuzz/corpus/$target
   rm -rf "$work" && mkdir -p "$work" && cp tests/fuzz/corpus/$target/* "$work/"
   echo "== $target (${seconds}s) =="
+  status=0
   build-fuzz/bin/$target -max_total_time="$seconds" -max_len=65536 -print_final_stats=1 \
-    -artifact_prefix=build-fuzz/crashes/$target- "$work" 2>&1 | grep -E "stat::number_of_executed_units|stat::peak_rss|ERROR|SUMMARY|Done" || true
-  if ls build-fuzz/crashes/$target-* >/dev/null 2>&1; then
+    -artifact_prefix=build-fuzz/crashes/$target- "$work" >build-fuzz/$target.log 2>&1 || status=$?
+  grep -E "stat::number_of_executed_units|ERROR|SUMMARY|Done" build-fuzz/$target.log || true
+  if ((status != 0)) || ls build-fuzz/crashes/$target-* >/dev/null 2>&1; then
+    tail -30 build-fuzz/$target.log >&2
     echo "fuzz: $target found a crash: $(ls build-fuzz/crashes/$target-*)" >&2
     exit 1
   fi

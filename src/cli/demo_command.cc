@@ -228,6 +228,16 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
   out["memcpy_gbps"] = memcpy_gbps;
   out["ranks"] = o.ranks;
   out["wall_seconds"] = wall;
+  // Resident memory per rank after the first step (warm-up) and at the end (soak checks).
+  nlohmann::json rss = nlohmann::json::array();
+  double growth = 0;
+  for (const auto& [r, rep] : reports) {
+    const double warm = rep.value("rss_mib_after_first_step", 0.0), end = rep.value("rss_mib_end", 0.0);
+    rss.push_back({{"rank", r}, {"after_first_step_mib", warm}, {"end_mib", end}});
+    if (warm > 0) growth = std::max(growth, end - warm);
+  }
+  out["rss"] = rss;
+  out["rss_growth_mib"] = growth;
   uint64_t cross_total = 0;
   for (const auto& st : steps) cross_total += st["cross_node_bytes"].get<uint64_t>();
   out["cross_node_bytes"] = cross_total;
@@ -245,8 +255,9 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
           st["bytes_moved"].get<uint64_t>() / 1048576.0, st["seconds"].get<double>(),
           st["gbps"].get<double>(), st["memcpy_ratio"].get<double>());
     }
-    std::printf("verified: %s, weights intact: %s, memcpy %.2f GB/s, wall %.2f s\n",
-                verified ? "yes" : "NO", intact ? "yes" : "NO", memcpy_gbps, wall);
+    std::printf("verified: %s, weights intact: %s, memcpy %.2f GB/s, wall %.2f s, resident memory growth after "
+                "the first step %.1f MiB (largest rank)\n",
+                verified ? "yes" : "NO", intact ? "yes" : "NO", memcpy_gbps, wall, growth);
   }
   if (!error.empty()) return Status::Aborted(error);
   if (!verified) return Status::Internal("the demo did not verify (see the report)");

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <fstream>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -105,6 +106,14 @@ std::string VerifyLayer(const Weights& w, const Placement& map, int layer, int r
     }
   }
   return "";
+}
+
+// Resident memory of this process, MiB (/proc/self/statm).
+double ResidentMiB() {
+  std::ifstream in("/proc/self/statm");
+  uint64_t size = 0, resident = 0;
+  in >> size >> resident;
+  return static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) / (1 << 20);
 }
 
 // This rank's node: EPLBX_NODE, else the host name.
@@ -245,6 +254,7 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
 
   nlohmann::json steps = nlohmann::json::array();
   bool ok = true;
+  double rss_warm = 0;
   for (int s = 1; s <= o.steps && ok; ++s) {
     Drift(load_values, rng);
     Result<LoadMatrix> load = LoadMatrix::Create(o.layers, o.experts, load_values);
@@ -287,6 +297,7 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
       ok = false;
     } else {
       current = std::move(next);
+      if (s == 1) rss_warm = ResidentMiB();
       if (rank == 0) {
         (void)boot.SendMessage(nlohmann::json{
             {"progress", StrCat("step ", s, "/", o.steps, ": ", rr.bytes_read >> 20,
@@ -296,6 +307,8 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
     }
   }
   report["steps"] = steps;
+  report["rss_mib_after_first_step"] = rss_warm;
+  report["rss_mib_end"] = ResidentMiB();
   report["verified"] = ok;
   if (ok) report["weights_intact"] = true;
   return finish(ok ? 0 : 1);

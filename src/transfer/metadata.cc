@@ -52,6 +52,9 @@ Result<AgentMetadata> DecodeAgentMetadata(std::string_view blob) {
   if (!r.U16("version", &version) || !r.U16("reserved", &reserved) || !r.U32("length", &length)) {
     return r.status();
   }
+  if (reserved != 0) {
+    return Status::Corruption(StrCat(kWhat, ": reserved field is ", reserved, ", must be 0"));
+  }
   if (version != kAgentMetadataVersion) {
     return Status::NotSupported(StrCat(kWhat, ": version ", version,
                                        " is not supported (this "
@@ -121,6 +124,7 @@ Result<MessageHeader> DecodeMessageHeader(std::string_view bytes, size_t* consum
   if (!r.U16("version", &version) || !r.U8("kind", &kind) || !r.U8("reserved", &reserved)) {
     return r.status();
   }
+  if (reserved != 0) return Status::Corruption("message header: reserved byte is not 0");
   if (version != kMessageVersion) {
     return Status::NotSupported(StrCat("message header: version ", version, " not supported"));
   }

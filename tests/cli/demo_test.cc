@@ -98,6 +98,15 @@ INSTANTIATE_TEST_SUITE_P(Faults, DemoFaultTest,
                            return n;
                          });
 
+// Soak, short: memory stays flat after the first step (the long run is in docs/reliability.md).
+TEST(DemoTest, SoakMemoryStaysFlat) {
+  DemoRun r = Demo("--ranks 4 --steps 60 --expert-bytes 64K");
+  EXPECT_EQ(r.exit_code, 0) << r.report.dump();
+  EXPECT_TRUE(r.report.value("verified", false));
+  ASSERT_EQ(r.report["rss"].size(), 4u);
+  EXPECT_LT(r.report["rss_growth_mib"].get<double>(), 4.0) << r.report["rss"].dump();
+}
+
 TEST(DemoTest, BadFlagsAreRejectedBeforeAnythingStarts) {
   DemoRun r = Demo("--inject explode:1");
   EXPECT_EQ(r.exit_code, 1);

@@ -78,6 +78,10 @@ TEST(AgentMetadataTest, EachMalformationHasItsOwnMessage) {
   Result<AgentMetadata> v = DecodeAgentMetadata(version);
   EXPECT_EQ(v.status().code(), Code::kNotSupported);
   EXPECT_NE(v.status().message().find("version 2"), std::string::npos);
+  // Found by fuzz_agent_metadata: a non-zero reserved field decoded, then re-encoded differently.
+  std::string reserved = blob;
+  reserved[6] = 1;
+  EXPECT_NE(DecodeAgentMetadata(reserved).status().message().find("reserved field is 1"), std::string::npos);
   Result<AgentMetadata> trailing = DecodeAgentMetadata(blob + "x");
   EXPECT_NE(trailing.status().message().find("length field says"), std::string::npos)
       << trailing.status().ToString();

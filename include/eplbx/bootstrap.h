@@ -56,10 +56,12 @@ class SocketBootstrap final : public Bootstrap {
 // Returns when every member closed its socket, when `stop` (if set) returns true (checked
 // at least every 200 ms), or kTimeout when `idle_timeout` passed with no frame. A member
 // that closes before a round completes fails that round for the others with an error
-// naming it ("rank 2 left before the all-gather completed").
+// naming it ("rank 2 left before the all-gather completed"). A round still incomplete after
+// `round_timeout` (if non-zero) fails for the members that contributed, naming the others.
 Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::milliseconds idle_timeout,
                             const std::function<void(uint32_t, std::string)>& on_message,
-                            const std::function<bool()>& stop = nullptr);
+                            const std::function<bool()>& stop = nullptr,
+                            std::chrono::milliseconds round_timeout = std::chrono::milliseconds(0));
 
 // ---- TCP rendezvous (multi-host) -------------------------------------------------------
 //

@@ -32,6 +32,7 @@ struct DemoOptions {
   uint64_t expert_bytes_value = 0;
   std::string fault;  // kind of --inject
   int fault_rank = -1;
+  std::string fault_phase;  // exchange, transfer (default) or commit
 };
 
 // One rank's life, in its own process; reports to the coordinator through `boot`. Returns

@@ -80,6 +80,13 @@ Status ParseDemo(DemoOptions& o) {
                  "stride-mismatch, missing-tensor, kill, stall, bad-notify"));
     }
     o.fault_rank = std::atoi(o.inject.c_str() + colon + 1);
+    const auto at = o.inject.find('@');
+    o.fault_phase = at == std::string::npos ? "transfer" : o.inject.substr(at + 1);
+    if (o.fault == "stride-mismatch" || o.fault == "missing-tensor") o.fault_phase = "exchange";
+    if (o.fault_phase != "exchange" && o.fault_phase != "transfer" && o.fault_phase != "commit") {
+      return Status::InvalidArgument(StrCat(
+          "--inject ", o.inject, ": the phase after @ must be exchange, transfer or commit"));
+    }
     if (o.fault_rank < 0 || o.fault_rank >= o.ranks) {
       return Status::InvalidArgument(
           StrCat("--inject ", o.inject, ": rank must be 0..", o.ranks - 1));
@@ -153,7 +160,10 @@ Status RunDemo(DemoOptions o) {
           }
         }
         return settled == o.ranks || (!reports.empty() && Clock::now() - first_report > grace);
-      });
+      },
+      // The coordinator gives up on a setup round before the ranks do, so it can name who
+      // is missing.
+      std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 800)));
   // Every rank has reported or left; a stopped one is removed now.
   for (int r = 0; r < o.ranks; ++r) {
     close(fds[r]);
@@ -232,7 +242,8 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
   nlohmann::json rss = nlohmann::json::array();
   double growth = 0;
   for (const auto& [r, rep] : reports) {
-    const double warm = rep.value("rss_mib_after_first_step", 0.0), end = rep.value("rss_mib_end", 0.0);
+    const double warm = rep.value("rss_mib_after_first_step", 0.0),
+                 end = rep.value("rss_mib_end", 0.0);
     rss.push_back({{"rank", r}, {"after_first_step_mib", warm}, {"end_mib", end}});
     if (warm > 0) growth = std::max(growth, end - warm);
   }
@@ -255,9 +266,11 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
           st["bytes_moved"].get<uint64_t>() / 1048576.0, st["seconds"].get<double>(),
           st["gbps"].get<double>(), st["memcpy_ratio"].get<double>());
     }
-    std::printf("verified: %s, weights intact: %s, memcpy %.2f GB/s, wall %.2f s, resident memory growth after "
-                "the first step %.1f MiB (largest rank)\n",
-                verified ? "yes" : "NO", intact ? "yes" : "NO", memcpy_gbps, wall, growth);
+    std::printf(
+        "verified: %s, weights intact: %s, memcpy %.2f GB/s, wall %.2f s, resident memory growth "
+        "after "
+        "the first step %.1f MiB (largest rank)\n",
+        verified ? "yes" : "NO", intact ? "yes" : "NO", memcpy_gbps, wall, growth);
   }
   if (!error.empty()) return Status::Aborted(error);
   if (!verified) return Status::Internal("the demo did not verify (see the report)");

@@ -6,8 +6,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
-#include <fstream>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <vector>
 
@@ -204,15 +204,24 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
   if (o.fault == "missing-tensor" && o.fault_rank == rank) {
     for (auto& tensors : declared.layers) tensors.pop_back();
   }
+  auto verify_all = [&](const std::vector<const Placement*>& maps) {
+    std::string bad;
+    for (int l = 0; l < o.layers && bad.empty(); ++l) bad = VerifyLayer(w, *maps[l], l, rank);
+    return bad;
+  };
+  // A failure before anything moved: the weights must still match the initial maps.
+  auto fail_setup = [&](const std::string& why) {
+    report["error"] = why;
+    report["weights_intact"] =
+        verify_all(std::vector<const Placement*>(o.layers, &*current)).empty();
+    return finish(1);
+  };
   RearrangeOptions ro;
   ro.deadline = deadline;
   // Ranks on one host form a node: the migration planner reads from the same node first
   // (when nodes are contiguous, equal groups of ranks) and the report counts cross-node bytes.
   Result<std::vector<std::string>> nodes = boot.AllGather(NodeName(), deadline);
-  if (!nodes.ok()) {
-    report["error"] = nodes.status().message();
-    return finish(1);
-  }
+  if (!nodes.ok()) return fail_setup(nodes.status().message());
   std::vector<std::string> names;
   for (const std::string& n : *nodes) {
     auto at = std::find(names.begin(), names.end(), n);
@@ -224,21 +233,21 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
   for (int r = 0; r < o.ranks && contiguous; ++r)
     contiguous = ro.node_of_rank[r] == static_cast<uint32_t>(r / per_node);
   ro.nodes = contiguous ? static_cast<int>(names.size()) : 1;
+  const bool faulty = o.fault_rank == rank;
+  if (faulty && o.fault_phase == "exchange") {
+    if (o.fault == "kill") _exit(3);
+    if (o.fault == "stall") raise(SIGSTOP);
+    if (o.fault == "bad-notify") {
+      // A contribution that is not metadata + layout: every other rank must name this one.
+      (void)boot.AllGather("not an eplbx contribution", deadline);
+      return fail_setup("injected a bad contribution");
+    }
+  }
   Result<std::unique_ptr<Rearranger>> rearranger =
       Rearranger::Create(agent->get(), &boot, declared, ro);
-  auto verify_all = [&](const std::vector<const Placement*>& maps) {
-    std::string bad;
-    for (int l = 0; l < o.layers && bad.empty(); ++l) bad = VerifyLayer(w, *maps[l], l, rank);
-    return bad;
-  };
-  if (!rearranger.ok()) {
-    report["error"] = rearranger.status().message();
-    report["weights_intact"] =
-        verify_all(std::vector<const Placement*>(o.layers, &*current)).empty();
-    return finish(1);
-  }
-  (*rearranger)->set_layer_hook([&](uint32_t layer) {
-    if (o.fault_rank != rank || layer != 0) return;
+  if (!rearranger.ok()) return fail_setup(rearranger.status().message());
+  auto drill = [&](uint32_t layer, const std::string& phase) {
+    if (!faulty || layer != 0 || o.fault_phase != phase) return;
     if (o.fault == "kill") _exit(3);  // mid-transfer: READY sent, peers reading
     if (o.fault == "stall") raise(SIGSTOP);
     if (o.fault == "bad-notify") {
@@ -250,7 +259,9 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
         (void)(*agent)->Notify(*(*rearranger)->peer(static_cast<uint32_t>(r)), bytes);
       }
     }
-  });
+  };
+  (*rearranger)->set_layer_hook([&](uint32_t layer) { drill(layer, "transfer"); });
+  (*rearranger)->set_commit_hook([&](uint32_t layer) { drill(layer, "commit"); });
 
   nlohmann::json steps = nlohmann::json::array();
   bool ok = true;

@@ -135,7 +135,8 @@ Result<std::vector<std::string>> SocketBootstrap::AllGather(std::string_view min
 
 Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::milliseconds idle_timeout,
                             const std::function<void(uint32_t, std::string)>& on_message,
-                            const std::function<bool()>& stop) {
+                            const std::function<bool()>& stop,
+                            std::chrono::milliseconds round_timeout) {
   const size_t n = fds.size();
   std::vector<bool> open(n, true);
   std::vector<std::optional<std::string>> round(n);
@@ -147,8 +148,27 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
     }
   };
   auto last_frame = Clock::now();
+  Clock::time_point round_started{};
+  auto check_round = [&] {
+    const bool pending =
+        std::any_of(round.begin(), round.end(), [](const auto& c) { return c.has_value(); });
+    if (!pending) {
+      round_started = {};
+      return;
+    }
+    if (round_started == Clock::time_point{}) round_started = Clock::now();
+    if (round_timeout.count() <= 0 || Clock::now() - round_started < round_timeout) return;
+    std::string missing;
+    for (size_t i = 0; i < n; ++i) {
+      if (!round[i]) missing += StrCat(missing.empty() ? "" : ", ", "rank ", i);
+    }
+    fail_round(
+        StrCat(missing, " did not join the all-gather within ", round_timeout.count(), " ms"));
+    round_started = {};
+  };
   while (open_count > 0) {
     if (stop && stop()) return Status::OK();
+    check_round();
     std::vector<pollfd> p;
     std::vector<size_t> who;
     for (size_t i = 0; i < n; ++i) {

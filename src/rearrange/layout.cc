@@ -74,7 +74,8 @@ Result<RankLayout> DecodeLayout(std::string_view bytes) {
   if (!r.U16("version", &version) || !r.U16("reserved", &reserved) || !r.U32("length", &length)) {
     return r.status();
   }
-  if (reserved != 0) return Status::Corruption(StrCat("layout: reserved field is ", reserved, ", must be 0"));
+  if (reserved != 0)
+    return Status::Corruption(StrCat("layout: reserved field is ", reserved, ", must be 0"));
   if (version != kVersion) {
     return Status::NotSupported(StrCat("layout: version ", version,
                                        " is not supported (this build reads ", kVersion,

@@ -39,6 +39,7 @@ class RearrangerImpl {
   uint64_t generation = 0;
   std::deque<std::pair<uint32_t, protocol::Record>> deferred;
   std::function<void(uint32_t)> hook;
+  std::function<void(uint32_t)> commit_hook;
 
   uint32_t self() const { return layout.rank; }
   uint32_t world() const { return static_cast<uint32_t>(all.size()); }
@@ -265,6 +266,7 @@ LayerOutcome RearrangerImpl::RunLayer(uint32_t l, const LayerMigration& m) {
   }
   uint64_t copied = 0;
   job.commit = [&, l, tensors] {
+    if (commit_hook) commit_hook(l);
     // Copies from old rows first (the weights are still the old ones), then from rows just
     // read; then every changed row goes from staging to the weights.
     for (CopySource pass : {CopySource::kOld, CopySource::kNew}) {
@@ -379,6 +381,9 @@ Result<PeerId> Rearranger::peer(uint32_t rank) const {
 
 void Rearranger::set_layer_hook(std::function<void(uint32_t layer)> hook) {
   impl_->hook = std::move(hook);
+}
+void Rearranger::set_commit_hook(std::function<void(uint32_t layer)> hook) {
+  impl_->commit_hook = std::move(hook);
 }
 
 // ---- EplbCommunicator -------------------------------------------------------------------

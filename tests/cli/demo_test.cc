@@ -83,20 +83,29 @@ TEST_P(DemoFaultTest, EndsWithNamedErrorInTimeWeightsIntact) {
   EXPECT_LT(r.seconds, kDeadline + 8) << error;
 }
 
-INSTANTIATE_TEST_SUITE_P(Faults, DemoFaultTest,
-                         ::testing::Values(Fault{"stride-mismatch:2", "rank 2", "mismatch"},
-                                           Fault{"missing-tensor:1", "rank 1", "mismatch"},
-                                           Fault{"kill:2", "rank 2 unreachable", ""},
-                                           Fault{"stall:1", "rank 1 unreachable", ""},
-                                           Fault{"bad-notify:0",
-                                                 "rank 0 sent a malformed notification", ""}),
-                         [](const ::testing::TestParamInfo<Fault>& info) {
-                           std::string n = info.param.inject;
-                           for (char& c : n) {
-                             if (c == '-' || c == ':') c = '_';
-                           }
-                           return n;
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Faults, DemoFaultTest,
+    ::testing::Values(
+        // during the metadata exchange
+        Fault{"stride-mismatch:2", "rank 2", "mismatch"},
+        Fault{"missing-tensor:1", "rank 1", "mismatch"},
+        Fault{"kill:1@exchange", "rank 1 left", ""},
+        Fault{"stall:1@exchange", "rank 1 did not join", ""},
+        Fault{"bad-notify:1@exchange", "rank 1", "contribution"},
+        // mid-transfer (READY sent, peers reading)
+        Fault{"kill:2", "rank 2 unreachable", ""}, Fault{"stall:1", "rank 1 unreachable", ""},
+        Fault{"bad-notify:0", "rank 0 sent a malformed notification", ""},
+        // during a commit
+        Fault{"kill:2@commit", "rank 2 unreachable", ""},
+        Fault{"stall:1@commit", "rank 1 unreachable", ""},
+        Fault{"bad-notify:0@commit", "rank 0 sent a malformed notification", ""}),
+    [](const ::testing::TestParamInfo<Fault>& info) {
+      std::string n = info.param.inject;
+      for (char& c : n) {
+        if (c == '-' || c == ':' || c == '@') c = '_';
+      }
+      return n;
+    });
 
 // Soak, short: memory stays flat after the first step (the long run is in docs/reliability.md).
 TEST(DemoTest, SoakMemoryStaysFlat) {

@@ -18,7 +18,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   LayerProtocol p(step, Clock::time_point{}, std::chrono::seconds(1));
   p.Start();
   bool deferred = false;
-  for (uint32_t from = 0; from < 4; ++from) (void)p.OnRecord(from, *r, Clock::time_point{}, &deferred);
+  for (uint32_t from = 0; from < 4; ++from)
+    (void)p.OnRecord(from, *r, Clock::time_point{}, &deferred);
   (void)p.OnTick(Clock::time_point{} + std::chrono::seconds(2));
   return 0;
 }

@@ -34,15 +34,20 @@ int main(int argc, char** argv) {
       internal::EncodeMessageHeader({internal::MessageKind::kNotify, "rank1"}) + "payload");
   RankLayout l;
   l.rank = 0;
-  l.layers = {{{"w13", "bf16", {7168, 512}, 0x1000, 7340032, 8}, {"w2", "bf16", {512, 7168}, 0x9000, 7340032, 8}}};
+  l.layers = {{{"w13", "bf16", {7168, 512}, 0x1000, 7340032, 8},
+               {"w2", "bf16", {512, 7168}, 0x9000, 7340032, 8}}};
   Put(root / "fuzz_layout", "one_layer", EncodeLayout(l));
   l.layers.push_back(l.layers[0]);
   Put(root / "fuzz_layout", "two_layers", EncodeLayout(l));
   using protocol::Record;
   using protocol::RecordKind;
-  Put(root / "fuzz_protocol_record", "ready", protocol::EncodeRecord({RecordKind::kReady, 1, 0, 1, 1, 0, ""}));
-  Put(root / "fuzz_protocol_record", "read_done", protocol::EncodeRecord({RecordKind::kReadDone, 1, 0, 3, 0, 1, ""}));
-  Put(root / "fuzz_protocol_record", "done", protocol::EncodeRecord({RecordKind::kDone, 1, 0, 0, 2, 0, ""}));
-  Put(root / "fuzz_protocol_record", "abort", protocol::EncodeRecord({RecordKind::kAbort, 1, 0, 0, 1, 0, "rank 1: x"}));
+  Put(root / "fuzz_protocol_record", "ready",
+      protocol::EncodeRecord({RecordKind::kReady, 1, 0, 1, 1, 0, ""}));
+  Put(root / "fuzz_protocol_record", "read_done",
+      protocol::EncodeRecord({RecordKind::kReadDone, 1, 0, 3, 0, 1, ""}));
+  Put(root / "fuzz_protocol_record", "done",
+      protocol::EncodeRecord({RecordKind::kDone, 1, 0, 0, 2, 0, ""}));
+  Put(root / "fuzz_protocol_record", "abort",
+      protocol::EncodeRecord({RecordKind::kAbort, 1, 0, 0, 1, 0, "rank 1: x"}));
   return 0;
 }

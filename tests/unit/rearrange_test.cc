@@ -37,7 +37,8 @@ TEST(LayoutTest, RoundTripsAndRejectsTruncation) {
     EXPECT_FALSE(DecodeLayout(bytes.substr(0, n)).ok()) << n;
   std::string reserved = bytes;  // regression (fuzz_layout): reserved must be 0
   reserved[6] = 3;
-  EXPECT_NE(DecodeLayout(reserved).status().message().find("reserved field is 3"), std::string::npos);
+  EXPECT_NE(DecodeLayout(reserved).status().message().find("reserved field is 3"),
+            std::string::npos);
   std::string bad = bytes;
   bad[0] = 'Z';
   EXPECT_NE(DecodeLayout(bad).status().message().find("bad magic"), std::string::npos);

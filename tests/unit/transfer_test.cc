@@ -81,7 +81,8 @@ TEST(AgentMetadataTest, EachMalformationHasItsOwnMessage) {
   // Found by fuzz_agent_metadata: a non-zero reserved field decoded, then re-encoded differently.
   std::string reserved = blob;
   reserved[6] = 1;
-  EXPECT_NE(DecodeAgentMetadata(reserved).status().message().find("reserved field is 1"), std::string::npos);
+  EXPECT_NE(DecodeAgentMetadata(reserved).status().message().find("reserved field is 1"),
+            std::string::npos);
   Result<AgentMetadata> trailing = DecodeAgentMetadata(blob + "x");
   EXPECT_NE(trailing.status().message().find("length field says"), std::string::npos)
       << trailing.status().ToString();

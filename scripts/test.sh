@@ -2,7 +2,10 @@
 # Sets up, builds and runs every test:
 #   1. clang-format check over the whole tree;
 #   2. Release build, all tests (ctest);
-#   3. ASan + UBSan build, all tests (skip with --no-sanitize).
+#   3. ASan + UBSan build, all tests;
+#   4. TSan build: the transfer, protocol and rearrangement tests (multi-threaded paths);
+#   5. libFuzzer: every fuzz target for about 60 s (scripts/fuzz.sh).
+# --no-sanitize skips 3-5.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 sanitize=1
@@ -27,4 +30,16 @@ if ((sanitize)); then
     -DEPLBX_BUILD_BENCH=OFF
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
     ctest --test-dir build-asan --output-on-failure -j2
+
+  echo "== TSan build + transfer, protocol and rearrangement tests =="
+  scripts/build.sh build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DEPLBX_TSAN=ON -DEPLBX_BUILD_BENCH=OFF
+  # UCX's memory hooks do not mix with TSan's interceptors; suppressions: tests/sanitizers/tsan.supp
+  export UCX_MEM_EVENTS=no UCX_HANDLE_ERRORS=none
+  export TSAN_OPTIONS="suppressions=$PWD/tests/sanitizers/tsan.supp halt_on_error=1"
+  build-tsan/bin/eplbx_unit_tests --gtest_filter='LayerProtocol*:Record*:Loopback*:Rearranger*:EplbComm*:TcpStore*'
+  build-tsan/bin/eplbx_multiproc_tests
+  unset UCX_MEM_EVENTS UCX_HANDLE_ERRORS TSAN_OPTIONS
+
+  echo "== fuzzing (libFuzzer, ~60 s per target) =="
+  scripts/fuzz.sh 60
 fi

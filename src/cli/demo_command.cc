@@ -187,6 +187,7 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
   bool intact = true;
   // Prefer a survivor's error: it names the rank that failed.
   std::string survivor_error, faulty_error;
+  int64_t survivor_at = 0;
   for (int r = 0; r < o.ranks; ++r) {
     if (reports.count(r) == 0) {
       if (survivor_error.empty() && o.fault_rank != r)
@@ -197,8 +198,17 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
     verified = verified && rep.value("verified", false);
     intact = intact && rep.value("weights_intact", false);
     const std::string e = rep.value("error", "");
-    std::string& slot = r == o.fault_rank ? faulty_error : survivor_error;
-    if (!e.empty() && slot.empty()) slot = e;
+    if (e.empty()) continue;
+    if (r == o.fault_rank) {
+      if (faulty_error.empty()) faulty_error = e;
+      continue;
+    }
+    // The survivor that failed first names the cause; later failures are its effects.
+    const int64_t at = rep.value("failed_at_us", int64_t{0});
+    if (survivor_error.empty() || at < survivor_at) {
+      survivor_error = e;
+      survivor_at = at;
+    }
   }
   std::string error = survivor_error.empty() ? faulty_error : survivor_error;
   // The coordinator's failure (a rank that never joined, a refused token) explains the rest.

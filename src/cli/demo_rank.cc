@@ -130,6 +130,13 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
   nlohmann::json report = {
       {"rank", rank}, {"verified", false}, {"weights_intact", false}, {"error", ""}};
   auto finish = [&](int code) {
+    // When it failed (wall clock, microseconds): the report names the first failure, which
+    // is the cause; later ones (peers that saw the first failing rank leave) are effects.
+    if (!report["error"].get<std::string>().empty()) {
+      report["failed_at_us"] = std::chrono::duration_cast<std::chrono::microseconds>(
+                                   std::chrono::system_clock::now().time_since_epoch())
+                                   .count();
+    }
     (void)boot.SendMessage(report.dump());
     return code;
   };

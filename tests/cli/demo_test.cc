@@ -113,7 +113,12 @@ TEST(DemoTest, SoakMemoryStaysFlat) {
   EXPECT_EQ(r.exit_code, 0) << r.report.dump();
   EXPECT_TRUE(r.report.value("verified", false));
   ASSERT_EQ(r.report["rss"].size(), 4u);
+#if defined(__SANITIZE_ADDRESS__)
+  // ASan's quarantine keeps freed memory resident by design; growth means nothing there.
+  EXPECT_GE(r.report["rss_growth_mib"].get<double>(), 0.0);
+#else
   EXPECT_LT(r.report["rss_growth_mib"].get<double>(), 4.0) << r.report["rss"].dump();
+#endif
 }
 
 TEST(DemoTest, BadFlagsAreRejectedBeforeAnythingStarts) {

@@ -753,6 +753,11 @@ class UcxBackend final : public Backend {
     job.done = [this, p, id = req.id, kind = req.op,
                 notify = std::move(req.notify)](Status s) mutable {
       if (s.ok() && p->failed) s = Unreachable(*p);
+      if (s.code() == Code::kUnavailable && !p->failed) {
+        // The process is gone (or its memory unreachable): every later call fails at once.
+        MarkFailed(*p, s.message());
+        Enqueue([this, p] { CloseEp(p); });
+      }
       if (s.ok() && notify) {
         Enqueue([this, p, id, kind, notify = std::move(notify)]() mutable {
           auto owned = std::make_unique<Op>();

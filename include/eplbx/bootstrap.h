@@ -94,7 +94,8 @@ class TcpStore {
   // then serves like ServeSocketBootstrap.
   Status Serve(std::chrono::milliseconds join_timeout, std::chrono::milliseconds idle_timeout,
                const std::function<void(uint32_t, std::string)>& on_message,
-               const std::function<bool()>& stop = nullptr);
+               const std::function<bool()>& stop = nullptr,
+               std::chrono::milliseconds round_timeout = std::chrono::milliseconds(0));
   const std::vector<std::string>& refusals() const { return refusals_; }
 
  private:

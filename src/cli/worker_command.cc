@@ -46,7 +46,9 @@ class StoreThread {
             return static_cast<int>(reports_.size()) == world ||
                    (!reports_.empty() &&
                     Clock::now() - first_ > deadline + std::chrono::seconds(2));
-          });
+          },
+          // The store gives up on a round before the ranks do, so it can name who is missing.
+          deadline * 4 / 5);
     });
   }
   std::map<int, nlohmann::json> Finish(Status* status) {

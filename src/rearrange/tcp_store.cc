@@ -86,7 +86,7 @@ TcpStore::~TcpStore() {
 Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
                        std::chrono::milliseconds idle_timeout,
                        const std::function<void(uint32_t, std::string)>& on_message,
-                       const std::function<bool()>& stop) {
+                       const std::function<bool()>& stop, std::chrono::milliseconds round_timeout) {
   members_.assign(world_, -1);
   uint32_t joined = 0;
   const auto deadline = Clock::now() + join_timeout;
@@ -147,7 +147,7 @@ Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
     members_[rank] = fd;
     ++joined;
   }
-  return ServeSocketBootstrap(members_, idle_timeout, on_message, stop);
+  return ServeSocketBootstrap(members_, idle_timeout, on_message, stop, round_timeout);
 }
 
 Result<std::unique_ptr<SocketBootstrap>> JoinTcpStore(const std::string& addr, uint16_t port,

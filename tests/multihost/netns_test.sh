@@ -20,6 +20,7 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
+trap 'exit 1' INT TERM
 fail() { echo "FAIL: $*"; for f in "$work"/*; do echo "--- $f"; tail -5 "$f"; done; exit 1; }
 
 ip link add "$br" type bridge || { echo "SKIP: cannot create a bridge here"; exit 77; }

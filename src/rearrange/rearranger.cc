@@ -126,6 +126,10 @@ Status RearrangerImpl::Setup() {
   if (!s.ok())
     return s.status().WithPrefix(StrCat("rank ", self(), ": staging buffer of one layer"));
   staging = std::move(*s);
+  // Nobody starts moving bytes before every rank is connected to every other.
+  Status ready = boot->Barrier(options.deadline);
+  if (!ready.ok())
+    return ready.WithPrefix(StrCat("rank ", self(), ": waiting for every rank to connect"));
   return Status::OK();
 }
 

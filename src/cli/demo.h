@@ -7,6 +7,8 @@
 
 #include <map>
 
+#include <CLI/CLI.hpp>
+
 #include <nlohmann/json.hpp>
 
 #include "cli/measure.h"
@@ -38,6 +40,9 @@ struct DemoOptions {
 // One rank's life, in its own process; reports to the coordinator through `boot`. Returns
 // the process exit code.
 int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot);
+
+// Registers the flags `eplbx demo` and `eplbx worker` share (all but --ranks).
+void AddDemoFlags(CLI::App& cmd, DemoOptions& o);
 
 // Checks and completes parsed demo flags (sizes, fault spec).
 Status ParseDemo(DemoOptions& o);

@@ -287,27 +287,31 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
   return Status::OK();
 }
 
+void AddDemoFlags(CLI::App& cmd, DemoOptions& o) {
+  cmd.add_option("--layers", o.layers, "MoE layers")->capture_default_str();
+  cmd.add_option("--experts", o.experts, "logical experts per layer")->capture_default_str();
+  cmd.add_option("--slots-per-rank", o.slots_per_rank, "expert slots per rank")
+      ->capture_default_str();
+  cmd.add_option("--tensors", o.tensors, "weight tensors per expert")->capture_default_str();
+  cmd.add_option("--expert-bytes", o.expert_bytes, "bytes per expert, all tensors (K, M)")
+      ->capture_default_str();
+  cmd.add_option("--steps", o.steps, "rebalancing steps")->capture_default_str();
+  cmd.add_option("--deadline", o.deadline_s, "seconds every phase may take")->capture_default_str();
+  cmd.add_option("--seed", o.seed, "load generator seed (same on every rank)")
+      ->capture_default_str();
+  cmd.add_option("--transport", o.transport, "auto, shm or tcp")->capture_default_str();
+  cmd.add_option("--inject", o.inject,
+                 "fault drill KIND:RANK[@exchange|transfer|commit], KIND one of stride-mismatch, "
+                 "missing-tensor, kill, stall, bad-notify");
+  cmd.add_flag("--json", o.json, "print one JSON report on stdout (worker: rank 0)");
+}
+
 void AddDemoCommand(CLI::App& app, Action& run) {
   auto o = std::make_shared<DemoOptions>();
   CLI::App* demo =
       app.add_subcommand("demo", "Rearrange real weights between rank processes on this machine");
   demo->add_option("--ranks", o->ranks, "rank processes")->capture_default_str();
-  demo->add_option("--layers", o->layers, "MoE layers")->capture_default_str();
-  demo->add_option("--experts", o->experts, "logical experts per layer")->capture_default_str();
-  demo->add_option("--slots-per-rank", o->slots_per_rank, "expert slots per rank")
-      ->capture_default_str();
-  demo->add_option("--tensors", o->tensors, "weight tensors per expert")->capture_default_str();
-  demo->add_option("--expert-bytes", o->expert_bytes, "bytes per expert, all tensors (K, M)")
-      ->capture_default_str();
-  demo->add_option("--steps", o->steps, "rebalancing steps")->capture_default_str();
-  demo->add_option("--deadline", o->deadline_s, "seconds every phase may take")
-      ->capture_default_str();
-  demo->add_option("--seed", o->seed, "load generator seed")->capture_default_str();
-  demo->add_option("--transport", o->transport, "auto, shm or tcp")->capture_default_str();
-  demo->add_option("--inject", o->inject,
-                   "fault drill: stride-mismatch:RANK, missing-tensor:RANK, kill:RANK, stall:RANK, "
-                   "bad-notify:RANK");
-  demo->add_flag("--json", o->json, "print one JSON report on stdout");
+  AddDemoFlags(*demo, *o);
   demo->callback([&run, o] { run = [o] { return RunDemo(*o); }; });
 }
 

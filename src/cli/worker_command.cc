@@ -128,21 +128,7 @@ void AddWorkerCommand(CLI::App& app, Action& run) {
       app.add_subcommand("worker", "One rank of the demo; ranks meet through EPLBX_* variables");
   CLI::Option* ranks =
       worker->add_option("--ranks", o->ranks, "must equal EPLBX_WORLD_SIZE when given");
-  worker->add_option("--layers", o->layers, "MoE layers")->capture_default_str();
-  worker->add_option("--experts", o->experts, "logical experts per layer")->capture_default_str();
-  worker->add_option("--slots-per-rank", o->slots_per_rank, "expert slots per rank")
-      ->capture_default_str();
-  worker->add_option("--tensors", o->tensors, "weight tensors per expert")->capture_default_str();
-  worker->add_option("--expert-bytes", o->expert_bytes, "bytes per expert, all tensors (K, M)")
-      ->capture_default_str();
-  worker->add_option("--steps", o->steps, "rebalancing steps")->capture_default_str();
-  worker->add_option("--deadline", o->deadline_s, "seconds every phase may take")
-      ->capture_default_str();
-  worker->add_option("--seed", o->seed, "load generator seed (same on every rank)")
-      ->capture_default_str();
-  worker->add_option("--transport", o->transport, "auto, shm or tcp")->capture_default_str();
-  worker->add_option("--inject", o->inject, "fault drill (as in eplbx demo)");
-  worker->add_flag("--json", o->json, "rank 0 prints one JSON report");
+  AddDemoFlags(*worker, *o);
   worker->callback(
       [&run, o, ranks] { run = [o, ranks] { return RunWorker(*o, ranks->count() > 0); }; });
 

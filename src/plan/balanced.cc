@@ -9,12 +9,12 @@
 
 namespace eplbx::internal {
 
-void BalancedSlots(std::span<const double> weight, int slots, int ranks, std::span<int32_t> out) {
+namespace {
+
+// Greedy replica counts: each slot beyond the first replica of every expert goes to the
+// largest share weight / count (ties: lowest expert), at most `cap` replicas per expert.
+std::vector<int32_t> GreedyCounts(std::span<const double> weight, int slots, int cap) {
   const int n = static_cast<int>(weight.size());
-  const int per_rank = slots / ranks;
-  // Replica counts: each extra replica to the largest share (ties: lowest expert), at most
-  // one replica per rank while the slots allow it.
-  const int cap = std::max(ranks, (slots + n - 1) / n);
   std::vector<int32_t> count(static_cast<size_t>(n), 1);
   using Entry = std::pair<double, int32_t>;  // (share, -expert): max-heap, lowest id first
   std::priority_queue<Entry> heap;
@@ -26,40 +26,196 @@ void BalancedSlots(std::span<const double> weight, int slots, int ranks, std::sp
     ++count[e];
     heap.push({weight[e] / count[e], -e});
   }
-  // Packing: replicas by descending share (ties: lowest expert), each to the lightest rank
-  // with room that does not hold the expert (ties: lowest rank); duplicates only when
-  // nothing else fits.
-  std::vector<int32_t> replicas;
-  for (int32_t e = 0; e < n; ++e) replicas.insert(replicas.end(), count[e], e);
-  auto share = [&](int32_t e) { return weight[e] / count[e]; };
-  std::stable_sort(replicas.begin(), replicas.end(),
-                   [&](int32_t a, int32_t b) { return share(a) > share(b); });
-  std::vector<int32_t> packed(static_cast<size_t>(slots), -1);
-  std::vector<double> load(static_cast<size_t>(ranks), 0.0);
-  std::vector<int> filled(static_cast<size_t>(ranks), 0);
-  auto holds = [&](int r, int32_t e) {
-    const auto first = packed.begin() + r * per_rank;
-    return std::find(first, first + filled[r], e) != first + filled[r];
-  };
-  for (int32_t e : replicas) {
-    int best = -1;
-    for (int pass = 0; pass < 2 && best < 0; ++pass) {
-      for (int r = 0; r < ranks; ++r) {
-        if (filled[r] == per_rank || (pass == 0 && holds(r, e))) continue;
-        if (best < 0 || load[r] < load[best]) best = r;
+  return count;
+}
+
+// Packs the replicas of `count` onto `ranks` ranks of `per_rank` slots: replicas by
+// descending share (ties: lowest expert), each to the lightest rank with room that does not
+// hold the expert (ties: lowest rank); a duplicate only when nothing else has room. For two
+// slots per rank this is the optimal pairing (largest with smallest). Reusable scratch.
+class Packer {
+ public:
+  Packer(std::span<const double> weight, int ranks, int per_rank)
+      : weight_(weight),
+        ranks_(ranks),
+        per_rank_(per_rank),
+        slots_(static_cast<size_t>(ranks) * per_rank),
+        load_(static_cast<size_t>(ranks)),
+        fill_(static_cast<size_t>(ranks)) {}
+
+  // Returns the largest rank load; slots() and loads() describe the packing. With `held`
+  // (ranks x experts flags), a replica first goes to the lightest rank that held the expert
+  // and stays within `cap` (so it costs no copy), else as above.
+  double Pack(std::span<const int32_t> count, const uint8_t* held = nullptr, double cap = 0) {
+    order_.clear();
+    for (int32_t e = 0; e < static_cast<int32_t>(count.size()); ++e) {
+      if (count[e] > 0) order_.push_back(e);
+    }
+    auto share = [&](int32_t e) { return weight_[e] / count[e]; };
+    std::sort(order_.begin(), order_.end(), [&](int32_t a, int32_t b) {
+      const double sa = share(a), sb = share(b);
+      return sa != sb ? sa > sb : a < b;
+    });
+    std::fill(load_.begin(), load_.end(), 0.0);
+    std::fill(fill_.begin(), fill_.end(), 0);
+    // Ranks with room by (load, rank): the lightest first, ties to the lowest rank. A rank
+    // that takes a replica of e returns to the heap only after e's last replica, so no rank
+    // gets two replicas of e unless fewer ranks than replicas have room.
+    heap_.clear();
+    for (int r = 0; r < ranks_; ++r) heap_.push_back({0.0, r});
+    for (int32_t e : order_) {
+      const double s = share(e);
+      taken_.clear();
+      for (int k = 0; k < count[e]; ++k) {
+        int r = held ? StickyRank(e, s, held, cap) : -1;
+        // Sticky ranks stay in the heap until e is done; popping skips them (they return
+        // below with their new load).
+        while (r < 0 && !heap_.empty()) {
+          std::pop_heap(heap_.begin(), heap_.end(), std::greater<>());
+          const int top = heap_.back().second;
+          heap_.pop_back();
+          if (std::find(taken_.begin(), taken_.end(), top) == taken_.end()) r = top;
+        }
+        if (r < 0) {  // a duplicate: the lightest rank with room among those that took e
+          auto it = std::min_element(taken_.begin(), taken_.end(), [&](int a, int b) {
+            return fill_[a] == per_rank_   ? false
+                   : fill_[b] == per_rank_ ? true
+                                           : std::pair(load_[a], a) < std::pair(load_[b], b);
+          });
+          r = *it;
+        }
+        slots_[static_cast<size_t>(r) * per_rank_ + fill_[r]++] = e;
+        load_[r] += s;
+        if (std::find(taken_.begin(), taken_.end(), r) == taken_.end()) taken_.push_back(r);
+      }
+      if (held) {  // sticky ranks were not popped: drop them (re-added below)
+        std::erase_if(heap_, [&](const std::pair<double, int>& h) {
+          return std::find(taken_.begin(), taken_.end(), h.second) != taken_.end();
+        });
+        std::make_heap(heap_.begin(), heap_.end(), std::greater<>());
+      }
+      for (int r : taken_) {
+        if (fill_[r] < per_rank_) {
+          heap_.push_back({load_[r], r});
+          std::push_heap(heap_.begin(), heap_.end(), std::greater<>());
+        }
       }
     }
-    packed[best * per_rank + filled[best]++] = e;
-    load[best] += share(e);
+    return *std::max_element(load_.begin(), load_.end());
   }
+
+  const std::vector<int32_t>& slots() const { return slots_; }
+
+  const std::vector<double>& loads() const { return load_; }
+
+ private:
+  // The lightest rank (ties: lowest) that held e, has room, has not taken e yet and stays
+  // within cap with share s; -1 if none.
+  int StickyRank(int32_t e, double s, const uint8_t* held, double cap) const {
+    const size_t n = weight_.size();
+    int best = -1;
+    for (int r = 0; r < ranks_; ++r) {
+      if (!held[static_cast<size_t>(r) * n + e] || fill_[r] == per_rank_ || load_[r] + s > cap ||
+          std::find(taken_.begin(), taken_.end(), r) != taken_.end()) {
+        continue;
+      }
+      if (best < 0 || load_[r] < load_[best]) best = r;
+    }
+    return best;
+  }
+
+  std::span<const double> weight_;
+  int ranks_, per_rank_;
+  std::vector<int32_t> slots_, order_;
+  std::vector<double> load_;
+  std::vector<int> fill_, taken_;
+  std::vector<std::pair<double, int>> heap_;
+};
+
+// Replica counts searched together with the packing: from the greedy counts, repeatedly
+// give one more replica to an expert on the heaviest rank and take one from an expert that
+// loses least by it (the kCheapest smallest weight / (count - 1)), keeping the change that
+// lowers the packed maximum the most (ties: first in expert order). Stops when no change
+// helps or after `budget` changes. Returns the counts; `packer` holds their packing.
+constexpr int kCheapest = 6;
+
+std::vector<int32_t> SearchCounts(std::span<const double> weight, int slots, int cap,
+                                  Packer& packer, int budget) {
+  const int n = static_cast<int>(weight.size());
+  std::vector<int32_t> count = GreedyCounts(weight, slots, cap);
+  double best = packer.Pack(count);
+  std::vector<int32_t> donors, takers;
+  for (int step = 0; step < budget; ++step) {
+    const auto& load = packer.loads();
+    const int top = static_cast<int>(std::max_element(load.begin(), load.end()) - load.begin());
+    const int per_rank = slots / static_cast<int>(load.size());
+    takers.assign(packer.slots().begin() + top * per_rank,
+                  packer.slots().begin() + (top + 1) * per_rank);
+    std::sort(takers.begin(), takers.end());
+    takers.erase(std::unique(takers.begin(), takers.end()), takers.end());
+    donors.clear();
+    for (int32_t e = 0; e < n; ++e) {
+      if (count[e] > 1) donors.push_back(e);
+    }
+    auto loss = [&](int32_t e) { return weight[e] / (count[e] - 1); };
+    const size_t keep = std::min<size_t>(kCheapest, donors.size());
+    std::partial_sort(donors.begin(), donors.begin() + keep, donors.end(),
+                      [&](int32_t a, int32_t b) {
+                        const double la = loss(a), lb = loss(b);
+                        return la != lb ? la < lb : a < b;
+                      });
+    donors.resize(keep);
+    int32_t give = -1, take = -1;
+    double improved = best;
+    for (int32_t j : takers) {
+      if (count[j] >= cap) continue;
+      for (int32_t i : donors) {
+        if (i == j) continue;
+        --count[i];
+        ++count[j];
+        const double m = packer.Pack(count);
+        if (m < improved * (1 - 1e-12)) {
+          improved = m;
+          give = j;
+          take = i;
+        }
+        ++count[i];
+        --count[j];
+      }
+    }
+    if (give < 0) break;
+    --count[take];
+    ++count[give];
+    best = improved;
+  }
+  packer.Pack(count);
+  return count;
+}
+
+}  // namespace
+
+void BalancedSlots(std::span<const double> weight, int slots, int ranks, std::span<int32_t> out) {
+  const int n = static_cast<int>(weight.size());
+  const int per_rank = slots / ranks;
+  // At most one replica per rank while the slots allow it.
+  const int cap = std::max(ranks, (slots + n - 1) / n);
+  Packer packer(weight, ranks, per_rank);
+  SearchCounts(weight, slots, cap, packer, /*budget=*/2 * ranks);
   // Local search on the heaviest rank: swaps and re-pointed replicas.
-  Layout layout(weight, std::move(packed), ranks);
+  Layout layout(weight, packer.slots(), ranks);
   for (int iter = 0; iter < 64 * ranks; ++iter) {
     const Move move = BestMove(layout, layout.Heaviest(), nullptr);
     if (move.a < 0) break;
     Apply(layout, move);
   }
   std::copy(layout.expert.begin(), layout.expert.end(), out.begin());
+}
+
+void StickySlots(std::span<const double> weight, std::span<const int32_t> count,
+                 std::span<const uint8_t> held, int ranks, double cap, std::span<int32_t> out) {
+  Packer packer(weight, ranks, static_cast<int>(out.size()) / ranks);
+  packer.Pack(count, held.data(), cap);
+  std::copy(packer.slots().begin(), packer.slots().end(), out.begin());
 }
 
 std::vector<int32_t> AssignGroupsToNodes(std::span<const double> group_load, int nodes) {

@@ -17,6 +17,13 @@ namespace eplbx::internal {
 // lowers the heaviest rank's load. Writes out[slots] (expert ids, rank-major).
 void BalancedSlots(std::span<const double> weight, int slots, int ranks, std::span<int32_t> out);
 
+// Packs the replicas of `count` (per expert) onto `ranks` ranks of out.size() / ranks slots
+// like BalancedSlots' packing, except that a replica first goes to the lightest rank that
+// held the expert (held: ranks x experts flags) where the rank stays within `cap`, so that
+// it costs no copy. Replicas by descending share (ties: lowest expert).
+void StickySlots(std::span<const double> weight, std::span<const int32_t> count,
+                 std::span<const uint8_t> held, int ranks, double cap, std::span<int32_t> out);
+
 // Assigns `groups.size()` groups to `nodes` nodes, groups.size() / nodes each, minimising
 // the largest node load: exact search (groups by descending load, first empty node only)
 // within a work budget, else the best found from a greedy start. Returns node per group.

@@ -8,13 +8,14 @@
 
 namespace eplbx::internal {
 
-// Starting from `previous` (one layer's slots, rank-major, expert ids), repeatedly applies
+// Starting from `start` (one layer's slots, rank-major, expert ids), repeatedly applies
 // to the heaviest rank the move with the largest load reduction per copy paid — a swap of
 // two replicas between ranks, or re-pointing a redundant replica to another expert; a copy
-// is a (rank, expert) pair absent from `previous` — until balancedness (mean / max rank
-// load) reaches `target`, no move helps, or `max_steps` moves were made. Ties: lower slots.
+// is a (rank, expert) pair absent from `previous` (same shape) — until balancedness (mean / max
+// rank load) reaches `target`, no move helps, or `max_steps` moves were made. Ties: lower slots.
 std::vector<int32_t> ImproveFrom(std::span<const double> weight, std::span<const int32_t> previous,
-                                 int ranks, double target, int max_steps);
+                                 std::span<const int32_t> start, int ranks, double target,
+                                 int max_steps);
 
 }  // namespace eplbx::internal
 

@@ -45,11 +45,28 @@ int Copies(const std::vector<uint8_t>* before, size_t experts, int rank, int32_t
   return before && e >= 0 && !(*before)[static_cast<size_t>(rank) * experts + e] ? 1 : 0;
 }
 
-void Consider(Move& best, double removed, int copies, const Move& candidate) {
-  const double gain = copies ? removed / copies : removed * 4;
+// Load above the layout's goal (the largest rank load that meets the target), or the load
+// itself without a goal.
+double Excess(const Layout& l, double load) {
+  return l.goal > 0 ? std::max(0.0, load - l.goal) : load;
+}
+
+// What a move that changes two ranks' loads from (t, r) to (t2, r2) is worth: with a goal,
+// the total load above it that disappears; without, the load removed from the heaviest rank
+// t (the new worst being max(t2, r2)).
+double Relief(const Layout& l, double t, double r, double t2, double r2) {
+  if (l.goal > 0) return Excess(l, t) + Excess(l, r) - Excess(l, t2) - Excess(l, r2);
+  return t - std::max(t2, r2);
+}
+
+// Keeps the candidate with the most relief per copy paid (free moves count four-fold; ties:
+// the first found).
+void Consider(Move& best, double relief, int copies, Move candidate) {
+  const double gain = copies ? relief / copies : relief * 4;
+  if (gain <= 0) return;
   if (gain > best.gain) {
+    candidate.gain = gain;
     best = candidate;
-    best.gain = gain;
   }
 }
 
@@ -69,7 +86,65 @@ void ConsiderSwaps(const Layout& l, int top, const std::vector<uint8_t>* before,
         if (worst >= top_load * (1 - 1e-12)) continue;
         const int copies =
             Copies(before, l.count.size(), r, x) + Copies(before, l.count.size(), top, y);
-        Consider(best, top_load - worst, copies, {a, b, -1, 0});
+        Consider(best, Relief(l, top_load, l.load[r], top_load - sx + sy, l.load[r] - sy + sx),
+                 copies, {a, b, -1, -1, -1});
+      }
+    }
+  }
+}
+
+// Two replicas of `top` for two of another rank r, when single swaps are stuck (their sums
+// can differ by less than any single pair does). For each r, r's slot pairs are sorted by
+// share sum; for each pair on `top` the pairs of r nearest the ideal difference (half the
+// load gap) are checked, up to kPairProbe on each side.
+constexpr int kPairProbe = 4;
+
+struct SlotPair {
+  double sum;
+  int a, b;
+};
+
+void ConsiderPairSwaps(const Layout& l, int top, const std::vector<uint8_t>* before, Move& best) {
+  const double top_load = l.load[top];
+  const int k = l.per_rank, first = top * k;
+  const size_t n = l.count.size();
+  auto share = [&](int s) { return l.expert[s] >= 0 ? l.share(l.expert[s]) : 0.0; };
+  std::vector<SlotPair> mine, theirs;
+  for (int a = first; a < first + k; ++a) {
+    for (int a2 = a + 1; a2 < first + k; ++a2) mine.push_back({share(a) + share(a2), a, a2});
+  }
+  for (int r = 0; r < l.ranks; ++r) {
+    if (r == top || l.load[r] >= top_load) continue;
+    const int rfirst = r * k;
+    theirs.clear();
+    for (int b = rfirst; b < rfirst + k; ++b) {
+      for (int b2 = b + 1; b2 < rfirst + k; ++b2) theirs.push_back({share(b) + share(b2), b, b2});
+    }
+    std::sort(theirs.begin(), theirs.end(), [](const SlotPair& x, const SlotPair& y) {
+      return x.sum != y.sum ? x.sum < y.sum : std::pair(x.a, x.b) < std::pair(y.a, y.b);
+    });
+    const double ideal = (top_load - l.load[r]) / 2;
+    auto valid = [&](const SlotPair& p, const SlotPair& q) {
+      const int32_t x = l.expert[p.a], x2 = l.expert[p.b];
+      const int32_t y = l.expert[q.a], y2 = l.expert[q.b];
+      return x >= 0 && x2 >= 0 && !l.holds(r, x) && !l.holds(r, x2) &&
+             (y < 0 || !l.holds(top, y)) && (y2 < 0 || !l.holds(top, y2));
+    };
+    for (const SlotPair& p : mine) {
+      const auto mid = std::lower_bound(theirs.begin(), theirs.end(), p.sum - ideal,
+                                        [](const SlotPair& x, double v) { return x.sum < v; });
+      const auto lo = mid - std::min<ptrdiff_t>(kPairProbe, mid - theirs.begin());
+      const auto hi = mid + std::min<ptrdiff_t>(kPairProbe, theirs.end() - mid);
+      for (auto q = lo; q != hi; ++q) {
+        const double d = p.sum - q->sum;
+        if (d <= 0 || !valid(p, *q)) continue;
+        const double worst = std::max(top_load - d, l.load[r] + d);
+        if (worst >= top_load * (1 - 1e-12)) continue;
+        const int copies =
+            Copies(before, n, r, l.expert[p.a]) + Copies(before, n, r, l.expert[p.b]) +
+            Copies(before, n, top, l.expert[q->a]) + Copies(before, n, top, l.expert[q->b]);
+        Consider(best, Relief(l, top_load, l.load[r], top_load - d, l.load[r] + d), copies,
+                 {p.a, q->a, p.b, q->b, -1});
       }
     }
   }
@@ -93,8 +168,9 @@ class RepointEvaluator {
                      [&](int a, int b) { return l.load[a] > l.load[b]; });
   }
 
-  // The largest rank load after the change.
-  double Worst(int a, int32_t y) {
+  // The largest rank load after the change; *relief: the total excess (Excess) it removes
+  // from the ranks it changes.
+  double Worst(int a, int32_t y, double* relief) {
     const int32_t x = l_.expert[a];
     const int ra = l_.rank_of(static_cast<size_t>(a));
     const double sx = l_.share(x), sx_new = l_.weight[x] / (l_.count[x] - 1);
@@ -103,7 +179,11 @@ class RepointEvaluator {
     for (int r : ranks_of_[y]) Touch(r, sy_new - sy);
     Touch(ra, sy_new - sx_new);  // slot a: x's new share leaves, y's arrives
     double worst = 0;
-    for (int r : touched_) worst = std::max(worst, l_.load[r] + delta_[r]);
+    *relief = 0;
+    for (int r : touched_) {
+      worst = std::max(worst, l_.load[r] + delta_[r]);
+      *relief += Excess(l_, l_.load[r]) - Excess(l_, l_.load[r] + delta_[r]);
+    }
     for (int r : by_load_) {  // the heaviest rank that does not change
       if (!touched_flag_[r]) {
         worst = std::max(worst, l_.load[r]);
@@ -145,9 +225,11 @@ void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* befo
     const int32_t x = l.expert[a];
     const int ra = l.rank_of(static_cast<size_t>(a));
     if (x < 0 || y == x || l.count[x] < 2 || l.count[y] >= l.ranks || l.holds(ra, y)) return;
-    const double worst = eval.Worst(a, y);
+    double relief;
+    const double worst = eval.Worst(a, y, &relief);
     if (worst >= top_load * (1 - 1e-12)) return;
-    Consider(best, top_load - worst, Copies(before, l.count.size(), ra, y), {a, -1, y, 0});
+    if (l.goal <= 0) relief = top_load - worst;
+    Consider(best, relief, Copies(before, l.count.size(), ra, y), {a, -1, -1, -1, y});
   };
   for (int a = top * l.per_rank; a < (top + 1) * l.per_rank; ++a) {
     for (int32_t y = 0; y < n; ++y) consider(a, y);
@@ -166,13 +248,20 @@ void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* befo
 Move BestMove(const Layout& layout, int top, const std::vector<uint8_t>* before) {
   Move best;
   ConsiderSwaps(layout, top, before, best);
+  if (layout.goal > 0) {  // with a goal, swaps on every rank above it compete too
+    for (int r = 0; r < layout.ranks; ++r) {
+      if (r != top && layout.load[r] > layout.goal) ConsiderSwaps(layout, r, before, best);
+    }
+  }
   ConsiderRepoints(layout, top, before, best);
+  if (best.a < 0) ConsiderPairSwaps(layout, top, before, best);
   return best;
 }
 
 void Apply(Layout& layout, const Move& move) {
   if (move.b >= 0) {
     std::swap(layout.expert[move.a], layout.expert[move.b]);
+    if (move.a2 >= 0) std::swap(layout.expert[move.a2], layout.expert[move.b2]);
   } else {
     --layout.count[layout.expert[move.a]];
     ++layout.count[move.to];

@@ -17,6 +17,7 @@ struct Layout {
   std::vector<int32_t> expert;     // slot -> expert (-1: empty)
   std::vector<int32_t> count;      // expert -> replicas
   std::vector<double> load;        // rank -> sum of weight / count over its slots
+  double goal = 0;                 // a rank load that is good enough (moves gain nothing below it)
 
   double share(int32_t e) const { return count[e] ? weight[e] / count[e] : 0.0; }
   int rank_of(size_t slot) const { return static_cast<int>(slot) / per_rank; }
@@ -26,20 +27,25 @@ struct Layout {
   void Recompute();
 };
 
-// A swap of the experts in slots a and b (different ranks), or (b < 0) re-pointing slot a
-// to expert `to` (a redundant replica becomes a replica of another expert).
+// A swap of the experts in slots a and b (different ranks) and, when a2 >= 0, also in slots
+// a2 and b2 (same two ranks); or (b < 0) re-pointing slot a to expert `to` (a redundant
+// replica becomes a replica of another expert).
 struct Move {
-  int a = -1, b = -1;
+  int a = -1, b = -1, a2 = -1, b2 = -1;
   int32_t to = -1;
-  double gain = 0;  // load removed from the heaviest rank, per copy paid
+  double gain = 0;  // relief (load removed from the heaviest rank, or above the goal) per copy
 };
 
-// The best move that lowers the load of the heaviest rank `top` without raising any rank
-// to or above it, never putting two replicas of an expert on one rank. With `before`
-// (ranks x experts flags: the rank held the expert before), a move pays one copy for each
-// (rank, expert) pair it creates that was absent before, and moves are ranked by load
-// removed per copy (free moves count four-fold); without it, by load removed. Ties: the
-// first found (lower slots, then lower experts). Returns a Move with a < 0 when none helps.
+// The best move that lowers the load of rank `top` (the heaviest) without raising any rank
+// to or above it, never putting two replicas of an expert on one rank. Swaps of two
+// replicas for two are tried only when no single swap or re-point helps. Without a goal,
+// moves are ranked by the load they remove from `top`. With layout.goal > 0 (incremental),
+// by the total load above the goal they remove, and single swaps from every rank above the
+// goal compete as well. With `before` (ranks x experts flags: the rank held the expert
+// before), a move pays one copy for each (rank, expert) pair it creates that was absent
+// before, and value is divided by copies (free moves count four-fold). Ties: the first
+// found (lower ranks and slots, then lower experts). Returns a Move with a < 0 when none
+// helps.
 Move BestMove(const Layout& layout, int top, const std::vector<uint8_t>* before);
 void Apply(Layout& layout, const Move& move);
 

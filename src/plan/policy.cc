@@ -85,23 +85,74 @@ void BalancedSlotsForLayer(const LayerContext& c, std::span<int32_t> out) {
   }
 }
 
+// The balanced placement's replica counts packed onto the ranks that held each expert
+// before where they stay within `cap` (per node in hierarchical mode: the node's experts
+// are those the balanced placement puts there).
+std::vector<int32_t> StickyFromBalanced(const LayerContext& c, std::span<const int32_t> balanced,
+                                        std::span<const int32_t> previous, double cap) {
+  const Topology& t = c.topology;
+  const int nodes = c.hierarchical ? t.nodes : 1;
+  const size_t per_node = balanced.size() / static_cast<size_t>(nodes);
+  const int ranks_per_node = t.ranks / nodes;
+  const size_t per_rank = balanced.size() / static_cast<size_t>(t.ranks);
+  std::vector<int32_t> out(balanced.size());
+  for (int node = 0; node < nodes; ++node) {
+    const auto node_slots = balanced.subspan(node * per_node, per_node);
+    std::vector<int32_t> ids(node_slots.begin(), node_slots.end());  // the node's experts
+    std::sort(ids.begin(), ids.end());
+    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+    std::vector<double> local(ids.size());
+    std::vector<int32_t> count(ids.size(), 0);
+    auto index = [&](int32_t e) {
+      const auto it = std::lower_bound(ids.begin(), ids.end(), e);
+      return it != ids.end() && *it == e ? static_cast<int>(it - ids.begin()) : -1;
+    };
+    for (size_t i = 0; i < ids.size(); ++i) local[i] = c.weight[ids[i]];
+    for (int32_t e : node_slots) ++count[index(e)];
+    std::vector<uint8_t> held(static_cast<size_t>(ranks_per_node) * ids.size(), 0);
+    for (size_t s = node * per_node; s < (node + 1) * per_node; ++s) {
+      const int i = previous[s] >= 0 ? index(previous[s]) : -1;
+      if (i >= 0) held[(s - node * per_node) / per_rank * ids.size() + i] = 1;
+    }
+    const std::span<int32_t> node_out = std::span<int32_t>(out).subspan(node * per_node, per_node);
+    internal::StickySlots(local, count, held, ranks_per_node, cap, node_out);
+    for (int32_t& e : node_out) e = ids[e];
+  }
+  return out;
+}
+
+// Candidates, each within `tolerance` of balanced or dropped: (1) local search from the
+// previous placement; (2) local search from the balanced replica counts packed sticky
+// (StickyFromBalanced); (3) the balanced placement with ranks renamed within each node to
+// keep as many (rank, expert) pairs as possible, which always qualifies. The one with the
+// fewest remote copies wins (ties: in that order).
 void IncrementalSlots(const LayerContext& c, std::span<const int32_t> previous, double tolerance,
                       std::span<int32_t> out) {
   const Topology& t = c.topology;
   std::vector<int32_t> balanced(out.size());
   BalancedSlotsForLayer(c, balanced);
   const double target = internal::SlotsBalancedness(c.weight, balanced, t.ranks) - tolerance;
-  std::vector<int32_t> start = internal::CompleteSlots(c.weight, previous, t.ranks);
-  std::vector<int32_t> improved =
-      internal::ImproveFrom(c.weight, start, t.ranks, target, /*max_steps=*/8 * t.slots);
-  if (internal::SlotsBalancedness(c.weight, improved, t.ranks) >= target - 1e-12) {
-    std::copy(improved.begin(), improved.end(), out.begin());
-    return;
-  }
-  // The search stalled: take the balanced placement, with ranks renamed within each node
-  // to keep as many (rank, expert) pairs as possible.
+  const std::vector<int32_t> start = internal::CompleteSlots(c.weight, previous, t.ranks);
+  const int max_steps = 8 * t.slots;
+  const double total = std::accumulate(c.weight.begin(), c.weight.end(), 0.0);
+  const double cap = target > 0 ? total / t.ranks / target : total;
+  std::vector<std::vector<int32_t>> candidates;
+  candidates.push_back(internal::ImproveFrom(c.weight, start, start, t.ranks, target, max_steps));
+  candidates.push_back(internal::ImproveFrom(
+      c.weight, start, StickyFromBalanced(c, balanced, start, cap), t.ranks, target, max_steps));
   internal::RelabelRanks(previous, balanced, t.ranks, t.ranks_per_node());
-  std::copy(balanced.begin(), balanced.end(), out.begin());
+  candidates.push_back(std::move(balanced));
+  const std::vector<int32_t>* best = nullptr;
+  int64_t best_copies = 0;
+  for (const auto& candidate : candidates) {
+    if (internal::SlotsBalancedness(c.weight, candidate, t.ranks) < target - 1e-12) continue;
+    const int64_t copies = internal::CountLayerMoves(previous, candidate, t.ranks).remote_copies;
+    if (best == nullptr || copies < best_copies) {
+      best = &candidate;
+      best_copies = copies;
+    }
+  }
+  std::copy(best->begin(), best->end(), out.begin());
 }
 
 Status CheckPrevious(const Placement& previous, const LoadMatrix& load, const Topology& t) {

@@ -88,6 +88,82 @@ TEST(BalancedTest, ClosesMostOfTheGapOnModerateSkew) {
   EXPECT_GE(closure / layers, 0.8);
 }
 
+// The hard end of issue #10's range: many ranks with two or three slots each and strong
+// skew, where the replica counts decide (count search). The bench's mean over these shapes
+// is 0.79 (0.50-0.996 per shape, docs/placement.md).
+TEST(BalancedTest, ClosesMostOfTheGapWithFewSlotsPerRank) {
+  std::mt19937_64 rng(5);
+  double closure = 0;
+  int layers = 0;
+  for (int experts : {64, 128}) {
+    for (int ranks : {32, 64}) {
+      for (double exponent : {1.0, 1.3}) {
+        const Topology t{.ranks = ranks, .slots = experts + ranks};
+        const LoadMatrix load = Zipf(2, experts, exponent, rng);
+        const Balance ds =
+            *ComputeBalance(*Plan(load, t, {.policy = Policy::kDeepSeek}), load, ranks);
+        const Balance bal =
+            *ComputeBalance(*Plan(load, t, {.policy = Policy::kBalanced}), load, ranks);
+        for (int l = 0; l < 2; ++l, ++layers) {
+          const double gap = 1 - ds.per_layer[l];
+          closure += gap < 1e-9 ? 1 : (bal.per_layer[l] - ds.per_layer[l]) / gap;
+        }
+      }
+    }
+  }
+  EXPECT_GE(closure / layers, 0.7);
+}
+
+// Sticky packing places exactly the requested counts and, when the counts are the old ones
+// and the cap allows, keeps every (rank, expert) pair of the old layout (so no rank holds
+// two replicas of one expert). With changed counts the greedy may be cornered into a
+// duplicate on small shapes (as DeepSeek's packing can); only the counts are checked.
+TEST(BalancedTest, StickySlotsKeepHeldExpertsWithinCap) {
+  std::mt19937_64 rng(9);
+  for (int iter = 0; iter < 100; ++iter) {
+    const int ranks = 2 + static_cast<int>(rng() % 7), per_rank = 2 + static_cast<int>(rng() % 4);
+    const int n = ranks * per_rank - static_cast<int>(rng() % ranks);
+    std::vector<double> w(static_cast<size_t>(n));
+    for (double& x : w) x = 1 + static_cast<double>(rng() % 1000);
+    std::vector<int32_t> previous(static_cast<size_t>(ranks * per_rank));  // a valid old layout
+    std::vector<uint8_t> held(static_cast<size_t>(ranks) * n, 0);
+    std::vector<int32_t> old_count(static_cast<size_t>(n), 0);
+    for (size_t s = 0; s < previous.size(); ++s) {
+      previous[s] = static_cast<int32_t>(s % n);
+      held[s / per_rank * n + previous[s]] = 1;
+      ++old_count[previous[s]];
+    }
+    std::vector<int32_t> count = old_count;
+    const bool same_counts = iter % 2 == 0;
+    if (!same_counts) {  // move one replica between two experts
+      const int32_t from =
+          static_cast<int32_t>(std::max_element(count.begin(), count.end()) - count.begin());
+      --count[from];
+      ++count[(from + 1) % n];
+    }
+    std::vector<int32_t> out(previous.size());
+    internal::StickySlots(w, count, held, ranks, /*cap=*/1e18, out);
+    std::vector<int32_t> got(static_cast<size_t>(n), 0);
+    int kept = 0;
+    for (int r = 0; r < ranks; ++r) {
+      std::set<int32_t> on_rank;
+      for (int k = 0; k < per_rank; ++k) {
+        const int32_t e = out[static_cast<size_t>(r * per_rank + k)];
+        ++got[e];
+        if (same_counts) EXPECT_TRUE(on_rank.insert(e).second) << "duplicate " << e;
+        kept += held[static_cast<size_t>(r) * n + e];
+      }
+    }
+    EXPECT_EQ(got, count);
+    if (same_counts) EXPECT_EQ(kept, ranks * per_rank) << "iter " << iter;
+    // A cap of zero turns the preference off: plain packing, still exact counts.
+    internal::StickySlots(w, count, held, ranks, /*cap=*/0, out);
+    std::fill(got.begin(), got.end(), 0);
+    for (int32_t e : out) ++got[e];
+    EXPECT_EQ(got, count);
+  }
+}
+
 TEST(BalancedTest, GroupsToNodesIsOptimalOnSmallCases) {
   std::mt19937_64 rng(12);
   for (int iter = 0; iter < 200; ++iter) {
@@ -142,8 +218,8 @@ TEST(IncrementalTest, FewCopiesAndWithinToleranceUnderDrift) {
     ds_prev = ds;
     inc_prev = *inc;
   }
-  // Measured 27-34% (docs/placement.md); the issue's goal is 20%.
-  EXPECT_LT(inc_copies * 100, ds_copies * 40) << inc_copies << " vs " << ds_copies;
+  // Measured 20-23% on the bench (docs/placement.md); the issue's goal is 20%.
+  EXPECT_LT(inc_copies * 100, ds_copies * 30) << inc_copies << " vs " << ds_copies;
 }
 
 TEST(IncrementalTest, UnchangedLoadMovesNothing) {

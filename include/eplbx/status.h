@@ -124,4 +124,15 @@ class [[nodiscard]] Result {
     if (!eplbx_status_.ok()) return eplbx_status_; \
   } while (0)
 
+// `lhs = value of expr` (a Result<T>), or returns its Status from the enclosing function.
+// lhs may declare a variable: EPLBX_ASSIGN_OR_RETURN(Placement p, Plan(...));
+#define EPLBX_ASSIGN_OR_RETURN(lhs, expr) \
+  EPLBX_ASSIGN_OR_RETURN_IMPL_(EPLBX_CONCAT_(eplbx_result_, __LINE__), lhs, expr)
+#define EPLBX_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
+  auto tmp = (expr);                                 \
+  if (!tmp.ok()) return tmp.status();                \
+  lhs = std::move(tmp).value()
+#define EPLBX_CONCAT_(a, b) EPLBX_CONCAT_IMPL_(a, b)
+#define EPLBX_CONCAT_IMPL_(a, b) a##b
+
 #endif  // EPLBX_STATUS_H_

@@ -17,7 +17,8 @@ void AddPlanCommand(CLI::App& app, Action& run);
 void AddMigrateCommand(CLI::App& app, Action& run);
 void AddBenchCommand(CLI::App& app, Action& run);
 void AddDemoCommand(CLI::App& app, Action& run);
-void AddWorkerCommand(CLI::App& app, Action& run);  // also `eplbx store`
+void AddWorkerCommand(CLI::App& app, Action& run);     // also `eplbx store`
+void AddSimulateCommands(CLI::App& app, Action& run);  // `eplbx trace synth`, `eplbx simulate`
 
 }  // namespace eplbx::cli
 

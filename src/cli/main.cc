@@ -16,13 +16,15 @@ int main(int argc, char** argv) {
   eplbx::cli::AddBenchCommand(app, run);
   eplbx::cli::AddDemoCommand(app, run);
   eplbx::cli::AddWorkerCommand(app, run);
+  eplbx::cli::AddSimulateCommands(app, run);
   if (argc > 1 && argv[1][0] != '-') {
     bool known = false;
     for (const CLI::App* sub : app.get_subcommands({})) known |= sub->get_name() == argv[1];
     if (!known) {
       std::cerr
           << "eplbx: error: unknown command '" << argv[1]
-          << "' (expected one of: plan, migrate, bench, demo, worker, store; see eplbx --help)\n";
+          << "' (expected one of: plan, migrate, bench, demo, worker, store, trace, simulate; see "
+             "eplbx --help)\n";
       return 2;
     }
   }

@@ -242,6 +242,49 @@ TEST_F(CliTest, BalancedAndIncrementalWithMoves) {
                      "256 slots");
 }
 
+TEST_F(CliTest, TraceSynthAndSimulate) {
+  const std::string trace = (dir_ / "t.jsonl").string();
+  ASSERT_EQ(
+      Eplbx("trace synth --layers 2 --experts 16 --steps 120 --seed 3 --out " + trace).exit_code,
+      0);
+  const CliRun again = Eplbx("trace synth --layers 2 --experts 16 --steps 120 --seed 3");
+  EXPECT_EQ(again.out, Slurp(trace));  // same seed, same trace
+  const CliRun r =
+      Eplbx("simulate --trace " + trace + " --slots 20 --ranks 4 --window 40 --interval 30 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  for (const char* key : {"mean_balancedness", "p5_balancedness", "rebalances", "bytes_moved",
+                          "stall_seconds_est", "copies"}) {
+    EXPECT_TRUE(j.contains(key)) << key;
+  }
+  EXPECT_EQ(j["series"]["balancedness"].size(), 120u);
+  EXPECT_EQ(j["rebalances"].get<int>(), static_cast<int>(j["series"]["rebalance_events"].size()));
+  // A sweep: one row per combination (2 x 2), and a plot with every run.
+  const std::string png = (dir_ / "sweep.png").string();
+  const CliRun sweep = Eplbx("simulate --trace " + trace +
+                             " --slots 20 --ranks 4 --sweep window=20,60,policy=deepseek,balanced"
+                             " --plot " +
+                             png);
+  ASSERT_EQ(sweep.exit_code, 0) << sweep.err;
+  EXPECT_EQ(std::count(sweep.out.begin(), sweep.out.end(), '\n'), 5) << sweep.out;
+  EXPECT_EQ(Slurp(png).substr(1, 3), "PNG");
+  const std::string base = "simulate --trace " + trace + " --slots 20 --ranks 4 ";
+  ExpectOneLineError(Eplbx(base + "--sweep speed=1,2"), "--sweep: unknown setting 'speed'");
+  ExpectOneLineError(Eplbx(base + "--sweep 5,window=1"), "comes before any setting");
+  ExpectOneLineError(Eplbx(base + "--sweep window=x"), "window=x is not a number");
+  ExpectOneLineError(Eplbx(base + "--plot out.gif"), "expected a .png or .svg");
+  ExpectOneLineError(Eplbx(base + "--window 0"), "window (0) and interval (1000) must be >= 1");
+  ExpectOneLineError(Eplbx("simulate --trace " + trace + " --slots 10 --ranks 2"),
+                     "slots (10) is less than experts (16)");
+  ExpectOneLineError(
+      Eplbx("simulate --slots 20 --ranks 4 --trace " +
+            Write("gap.jsonl",
+                  "{\"step\": 0, \"load\": [[1, 2]]}\n{\"step\": 5, \"load\": [[1, 2]]}\n")),
+      "gap.jsonl:2: \"step\" is 5 (expected 1");
+  ExpectOneLineError(Eplbx("trace synth --layers 0 --experts 4 --steps 5"),
+                     "needs --layers, --experts and --steps >= 1");
+}
+
 TEST_F(CliTest, HelpAndVersion) {
   CliRun h = Eplbx("plan --help");
   EXPECT_EQ(h.exit_code, 0);

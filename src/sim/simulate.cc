@@ -1,0 +1,168 @@
+#include "eplbx/simulate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+#include <numeric>
+
+#include "common/strings.h"
+#include "eplbx/migration.h"
+
+namespace eplbx {
+
+using internal::StrCat;
+
+namespace {
+
+// splitmix64 and Box-Muller: the same stream on every machine for a seed.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : state_(seed) {}
+  uint64_t Next() {
+    uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  double Uniform() { return static_cast<double>(Next() >> 11) * 0x1.0p-53; }  // [0, 1)
+  double Normal() {
+    const double u = 1.0 - Uniform(), v = Uniform();
+    return std::sqrt(-2.0 * std::log(u)) * std::cos(2.0 * std::numbers::pi * v);
+  }
+  int Below(int n) { return static_cast<int>(Next() % static_cast<uint64_t>(n)); }
+
+ private:
+  uint64_t state_;
+};
+
+void Shuffle(std::vector<int>& v, Rng& rng) {
+  for (int i = static_cast<int>(v.size()) - 1; i > 0; --i) std::swap(v[i], v[rng.Below(i + 1)]);
+}
+
+}  // namespace
+
+Result<LoadTrace> SynthTrace(const SynthOptions& o) {
+  if (o.layers < 1 || o.experts < 1 || o.steps < 1) {
+    return Status::InvalidArgument(
+        StrCat("trace synth needs --layers, --experts and --steps >= 1 (got ", o.layers, ", ",
+               o.experts, ", ", o.steps, ")"));
+  }
+  if (!(o.zipf >= 0) || !(o.drift >= 0) || !(o.burst_prob >= 0 && o.burst_prob <= 1) ||
+      !(o.burst_factor > 0) || o.burst_steps < 0 || o.phase_steps < 0 || o.tokens < 1 ||
+      o.top_k < 1) {
+    return Status::InvalidArgument(
+        "trace synth: zipf and drift must be >= 0, burst probability in [0, 1], burst factor "
+        "> 0, burst steps and phase steps >= 0, tokens and top-k >= 1");
+  }
+  const size_t per_step = static_cast<size_t>(o.layers) * o.experts;
+  if (static_cast<double>(per_step) * static_cast<double>(o.steps) > 2e9) {
+    return Status::InvalidArgument(StrCat("trace of ", o.steps, " steps x ", o.layers, " layers x ",
+                                          o.experts, " experts is too large (limit 2e9 counts)"));
+  }
+  Rng rng(o.seed);
+  LoadTrace trace{o.layers, o.experts, {}};
+  trace.values.reserve(per_step * static_cast<size_t>(o.steps));
+  std::vector<double> log_w(per_step);
+  std::vector<int> burst_expert(static_cast<size_t>(o.layers), -1);
+  std::vector<int64_t> burst_left(static_cast<size_t>(o.layers), 0);
+  std::vector<int> perm(static_cast<size_t>(o.experts));
+  auto new_phase = [&](int l) {
+    std::iota(perm.begin(), perm.end(), 0);
+    Shuffle(perm, rng);
+    for (int e = 0; e < o.experts; ++e) {
+      log_w[static_cast<size_t>(l) * o.experts + e] = -o.zipf * std::log(perm[e] + 1.0);
+    }
+  };
+  for (int l = 0; l < o.layers; ++l) new_phase(l);
+  const double routed = static_cast<double>(o.tokens) * o.top_k;
+  std::vector<double> w(static_cast<size_t>(o.experts));
+  for (int64_t step = 0; step < o.steps; ++step) {
+    for (int l = 0; l < o.layers; ++l) {
+      if (o.phase_steps > 0 && step > 0 && step % o.phase_steps == 0) new_phase(l);
+      double* lw = log_w.data() + static_cast<size_t>(l) * o.experts;
+      for (int e = 0; e < o.experts; ++e) lw[e] += o.drift * rng.Normal();
+      if (burst_left[l] == 0 && rng.Uniform() < o.burst_prob) {
+        burst_expert[l] = rng.Below(o.experts);
+        burst_left[l] = o.burst_steps;
+      }
+      double total = 0;
+      for (int e = 0; e < o.experts; ++e) {
+        w[e] = std::exp(lw[e]) * (burst_left[l] > 0 && e == burst_expert[l] ? o.burst_factor : 1);
+        total += w[e];
+      }
+      if (burst_left[l] > 0) --burst_left[l];
+      for (int e = 0; e < o.experts; ++e) trace.values.push_back(std::round(routed * w[e] / total));
+    }
+  }
+  return trace;
+}
+
+Result<SimulateResult> Simulate(const LoadTrace& trace, const SimulateOptions& o) {
+  const int64_t steps = trace.steps();
+  if (steps < 1 || trace.layers < 1 || trace.experts < 1) {
+    return Status::InvalidArgument("the trace is empty; expected at least one step");
+  }
+  if (o.window < 1 || o.trigger.interval < 1) {
+    return Status::InvalidArgument(StrCat("window (", o.window, ") and interval (",
+                                          o.trigger.interval, ") must be >= 1 steps"));
+  }
+  const Topology& t = o.topology;
+  EPLBX_RETURN_IF_ERROR(t.Validate(trace.experts));
+  const Policy first_policy = o.policy == Policy::kIncremental ? Policy::kBalanced : o.policy;
+  const LoadMatrix uniform = *LoadMatrix::Create(
+      trace.layers, trace.experts,
+      std::vector<double>(static_cast<size_t>(trace.layers) * trace.experts, 1.0));
+  EPLBX_ASSIGN_OR_RETURN(Placement current, Plan(uniform, t, {.policy = first_policy}));
+  EPLBX_ASSIGN_OR_RETURN(LoadRecorder recorder,
+                         LoadRecorder::Create(trace.layers, trace.experts, o.window));
+  SimulateResult r;
+  r.steps.reserve(static_cast<size_t>(steps));
+  const MigrationOptions mig{.ranks = t.ranks,
+                             .nodes = t.nodes,
+                             .bytes_per_expert = o.bytes_per_expert,
+                             .link_gbps = o.link_gbps};
+  for (int64_t step = 0; step < steps; ++step) {
+    const std::span<const double> counts = trace.step(step);
+    EPLBX_ASSIGN_OR_RETURN(LoadMatrix load, LoadMatrix::Create(trace.layers, trace.experts,
+                                                               {counts.begin(), counts.end()}));
+    EPLBX_ASSIGN_OR_RETURN(Balance b, ComputeBalance(current, load, t.ranks));
+    r.steps.push_back({step, b.total, false});
+    EPLBX_RETURN_IF_ERROR(recorder.Record(counts));
+    if (!Due(o.trigger, step + 1)) continue;
+    ++r.considered;
+    const LoadMatrix window = recorder.Window();
+    const double before = ComputeBalance(current, window, t.ranks)->total;
+    if (Decide(o.trigger, before, 0) == TriggerDecision::kSkipBalanced) {
+      ++r.skipped_balanced;
+      continue;
+    }
+    EPLBX_ASSIGN_OR_RETURN(
+        Placement next,
+        Plan(window, t, {.policy = o.policy, .previous = &current, .tolerance = o.tolerance}));
+    const double after = ComputeBalance(next, window, t.ranks)->total;
+    if (Decide(o.trigger, before, after) != TriggerDecision::kRebalance) {
+      ++r.skipped_small_gain;
+      continue;
+    }
+    EPLBX_ASSIGN_OR_RETURN(MigrationPlan m, PlanMigration(current, next, mig));
+    RebalanceEvent ev{step, before, after, 0, m.summary.bytes_moved, m.summary.time_lower_bound_s};
+    ev.copies = CountMoves(current, next, t.ranks)->total.remote_copies;
+    r.copies += ev.copies;
+    r.bytes_moved += ev.bytes;
+    r.stall_seconds_est += ev.stall_s;
+    r.events.push_back(ev);
+    r.steps.back().rebalanced = true;
+    ++r.rebalances;
+    current = std::move(next);
+  }
+  std::vector<double> bal(r.steps.size());
+  for (size_t i = 0; i < bal.size(); ++i) bal[i] = r.steps[i].balancedness;
+  r.mean_balancedness =
+      std::accumulate(bal.begin(), bal.end(), 0.0) / static_cast<double>(bal.size());
+  const size_t p5 = static_cast<size_t>(0.05 * static_cast<double>(bal.size() - 1));
+  std::nth_element(bal.begin(), bal.begin() + static_cast<std::ptrdiff_t>(p5), bal.end());
+  r.p5_balancedness = bal[p5];
+  return r;
+}
+
+}  // namespace eplbx

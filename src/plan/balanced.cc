@@ -1,6 +1,7 @@
 // The `balanced` policy: replica counts and packing chosen together, then local search.
 #include <algorithm>
 #include <functional>
+#include <limits>
 #include <numeric>
 #include <queue>
 
@@ -46,16 +47,29 @@ class Packer {
   // Returns the largest rank load; slots() and loads() describe the packing. With `held`
   // (ranks x experts flags), a replica first goes to the lightest rank that held the expert
   // and stays within `cap` (so it costs no copy), else as above.
-  double Pack(std::span<const int32_t> count, const uint8_t* held = nullptr, double cap = 0) {
-    order_.clear();
-    for (int32_t e = 0; e < static_cast<int32_t>(count.size()); ++e) {
-      if (count[e] > 0) order_.push_back(e);
+  // With `bound`, gives up (returning infinity) as soon as a rank reaches it: loads only
+  // grow, so such a packing cannot beat the bound.
+  double Pack(std::span<const int32_t> count, const uint8_t* held = nullptr, double cap = 0,
+              double bound = std::numeric_limits<double>::infinity()) {
+    // Experts by descending share (ties: lowest expert). Successive calls change one or
+    // two counts, so the previous order is nearly sorted: insertion sort is linear then.
+    const int n = static_cast<int>(count.size());
+    share_.resize(static_cast<size_t>(n));
+    for (int32_t e = 0; e < n; ++e) share_[e] = count[e] > 0 ? weight_[e] / count[e] : 0.0;
+    if (order_.size() != static_cast<size_t>(n)) {
+      order_.resize(static_cast<size_t>(n));
+      std::iota(order_.begin(), order_.end(), 0);
     }
-    auto share = [&](int32_t e) { return weight_[e] / count[e]; };
-    std::sort(order_.begin(), order_.end(), [&](int32_t a, int32_t b) {
-      const double sa = share(a), sb = share(b);
-      return sa != sb ? sa > sb : a < b;
-    });
+    auto before = [&](int32_t a, int32_t b) {
+      return share_[a] != share_[b] ? share_[a] > share_[b] : a < b;
+    };
+    for (size_t i = 1; i < order_.size(); ++i) {
+      const int32_t e = order_[i];
+      size_t j = i;
+      for (; j > 0 && before(e, order_[j - 1]); --j) order_[j] = order_[j - 1];
+      order_[j] = e;
+    }
+    auto share = [&](int32_t e) { return share_[e]; };
     std::fill(load_.begin(), load_.end(), 0.0);
     std::fill(fill_.begin(), fill_.end(), 0);
     // Ranks with room by (load, rank): the lightest first, ties to the lowest rank. A rank
@@ -64,6 +78,7 @@ class Packer {
     heap_.clear();
     for (int r = 0; r < ranks_; ++r) heap_.push_back({0.0, r});
     for (int32_t e : order_) {
+      if (count[e] == 0) continue;
       const double s = share(e);
       taken_.clear();
       for (int k = 0; k < count[e]; ++k) {
@@ -86,6 +101,7 @@ class Packer {
         }
         slots_[static_cast<size_t>(r) * per_rank_ + fill_[r]++] = e;
         load_[r] += s;
+        if (load_[r] >= bound) return std::numeric_limits<double>::infinity();
         if (std::find(taken_.begin(), taken_.end(), r) == taken_.end()) taken_.push_back(r);
       }
       if (held) {  // sticky ranks were not popped: drop them (re-added below)
@@ -127,17 +143,19 @@ class Packer {
   std::span<const double> weight_;
   int ranks_, per_rank_;
   std::vector<int32_t> slots_, order_;
-  std::vector<double> load_;
+  std::vector<double> load_, share_;
   std::vector<int> fill_, taken_;
   std::vector<std::pair<double, int>> heap_;
 };
 
 // Replica counts searched together with the packing: from the greedy counts, repeatedly
-// give one more replica to an expert on the heaviest rank and take one from an expert that
-// loses least by it (the kCheapest smallest weight / (count - 1)), keeping the change that
-// lowers the packed maximum the most (ties: first in expert order). Stops when no change
-// helps or after `budget` changes. Returns the counts; `packer` holds their packing.
+// give one more replica to an expert on the heaviest rank (one of its kTakers largest
+// shares; ties: lowest expert) and take one from an expert that loses least by it (the
+// kCheapest smallest weight / (count - 1); ties: lowest expert), keeping the change that
+// lowers the packed maximum the most (ties: the first tried). Stops when no change helps
+// or after `budget` changes. Returns the counts; `packer` holds their packing.
 constexpr int kCheapest = 6;
+constexpr size_t kTakers = 3;
 
 std::vector<int32_t> SearchCounts(std::span<const double> weight, int slots, int cap,
                                   Packer& packer, int budget) {
@@ -153,6 +171,10 @@ std::vector<int32_t> SearchCounts(std::span<const double> weight, int slots, int
                   packer.slots().begin() + (top + 1) * per_rank);
     std::sort(takers.begin(), takers.end());
     takers.erase(std::unique(takers.begin(), takers.end()), takers.end());
+    std::stable_sort(takers.begin(), takers.end(), [&](int32_t a, int32_t b) {
+      return weight[a] / count[a] > weight[b] / count[b];
+    });
+    if (takers.size() > kTakers) takers.resize(kTakers);
     donors.clear();
     for (int32_t e = 0; e < n; ++e) {
       if (count[e] > 1) donors.push_back(e);
@@ -173,7 +195,7 @@ std::vector<int32_t> SearchCounts(std::span<const double> weight, int slots, int
         if (i == j) continue;
         --count[i];
         ++count[j];
-        const double m = packer.Pack(count);
+        const double m = packer.Pack(count, nullptr, 0, improved * (1 - 1e-12));
         if (m < improved * (1 - 1e-12)) {
           improved = m;
           give = j;
@@ -186,7 +208,7 @@ std::vector<int32_t> SearchCounts(std::span<const double> weight, int slots, int
     if (give < 0) break;
     --count[take];
     ++count[give];
-    best = improved;
+    best = packer.Pack(count);  // the packer holds the accepted counts' packing again
   }
   packer.Pack(count);
   return count;
@@ -201,8 +223,10 @@ void BalancedSlots(std::span<const double> weight, int slots, int ranks, std::sp
   const int cap = std::max(ranks, (slots + n - 1) / n);
   Packer packer(weight, ranks, per_rank);
   SearchCounts(weight, slots, cap, packer, /*budget=*/2 * ranks);
-  // Local search on the heaviest rank: swaps and re-pointed replicas.
+  // Local search on the heaviest rank: swaps of one or two replicas. (Re-pointing replicas
+  // adds little after the count search and doubles the time: measured, docs/placement.md.)
   Layout layout(weight, packer.slots(), ranks);
+  layout.repoints = false;
   for (int iter = 0; iter < 64 * ranks; ++iter) {
     const Move move = BestMove(layout, layout.Heaviest(), nullptr);
     if (move.a < 0) break;

@@ -29,4 +29,32 @@ std::vector<int32_t> ImproveFrom(std::span<const double> weight, std::span<const
   return layout.expert;
 }
 
+std::vector<int32_t> AdoptCounts(std::span<const double> weight, std::span<const int32_t> start,
+                                 int ranks, std::span<const int32_t> count) {
+  Layout layout(weight, std::vector<int32_t>(start.begin(), start.end()), ranks);
+  const int32_t n = static_cast<int32_t>(weight.size());
+  for (size_t guard = 0; guard < layout.expert.size(); ++guard) {
+    int32_t y = -1;  // the neediest expert short of replicas
+    for (int32_t e = 0; e < n; ++e) {
+      if (layout.count[e] < count[e] &&
+          (y < 0 || weight[e] / (layout.count[e] + 1) > weight[y] / (layout.count[y] + 1))) {
+        y = e;
+      }
+    }
+    if (y < 0) break;
+    int best = -1;  // a surplus replica on the lightest rank that lacks y
+    for (size_t a = 0; a < layout.expert.size(); ++a) {
+      const int32_t x = layout.expert[a];
+      const int r = layout.rank_of(a);
+      if (x < 0 || layout.count[x] <= count[x] || layout.holds(r, y)) continue;
+      if (best < 0 || layout.load[r] < layout.load[layout.rank_of(static_cast<size_t>(best))]) {
+        best = static_cast<int>(a);
+      }
+    }
+    if (best < 0) break;
+    Apply(layout, Move{.a = best, .to = y});
+  }
+  return layout.expert;
+}
+
 }  // namespace eplbx::internal

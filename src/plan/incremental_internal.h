@@ -17,6 +17,13 @@ std::vector<int32_t> ImproveFrom(std::span<const double> weight, std::span<const
                                  std::span<const int32_t> start, int ranks, double target,
                                  int max_steps);
 
+// `start` with redundant replicas re-pointed until every expert e has count[e] replicas
+// (or no further re-point is possible): repeatedly, the expert short of replicas with the
+// largest share after one more (ties: lowest expert) takes a surplus replica on the
+// lightest rank that lacks it (ties: lowest slot). One copy per re-point.
+std::vector<int32_t> AdoptCounts(std::span<const double> weight, std::span<const int32_t> start,
+                                 int ranks, std::span<const int32_t> count);
+
 }  // namespace eplbx::internal
 
 #endif  // EPLBX_SRC_PLAN_INCREMENTAL_INTERNAL_H_

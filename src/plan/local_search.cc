@@ -19,8 +19,7 @@ Layout::Layout(std::span<const double> w, std::vector<int32_t> slots, int r)
 }
 
 bool Layout::holds(int rank, int32_t e) const {
-  const auto first = expert.begin() + rank * per_rank;
-  return std::find(first, first + per_rank, e) != first + per_rank;
+  return held[static_cast<size_t>(rank) * count.size() + e] != 0;
 }
 
 int Layout::Heaviest() const {
@@ -34,8 +33,11 @@ double Layout::Balancedness() const {
 
 void Layout::Recompute() {
   std::fill(load.begin(), load.end(), 0.0);
+  held.assign(static_cast<size_t>(ranks) * count.size(), 0);
   for (size_t s = 0; s < expert.size(); ++s) {
-    if (expert[s] >= 0) load[rank_of(s)] += share(expert[s]);
+    if (expert[s] < 0) continue;
+    load[rank_of(s)] += share(expert[s]);
+    ++held[static_cast<size_t>(rank_of(s)) * count.size() + expert[s]];
   }
 }
 
@@ -253,7 +255,7 @@ Move BestMove(const Layout& layout, int top, const std::vector<uint8_t>* before)
       if (r != top && layout.load[r] > layout.goal) ConsiderSwaps(layout, r, before, best);
     }
   }
-  ConsiderRepoints(layout, top, before, best);
+  if (layout.repoints) ConsiderRepoints(layout, top, before, best);
   if (best.a < 0) ConsiderPairSwaps(layout, top, before, best);
   return best;
 }

@@ -18,6 +18,8 @@ struct Layout {
   std::vector<int32_t> count;      // expert -> replicas
   std::vector<double> load;        // rank -> sum of weight / count over its slots
   double goal = 0;                 // a rank load that is good enough (moves gain nothing below it)
+  bool repoints = true;            // consider re-pointing redundant replicas (changes counts)
+  std::vector<uint8_t> held;       // ranks x experts: replicas of the expert on the rank
 
   double share(int32_t e) const { return count[e] ? weight[e] / count[e] : 0.0; }
   int rank_of(size_t slot) const { return static_cast<int>(slot) / per_rank; }
@@ -38,7 +40,8 @@ struct Move {
 
 // The best move that lowers the load of rank `top` (the heaviest) without raising any rank
 // to or above it, never putting two replicas of an expert on one rank. Swaps of two
-// replicas for two are tried only when no single swap or re-point helps. Without a goal,
+// replicas for two are tried only when no single swap or re-point helps; re-points only
+// with layout.repoints. Without a goal,
 // moves are ranked by the load they remove from `top`. With layout.goal > 0 (incremental),
 // by the total load above the goal they remove, and single swaps from every rank above the
 // goal compete as well. With `before` (ranks x experts flags: the rank held the expert

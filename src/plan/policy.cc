@@ -121,38 +121,43 @@ std::vector<int32_t> StickyFromBalanced(const LayerContext& c, std::span<const i
   return out;
 }
 
-// Candidates, each within `tolerance` of balanced or dropped: (1) local search from the
-// previous placement; (2) local search from the balanced replica counts packed sticky
-// (StickyFromBalanced); (3) the balanced placement with ranks renamed within each node to
-// keep as many (rank, expert) pairs as possible, which always qualifies. The one with the
-// fewest remote copies wins (ties: in that order).
+// Candidates in order, the first within `tolerance` of balanced wins: (1) local search from
+// the previous placement (enough on almost every layer); (2) when that stalls, its result
+// re-pointed to the balanced placement's replica counts (AdoptCounts), then local search
+// again; (3) local search from the balanced counts packed sticky (StickyFromBalanced);
+// (4) the balanced placement with ranks renamed within each node to keep as many
+// (rank, expert) pairs as possible, which always qualifies.
 void IncrementalSlots(const LayerContext& c, std::span<const int32_t> previous, double tolerance,
                       std::span<int32_t> out) {
   const Topology& t = c.topology;
   std::vector<int32_t> balanced(out.size());
   BalancedSlotsForLayer(c, balanced);
   const double target = internal::SlotsBalancedness(c.weight, balanced, t.ranks) - tolerance;
+  auto done = [&](const std::vector<int32_t>& candidate) {
+    if (internal::SlotsBalancedness(c.weight, candidate, t.ranks) < target - 1e-12) return false;
+    std::copy(candidate.begin(), candidate.end(), out.begin());
+    return true;
+  };
   const std::vector<int32_t> start = internal::CompleteSlots(c.weight, previous, t.ranks);
   const int max_steps = 8 * t.slots;
+  const std::vector<int32_t> local =
+      internal::ImproveFrom(c.weight, start, start, t.ranks, target, max_steps);
+  if (done(local)) return;
+  std::vector<int32_t> count(c.weight.size(), 0);
+  for (int32_t e : balanced) ++count[e];
+  if (done(internal::ImproveFrom(c.weight, start,
+                                 internal::AdoptCounts(c.weight, local, t.ranks, count), t.ranks,
+                                 target, max_steps))) {
+    return;
+  }
   const double total = std::accumulate(c.weight.begin(), c.weight.end(), 0.0);
   const double cap = target > 0 ? total / t.ranks / target : total;
-  std::vector<std::vector<int32_t>> candidates;
-  candidates.push_back(internal::ImproveFrom(c.weight, start, start, t.ranks, target, max_steps));
-  candidates.push_back(internal::ImproveFrom(
-      c.weight, start, StickyFromBalanced(c, balanced, start, cap), t.ranks, target, max_steps));
-  internal::RelabelRanks(previous, balanced, t.ranks, t.ranks_per_node());
-  candidates.push_back(std::move(balanced));
-  const std::vector<int32_t>* best = nullptr;
-  int64_t best_copies = 0;
-  for (const auto& candidate : candidates) {
-    if (internal::SlotsBalancedness(c.weight, candidate, t.ranks) < target - 1e-12) continue;
-    const int64_t copies = internal::CountLayerMoves(previous, candidate, t.ranks).remote_copies;
-    if (best == nullptr || copies < best_copies) {
-      best = &candidate;
-      best_copies = copies;
-    }
+  if (done(internal::ImproveFrom(c.weight, start, StickyFromBalanced(c, balanced, start, cap),
+                                 t.ranks, target, max_steps))) {
+    return;
   }
-  std::copy(best->begin(), best->end(), out.begin());
+  internal::RelabelRanks(previous, balanced, t.ranks, t.ranks_per_node());
+  std::copy(balanced.begin(), balanced.end(), out.begin());
 }
 
 Status CheckPrevious(const Placement& previous, const LoadMatrix& load, const Topology& t) {

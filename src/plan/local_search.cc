@@ -85,7 +85,7 @@ void ConsiderSwaps(const Layout& l, int top, const std::vector<uint8_t>* before,
         const double sy = y >= 0 ? l.share(y) : 0.0;
         if (sy >= sx || (y >= 0 && l.holds(top, y))) continue;
         const double worst = std::max(top_load - sx + sy, l.load[r] - sy + sx);
-        if (worst >= top_load * (1 - 1e-12)) continue;
+        if (l.goal <= 0 && worst >= top_load * (1 - 1e-12)) continue;
         const int copies =
             Copies(before, l.count.size(), r, x) + Copies(before, l.count.size(), top, y);
         Consider(best, Relief(l, top_load, l.load[r], top_load - sx + sy, l.load[r] - sy + sx),
@@ -141,7 +141,7 @@ void ConsiderPairSwaps(const Layout& l, int top, const std::vector<uint8_t>* bef
         const double d = p.sum - q->sum;
         if (d <= 0 || !valid(p, *q)) continue;
         const double worst = std::max(top_load - d, l.load[r] + d);
-        if (worst >= top_load * (1 - 1e-12)) continue;
+        if (l.goal <= 0 && worst >= top_load * (1 - 1e-12)) continue;
         const int copies =
             Copies(before, n, r, l.expert[p.a]) + Copies(before, n, r, l.expert[p.b]) +
             Copies(before, n, top, l.expert[q->a]) + Copies(before, n, top, l.expert[q->b]);
@@ -229,7 +229,7 @@ void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* befo
     if (x < 0 || y == x || l.count[x] < 2 || l.count[y] >= l.ranks || l.holds(ra, y)) return;
     double relief;
     const double worst = eval.Worst(a, y, &relief);
-    if (worst >= top_load * (1 - 1e-12)) return;
+    if (l.goal <= 0 && worst >= top_load * (1 - 1e-12)) return;
     if (l.goal <= 0) relief = top_load - worst;
     Consider(best, relief, Copies(before, l.count.size(), ra, y), {a, -1, -1, -1, y});
   };

@@ -2,26 +2,26 @@
 // copies as possible until the layer is within the tolerance of `balanced`.
 #include "plan/incremental_internal.h"
 
-#include <numeric>
+#include <algorithm>
 
 #include "plan/local_search.h"
 
 namespace eplbx::internal {
 
 std::vector<int32_t> ImproveFrom(std::span<const double> weight, std::span<const int32_t> previous,
-                                 std::span<const int32_t> start, int ranks, double target,
+                                 std::span<const int32_t> start, int ranks, double goal,
                                  int max_steps) {
   const size_t n = weight.size();
   Layout layout(weight, std::vector<int32_t>(start.begin(), start.end()), ranks);
-  // Load removed below the largest load that meets the target is worth nothing: prefer the
-  // cheapest move that brings the heaviest rank down to it without lifting another above.
-  const double total = std::accumulate(weight.begin(), weight.end(), 0.0);
-  layout.goal = target > 0 ? total / ranks / target : 0;
+  // Load removed below the goal is worth nothing: prefer the cheapest moves that bring
+  // every rank down to it.
+  layout.goal = goal;
   std::vector<uint8_t> before(static_cast<size_t>(ranks) * n, 0);
   for (size_t s = 0; s < previous.size(); ++s) {
     if (previous[s] >= 0) before[static_cast<size_t>(layout.rank_of(s)) * n + previous[s]] = 1;
   }
-  for (int step = 0; step < max_steps && layout.Balancedness() < target; ++step) {
+  auto over = [&] { return *std::max_element(layout.load.begin(), layout.load.end()) > goal; };
+  for (int step = 0; step < max_steps && over(); ++step) {
     const Move move = BestMove(layout, layout.Heaviest(), &before);
     if (move.a < 0) break;
     Apply(layout, move);

@@ -9,12 +9,13 @@
 namespace eplbx::internal {
 
 // Starting from `start` (one layer's slots, rank-major, expert ids), repeatedly applies
-// to the heaviest rank the move with the largest load reduction per copy paid — a swap of
-// two replicas between ranks, or re-pointing a redundant replica to another expert; a copy
-// is a (rank, expert) pair absent from `previous` (same shape) — until balancedness (mean / max
-// rank load) reaches `target`, no move helps, or `max_steps` moves were made. Ties: lower slots.
+// the move with the most relief per copy paid — relief: the total rank load above `goal`
+// that disappears; moves: swaps of one or two replicas between ranks, or re-pointing a
+// redundant replica to another expert (BestMove with a goal); a copy is a (rank, expert)
+// pair absent from `previous` (same shape) — until no rank is above `goal`, no move helps,
+// or `max_steps` moves were made. Ties: lower ranks and slots.
 std::vector<int32_t> ImproveFrom(std::span<const double> weight, std::span<const int32_t> previous,
-                                 std::span<const int32_t> start, int ranks, double target,
+                                 std::span<const int32_t> start, int ranks, double goal,
                                  int max_steps);
 
 // `start` with redundant replicas re-pointed until every expert e has count[e] replicas

@@ -85,77 +85,176 @@ void BalancedSlotsForLayer(const LayerContext& c, std::span<int32_t> out) {
   }
 }
 
+// One node's share of a layer (the whole layer outside hierarchical mode): its slots in
+// `slots`, its experts (those those slots hold, ascending) and their weights, with local
+// ids 0..ids.size()-1 for the planners that work on a node alone.
+struct NodeSlice {
+  size_t first, size;  // slot range
+  std::vector<int32_t> ids;
+  std::vector<double> weight;
+
+  int Local(int32_t e) const {
+    const auto it = std::lower_bound(ids.begin(), ids.end(), e);
+    return it != ids.end() && *it == e ? static_cast<int>(it - ids.begin()) : -1;
+  }
+  // `slots`' part for this node in local ids (-1 for experts not on the node).
+  std::vector<int32_t> ToLocal(std::span<const int32_t> slots) const {
+    std::vector<int32_t> out(size);
+    for (size_t i = 0; i < size; ++i) out[i] = slots[first + i] >= 0 ? Local(slots[first + i]) : -1;
+    return out;
+  }
+};
+
+std::vector<NodeSlice> Slices(const LayerContext& c, std::span<const int32_t> slots) {
+  const int nodes = c.hierarchical ? c.topology.nodes : 1;
+  const size_t per_node = slots.size() / static_cast<size_t>(nodes);
+  std::vector<NodeSlice> out;
+  for (int node = 0; node < nodes; ++node) {
+    NodeSlice n{node * per_node, per_node, {}, {}};
+    for (size_t s = n.first; s < n.first + n.size; ++s) {
+      if (slots[s] >= 0) n.ids.push_back(slots[s]);
+    }
+    std::sort(n.ids.begin(), n.ids.end());
+    n.ids.erase(std::unique(n.ids.begin(), n.ids.end()), n.ids.end());
+    for (int32_t e : n.ids) n.weight.push_back(c.weight[e]);
+    out.push_back(std::move(n));
+  }
+  return out;
+}
+
 // The balanced placement's replica counts packed onto the ranks that held each expert
 // before where they stay within `cap` (per node in hierarchical mode: the node's experts
 // are those the balanced placement puts there).
 std::vector<int32_t> StickyFromBalanced(const LayerContext& c, std::span<const int32_t> balanced,
                                         std::span<const int32_t> previous, double cap) {
-  const Topology& t = c.topology;
-  const int nodes = c.hierarchical ? t.nodes : 1;
-  const size_t per_node = balanced.size() / static_cast<size_t>(nodes);
-  const int ranks_per_node = t.ranks / nodes;
-  const size_t per_rank = balanced.size() / static_cast<size_t>(t.ranks);
+  const int ranks_per_node = c.hierarchical ? c.topology.ranks_per_node() : c.topology.ranks;
+  const size_t per_rank = balanced.size() / static_cast<size_t>(c.topology.ranks);
   std::vector<int32_t> out(balanced.size());
-  for (int node = 0; node < nodes; ++node) {
-    const auto node_slots = balanced.subspan(node * per_node, per_node);
-    std::vector<int32_t> ids(node_slots.begin(), node_slots.end());  // the node's experts
-    std::sort(ids.begin(), ids.end());
-    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
-    std::vector<double> local(ids.size());
-    std::vector<int32_t> count(ids.size(), 0);
-    auto index = [&](int32_t e) {
-      const auto it = std::lower_bound(ids.begin(), ids.end(), e);
-      return it != ids.end() && *it == e ? static_cast<int>(it - ids.begin()) : -1;
-    };
-    for (size_t i = 0; i < ids.size(); ++i) local[i] = c.weight[ids[i]];
-    for (int32_t e : node_slots) ++count[index(e)];
-    std::vector<uint8_t> held(static_cast<size_t>(ranks_per_node) * ids.size(), 0);
-    for (size_t s = node * per_node; s < (node + 1) * per_node; ++s) {
-      const int i = previous[s] >= 0 ? index(previous[s]) : -1;
-      if (i >= 0) held[(s - node * per_node) / per_rank * ids.size() + i] = 1;
+  for (const NodeSlice& n : Slices(c, balanced)) {
+    std::vector<int32_t> count(n.ids.size(), 0);
+    for (int32_t e : n.ToLocal(balanced)) ++count[e];
+    std::vector<uint8_t> held(static_cast<size_t>(ranks_per_node) * n.ids.size(), 0);
+    const std::vector<int32_t> before = n.ToLocal(previous);
+    for (size_t s = 0; s < n.size; ++s) {
+      if (before[s] >= 0) held[s / per_rank * n.ids.size() + before[s]] = 1;
     }
-    const std::span<int32_t> node_out = std::span<int32_t>(out).subspan(node * per_node, per_node);
-    internal::StickySlots(local, count, held, ranks_per_node, cap, node_out);
-    for (int32_t& e : node_out) e = ids[e];
+    const std::span<int32_t> node_out = std::span<int32_t>(out).subspan(n.first, n.size);
+    internal::StickySlots(n.weight, count, held, ranks_per_node, cap, node_out);
+    for (int32_t& e : node_out) e = n.ids[e];
   }
   return out;
 }
 
-// Candidates in order, the first within `tolerance` of balanced wins: (1) local search from
-// the previous placement (enough on almost every layer); (2) when that stalls, its result
-// re-pointed to the balanced placement's replica counts (AdoptCounts), then local search
-// again; (3) local search from the balanced counts packed sticky (StickyFromBalanced);
-// (4) the balanced placement with ranks renamed within each node to keep as many
-// (rank, expert) pairs as possible, which always qualifies.
+// ImproveFrom on each node alone (the whole layer outside hierarchical mode), so that no
+// expert changes node: a group stays where `start` has it.
+std::vector<int32_t> ImproveByNode(const LayerContext& c, std::span<const int32_t> previous,
+                                   std::span<const int32_t> start, double goal) {
+  const int ranks_per_node = c.hierarchical ? c.topology.ranks_per_node() : c.topology.ranks;
+  std::vector<int32_t> out(start.size());
+  for (const NodeSlice& n : Slices(c, start)) {
+    const std::vector<int32_t> improved =
+        internal::ImproveFrom(n.weight, n.ToLocal(previous), n.ToLocal(start), ranks_per_node, goal,
+                              /*max_steps=*/8 * static_cast<int>(n.size));
+    for (size_t i = 0; i < n.size; ++i) out[n.first + i] = n.ids[improved[i]];
+  }
+  return out;
+}
+
+// Renames the nodes of `next` (moves whole node blocks of slots) so that as many experts
+// as possible stay on the node that held them in `previous`: exhaustive over node
+// permutations up to 8 nodes (ties: the first permutation in lexicographic order), greedy
+// beyond (the pair sharing the most experts first).
+void RelabelNodes(std::span<const int32_t> previous, std::vector<int32_t>& next, int nodes,
+                  size_t experts) {
+  if (nodes <= 1) return;
+  const size_t per_node = next.size() / static_cast<size_t>(nodes);
+  std::vector<std::vector<uint8_t>> had(static_cast<size_t>(nodes), std::vector<uint8_t>(experts));
+  for (size_t s = 0; s < previous.size(); ++s) {
+    if (previous[s] >= 0 && static_cast<size_t>(previous[s]) < experts)
+      had[s / per_node][previous[s]] = 1;
+  }
+  // overlap[a][b]: distinct experts of next's node a that previous had on node b.
+  std::vector<std::vector<int>> overlap(static_cast<size_t>(nodes), std::vector<int>(nodes, 0));
+  for (int a = 0; a < nodes; ++a) {
+    std::vector<uint8_t> seen(experts, 0);
+    for (size_t s = a * per_node; s < (a + 1) * per_node; ++s) {
+      const int32_t e = next[s];
+      if (e < 0 || seen[e]) continue;
+      seen[e] = 1;
+      for (int b = 0; b < nodes; ++b) overlap[a][b] += had[b][e];
+    }
+  }
+  std::vector<int> to(static_cast<size_t>(nodes));  // next's node a becomes node to[a]
+  std::iota(to.begin(), to.end(), 0);
+  if (nodes <= 8) {
+    std::vector<int> perm = to;
+    int best = -1;
+    do {
+      int score = 0;
+      for (int a = 0; a < nodes; ++a) score += overlap[a][perm[a]];
+      if (score > best) {
+        best = score;
+        to = perm;
+      }
+    } while (std::next_permutation(perm.begin(), perm.end()));
+  } else {
+    std::vector<uint8_t> used_a(static_cast<size_t>(nodes)), used_b(static_cast<size_t>(nodes));
+    for (int k = 0; k < nodes; ++k) {
+      int ba = -1, bb = -1;
+      for (int a = 0; a < nodes; ++a) {
+        for (int b = 0; b < nodes; ++b) {
+          if (!used_a[a] && !used_b[b] && (ba < 0 || overlap[a][b] > overlap[ba][bb])) {
+            ba = a;
+            bb = b;
+          }
+        }
+      }
+      used_a[ba] = used_b[bb] = 1;
+      to[ba] = bb;
+    }
+  }
+  std::vector<int32_t> moved(next.size());
+  for (int a = 0; a < nodes; ++a) {
+    std::copy(next.begin() + a * per_node, next.begin() + (a + 1) * per_node,
+              moved.begin() + to[a] * per_node);
+  }
+  next = std::move(moved);
+}
+
+// Candidates in order; the first within `tolerance` of balanced wins: (1) local search from
+// the previous placement (enough on almost every layer); (2) outside hierarchical mode,
+// when that stalls, its result re-pointed to the balanced placement's replica counts
+// (AdoptCounts), then local search again; (3) local search from the balanced counts packed
+// sticky (StickyFromBalanced); (4) the balanced placement with ranks renamed within each
+// node to keep as many (rank, expert) pairs as possible, which always qualifies. In
+// hierarchical mode every local search runs per node, so groups stay on their nodes, and
+// the balanced placement's nodes are first renamed to keep as many experts on their node
+// as possible (RelabelNodes).
 void IncrementalSlots(const LayerContext& c, std::span<const int32_t> previous, double tolerance,
                       std::span<int32_t> out) {
   const Topology& t = c.topology;
   std::vector<int32_t> balanced(out.size());
   BalancedSlotsForLayer(c, balanced);
   const double target = internal::SlotsBalancedness(c.weight, balanced, t.ranks) - tolerance;
+  const double total = std::accumulate(c.weight.begin(), c.weight.end(), 0.0);
+  // The largest rank load that meets the target.
+  const double goal = target > 0 ? total / t.ranks / target : total;
   auto done = [&](const std::vector<int32_t>& candidate) {
     if (internal::SlotsBalancedness(c.weight, candidate, t.ranks) < target - 1e-12) return false;
     std::copy(candidate.begin(), candidate.end(), out.begin());
     return true;
   };
   const std::vector<int32_t> start = internal::CompleteSlots(c.weight, previous, t.ranks);
-  const int max_steps = 8 * t.slots;
-  const std::vector<int32_t> local =
-      internal::ImproveFrom(c.weight, start, start, t.ranks, target, max_steps);
+  if (c.hierarchical) RelabelNodes(start, balanced, t.nodes, c.weight.size());
+  const std::vector<int32_t> local = ImproveByNode(c, start, start, goal);
   if (done(local)) return;
-  std::vector<int32_t> count(c.weight.size(), 0);
-  for (int32_t e : balanced) ++count[e];
-  if (done(internal::ImproveFrom(c.weight, start,
-                                 internal::AdoptCounts(c.weight, local, t.ranks, count), t.ranks,
-                                 target, max_steps))) {
-    return;
+  if (!c.hierarchical || t.nodes == 1) {
+    std::vector<int32_t> count(c.weight.size(), 0);
+    for (int32_t e : balanced) ++count[e];
+    const std::vector<int32_t> adopted = internal::AdoptCounts(c.weight, local, t.ranks, count);
+    if (done(ImproveByNode(c, start, adopted, goal))) return;
   }
-  const double total = std::accumulate(c.weight.begin(), c.weight.end(), 0.0);
-  const double cap = target > 0 ? total / t.ranks / target : total;
-  if (done(internal::ImproveFrom(c.weight, start, StickyFromBalanced(c, balanced, start, cap),
-                                 t.ranks, target, max_steps))) {
-    return;
-  }
+  if (done(ImproveByNode(c, start, StickyFromBalanced(c, balanced, start, goal), goal))) return;
   internal::RelabelRanks(previous, balanced, t.ranks, t.ranks_per_node());
   std::copy(balanced.begin(), balanced.end(), out.begin());
 }

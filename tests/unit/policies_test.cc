@@ -218,8 +218,37 @@ TEST(IncrementalTest, FewCopiesAndWithinToleranceUnderDrift) {
     ds_prev = ds;
     inc_prev = *inc;
   }
-  // Measured 20-23% on the bench (docs/placement.md); the goal is 20%.
-  EXPECT_LT(inc_copies * 100, ds_copies * 30) << inc_copies << " vs " << ds_copies;
+  // The bench measures 0.199-0.206 (docs/placement.md); the goal is 20%.
+  EXPECT_LT(inc_copies * 100, ds_copies * 28) << inc_copies << " vs " << ds_copies;
+}
+
+// Hierarchical mode: incremental keeps every group on one node (local search runs per
+// node; fallbacks use balanced with its nodes renamed to match), and stays within T.
+TEST(IncrementalTest, HierarchicalKeepsGroupsOnTheirNodes) {
+  std::mt19937_64 rng(7);
+  std::normal_distribution<double> drift(0, 0.3);
+  const Topology t{.ranks = 16, .nodes = 4, .slots = 160, .groups = 8};
+  LoadMatrix load = Zipf(3, 128, 1.0, rng);
+  Placement prev = *Plan(load, t, {.policy = Policy::kBalanced});
+  for (int step = 0; step < 4; ++step) {
+    std::vector<double> v = load.values();
+    for (double& x : v) x *= std::exp(drift(rng));
+    load = *LoadMatrix::Create(3, 128, v);
+    Result<Placement> inc = Plan(load, t, {.policy = Policy::kIncremental, .previous = &prev});
+    ASSERT_TRUE(inc.ok()) << inc.status().ToString();
+    ExpectValid(*inc, t);
+    const Balance b_inc = *ComputeBalance(*inc, load, t.ranks);
+    const Balance b_bal =
+        *ComputeBalance(*Plan(load, t, {.policy = Policy::kBalanced}), load, t.ranks);
+    for (int l = 0; l < 3; ++l) {
+      EXPECT_GE(b_inc.per_layer[l], b_bal.per_layer[l] - 0.002 - 1e-9);
+      std::vector<std::set<int>> where(8);
+      for (int s = 0; s < t.slots; ++s) where[inc->phy2log(l, s) / 16].insert(s / 40);
+      for (const auto& w : where) EXPECT_EQ(w.size(), 1u) << "step " << step << " layer " << l;
+    }
+    EXPECT_LT(CountMoves(prev, *inc, t.ranks)->total.remote_copies, 3 * 160 / 2);
+    prev = *inc;
+  }
 }
 
 TEST(IncrementalTest, UnchangedLoadMovesNothing) {

@@ -32,7 +32,9 @@ struct LoadTrace {
 };
 
 // A synthetic trace when no real one is at hand. Per layer: a Zipf base load over a random
-// permutation of the experts; every step each expert's weight drifts by exp(N(0, drift));
+// permutation of the experts; every step each expert's log-weight drifts by N(0, drift)
+// and is pulled back toward its base by `reversion` of the difference (log-normal,
+// mean-reverting: stationary spread drift / sqrt(2 reversion); 0: a pure random walk);
 // with probability burst_prob per layer and step one expert runs burst_factor times hotter
 // for burst_steps steps; every phase_steps steps (0: never) the permutation is redrawn (a
 // new traffic mix). Counts are tokens x top_k routed per layer, in proportion to weight,
@@ -42,10 +44,11 @@ struct SynthOptions {
   int64_t steps = 2000;
   uint64_t seed = 1;
   double zipf = 1.0;
-  double drift = 0.02;
-  double burst_prob = 0.002;
-  double burst_factor = 8.0;
-  int burst_steps = 100;
+  double drift = 0.01;
+  double reversion = 0.01;
+  double burst_prob = 0.0005;
+  double burst_factor = 4.0;
+  int burst_steps = 50;
   int64_t phase_steps = 0;
   int tokens = 4096, top_k = 8;
 };
@@ -77,6 +80,9 @@ struct RebalanceEvent {
 
 struct SimulateResult {
   double mean_balancedness = 1.0, p5_balancedness = 1.0;
+  // The same from the step after the first rebalance on (without the uniform start); equal
+  // to the above when nothing was rebalanced.
+  double steady_mean_balancedness = 1.0, steady_p5_balancedness = 1.0;
   int64_t rebalances = 0, considered = 0, skipped_balanced = 0, skipped_small_gain = 0;
   int64_t copies = 0;
   uint64_t bytes_moved = 0;

@@ -108,6 +108,8 @@ json Summary(const SimulateResult& r, const SimulateOptions& o) {
           {"skip_above", o.trigger.skip_above},
           {"mean_balancedness", r.mean_balancedness},
           {"p5_balancedness", r.p5_balancedness},
+          {"steady_mean_balancedness", r.steady_mean_balancedness},
+          {"steady_p5_balancedness", r.steady_p5_balancedness},
           {"rebalances", r.rebalances},
           {"considered", r.considered},
           {"skipped_balanced", r.skipped_balanced},
@@ -134,11 +136,13 @@ json Series(const SimulateResult& r) {
 std::string Text(const SimulateResult& r, const SimulateOptions& o) {
   char buf[512];
   std::snprintf(buf, sizeof buf,
-                "%s, window %d, interval %d: balancedness mean %.4f, p5 %.4f; %lld rebalances "
+                "%s, window %d, interval %d: balancedness mean %.4f, p5 %.4f (after the first "
+                "rebalance: %.4f, %.4f); %lld rebalances "
                 "(%lld considered, %lld skipped as balanced, %lld for small gain), %lld copies, "
                 "%.2f GiB moved, stall estimate %.3f s\n",
                 std::string(PolicyName(o.policy)).c_str(), o.window, o.trigger.interval,
-                r.mean_balancedness, r.p5_balancedness, static_cast<long long>(r.rebalances),
+                r.mean_balancedness, r.p5_balancedness, r.steady_mean_balancedness,
+                r.steady_p5_balancedness, static_cast<long long>(r.rebalances),
                 static_cast<long long>(r.considered), static_cast<long long>(r.skipped_balanced),
                 static_cast<long long>(r.skipped_small_gain), static_cast<long long>(r.copies),
                 static_cast<double>(r.bytes_moved) / (1 << 30), r.stall_seconds_est);
@@ -147,11 +151,14 @@ std::string Text(const SimulateResult& r, const SimulateOptions& o) {
 
 std::string Row(const SimulateResult& r, const SimulateOptions& o) {
   char buf[256];
-  std::snprintf(buf, sizeof buf, "%-12s %6d  %8d  %8.4f  %6.4f  %10lld  %6lld  %10.2f  %7.3f\n",
+  std::snprintf(buf, sizeof buf,
+                "%-12s %6d  %8d  %8.3f  %10.3f  %8.4f  %6.4f  %11.4f  %9.4f  %10lld  %6lld  "
+                "%9.2f  %7.3f\n",
                 std::string(PolicyName(o.policy)).c_str(), o.window, o.trigger.interval,
-                r.mean_balancedness, r.p5_balancedness, static_cast<long long>(r.rebalances),
-                static_cast<long long>(r.copies), static_cast<double>(r.bytes_moved) / (1 << 30),
-                r.stall_seconds_est);
+                o.trigger.min_gain, o.trigger.skip_above, r.mean_balancedness, r.p5_balancedness,
+                r.steady_mean_balancedness, r.steady_p5_balancedness,
+                static_cast<long long>(r.rebalances), static_cast<long long>(r.copies),
+                static_cast<double>(r.bytes_moved) / (1 << 30), r.stall_seconds_est);
   return buf;
 }
 
@@ -219,8 +226,8 @@ Status RunSimulate(SimulateArgs args) {
   std::string text;
   if (runs.size() > 1) {
     text =
-        "policy       window  interval  mean_bal  p5_bal  rebalances  copies   GiB_moved  "
-        "stall_s\n";
+        "policy       window  interval  min_gain  skip_above  mean_bal  p5_bal  steady_mean  "
+        "steady_p5  rebalances  copies  GiB_moved  stall_s\n";
   }
   for (const SimulateOptions& o : runs) {
     Result<SimulateResult> r = Simulate(trace, o);
@@ -252,6 +259,10 @@ void AddSimulateCommands(CLI::App& app, Action& run) {
   synth->add_option("--seed", so.seed, "Seed (same trace on every machine)")->capture_default_str();
   synth->add_option("--zipf", so.zipf, "Zipf exponent of the base load")->capture_default_str();
   synth->add_option("--drift", so.drift, "Per-step log-normal drift sigma")->capture_default_str();
+  synth
+      ->add_option("--reversion", so.reversion,
+                   "Per-step pull back toward the phase's base load (0: random walk)")
+      ->capture_default_str();
   synth->add_option("--burst-prob", so.burst_prob, "Burst probability per layer and step")
       ->capture_default_str();
   synth->add_option("--burst-factor", so.burst_factor, "How much hotter a bursting expert runs")

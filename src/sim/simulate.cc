@@ -47,11 +47,12 @@ Result<LoadTrace> SynthTrace(const SynthOptions& o) {
         StrCat("trace synth needs --layers, --experts and --steps >= 1 (got ", o.layers, ", ",
                o.experts, ", ", o.steps, ")"));
   }
-  if (!(o.zipf >= 0) || !(o.drift >= 0) || !(o.burst_prob >= 0 && o.burst_prob <= 1) ||
-      !(o.burst_factor > 0) || o.burst_steps < 0 || o.phase_steps < 0 || o.tokens < 1 ||
-      o.top_k < 1) {
+  if (!(o.zipf >= 0) || !(o.drift >= 0) || !(o.reversion >= 0 && o.reversion <= 1) ||
+      !(o.burst_prob >= 0 && o.burst_prob <= 1) || !(o.burst_factor > 0) || o.burst_steps < 0 ||
+      o.phase_steps < 0 || o.tokens < 1 || o.top_k < 1) {
     return Status::InvalidArgument(
-        "trace synth: zipf and drift must be >= 0, burst probability in [0, 1], burst factor "
+        "trace synth: zipf and drift must be >= 0, reversion and burst probability in [0, 1], "
+        "burst factor "
         "> 0, burst steps and phase steps >= 0, tokens and top-k >= 1");
   }
   const size_t per_step = static_cast<size_t>(o.layers) * o.experts;
@@ -62,7 +63,7 @@ Result<LoadTrace> SynthTrace(const SynthOptions& o) {
   Rng rng(o.seed);
   LoadTrace trace{o.layers, o.experts, {}};
   trace.values.reserve(per_step * static_cast<size_t>(o.steps));
-  std::vector<double> log_w(per_step);
+  std::vector<double> log_w(per_step), base(per_step);
   std::vector<int> burst_expert(static_cast<size_t>(o.layers), -1);
   std::vector<int64_t> burst_left(static_cast<size_t>(o.layers), 0);
   std::vector<int> perm(static_cast<size_t>(o.experts));
@@ -70,17 +71,21 @@ Result<LoadTrace> SynthTrace(const SynthOptions& o) {
     std::iota(perm.begin(), perm.end(), 0);
     Shuffle(perm, rng);
     for (int e = 0; e < o.experts; ++e) {
-      log_w[static_cast<size_t>(l) * o.experts + e] = -o.zipf * std::log(perm[e] + 1.0);
+      base[static_cast<size_t>(l) * o.experts + e] = -o.zipf * std::log(perm[e] + 1.0);
     }
   };
   for (int l = 0; l < o.layers; ++l) new_phase(l);
+  log_w = base;
   const double routed = static_cast<double>(o.tokens) * o.top_k;
   std::vector<double> w(static_cast<size_t>(o.experts));
   for (int64_t step = 0; step < o.steps; ++step) {
     for (int l = 0; l < o.layers; ++l) {
       if (o.phase_steps > 0 && step > 0 && step % o.phase_steps == 0) new_phase(l);
       double* lw = log_w.data() + static_cast<size_t>(l) * o.experts;
-      for (int e = 0; e < o.experts; ++e) lw[e] += o.drift * rng.Normal();
+      const double* b = base.data() + static_cast<size_t>(l) * o.experts;
+      for (int e = 0; e < o.experts; ++e) {
+        lw[e] += o.reversion * (b[e] - lw[e]) + o.drift * rng.Normal();
+      }
       if (burst_left[l] == 0 && rng.Uniform() < o.burst_prob) {
         burst_expert[l] = rng.Below(o.experts);
         burst_left[l] = o.burst_steps;
@@ -155,13 +160,23 @@ Result<SimulateResult> Simulate(const LoadTrace& trace, const SimulateOptions& o
     ++r.rebalances;
     current = std::move(next);
   }
+  auto summarize = [](std::vector<double> bal, double& mean, double& p5) {
+    mean = std::accumulate(bal.begin(), bal.end(), 0.0) / static_cast<double>(bal.size());
+    const size_t k = static_cast<size_t>(0.05 * static_cast<double>(bal.size() - 1));
+    std::nth_element(bal.begin(), bal.begin() + static_cast<std::ptrdiff_t>(k), bal.end());
+    p5 = bal[k];
+  };
   std::vector<double> bal(r.steps.size());
   for (size_t i = 0; i < bal.size(); ++i) bal[i] = r.steps[i].balancedness;
-  r.mean_balancedness =
-      std::accumulate(bal.begin(), bal.end(), 0.0) / static_cast<double>(bal.size());
-  const size_t p5 = static_cast<size_t>(0.05 * static_cast<double>(bal.size() - 1));
-  std::nth_element(bal.begin(), bal.begin() + static_cast<std::ptrdiff_t>(p5), bal.end());
-  r.p5_balancedness = bal[p5];
+  summarize(bal, r.mean_balancedness, r.p5_balancedness);
+  const size_t first = r.events.empty() ? 0 : static_cast<size_t>(r.events[0].step + 1);
+  if (first < bal.size()) {
+    summarize({bal.begin() + static_cast<std::ptrdiff_t>(first), bal.end()},
+              r.steady_mean_balancedness, r.steady_p5_balancedness);
+  } else {
+    r.steady_mean_balancedness = r.mean_balancedness;
+    r.steady_p5_balancedness = r.p5_balancedness;
+  }
   return r;
 }
 

@@ -9,11 +9,12 @@ seconds=${1:-60}
 scripts/setup.sh
 CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DEPLBX_FUZZ=ON \
   -DEPLBX_BUILD_TESTS=OFF -DEPLBX_BUILD_BENCH=OFF -DEPLBX_BUILD_PYTHON=OFF >/dev/null
-cmake --build build-fuzz --target fuzz_agent_metadata fuzz_layout fuzz_protocol_record fuzz_load_file
+cmake --build build-fuzz --target fuzz_agent_metadata fuzz_layout fuzz_protocol_record fuzz_load_file \
+  fuzz_trace
 mkdir -p build-fuzz/crashes
 # UCX (linked through libeplbx) installs its own fatal-signal handlers; let libFuzzer's run.
 export UCX_HANDLE_ERRORS=none
-for target in fuzz_agent_metadata fuzz_layout fuzz_protocol_record fuzz_load_file; do
+for target in fuzz_agent_metadata fuzz_layout fuzz_protocol_record fuzz_load_file fuzz_trace; do
   work=build-fuzz/corpus/$target
   rm -rf "$work" && mkdir -p "$work" && cp tests/fuzz/corpus/$target/* "$work/"
   echo "== $target (${seconds}s) =="

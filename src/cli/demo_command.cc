@@ -19,6 +19,7 @@
 #include "cli/demo.h"
 #include "common/strings.h"
 #include "eplbx/bootstrap.h"
+#include "eplbx/transfer.h"
 
 namespace eplbx::cli {
 namespace {
@@ -39,6 +40,9 @@ Status ParseDemo(DemoOptions& o) {
     return Status::InvalidArgument(StrCat("--steps ", o.steps, ": expected at least 1"));
   if (!(o.deadline_s > 0))
     return Status::InvalidArgument(StrCat("--deadline ", o.deadline_s, ": expected > 0 seconds"));
+  if (Result<Transport> t = ParseTransport(o.transport); !t.ok()) {
+    return t.status().WithPrefix("--transport");
+  }
   if (static_cast<int64_t>(o.ranks) * o.slots_per_rank < o.experts || o.experts < 1) {
     return Status::InvalidArgument(StrCat("--ranks ", o.ranks, " x --slots-per-rank ",
                                           o.slots_per_rank, " slots cannot hold --experts ",
@@ -259,6 +263,13 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
   }
   out["rss"] = rss;
   out["rss_growth_mib"] = growth;
+  // Heap in use (malloc'd, not freed) after step min(10, steps) and at the end, per rank.
+  double heap_growth = 0;
+  for (const auto& [r, rep] : reports) {
+    const double warm = rep.value("heap_kib_warm", 0.0), end = rep.value("heap_kib_end", 0.0);
+    if (warm > 0) heap_growth = std::max(heap_growth, end - warm);
+  }
+  out["heap_growth_kib"] = heap_growth;
   uint64_t cross_total = 0;
   for (const auto& st : steps) cross_total += st["cross_node_bytes"].get<uint64_t>();
   out["cross_node_bytes"] = cross_total;
@@ -278,9 +289,8 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
     }
     std::printf(
         "verified: %s, weights intact: %s, memcpy %.2f GB/s, wall %.2f s, resident memory growth "
-        "after "
-        "the first step %.1f MiB (largest rank)\n",
-        verified ? "yes" : "NO", intact ? "yes" : "NO", memcpy_gbps, wall, growth);
+        "after the first step %.1f MiB, heap growth after step 10 %.0f KiB (largest rank)\n",
+        verified ? "yes" : "NO", intact ? "yes" : "NO", memcpy_gbps, wall, growth, heap_growth);
   }
   if (!error.empty()) return Status::Aborted(error);
   if (!verified) return Status::Internal("the demo did not verify (see the report)");

@@ -194,6 +194,11 @@ class Agent {
   std::vector<Notification> PollNotifications();
   // Like PollNotifications, but waits up to `timeout` for at least one.
   std::vector<Notification> WaitNotifications(std::chrono::milliseconds timeout);
+  // Like WaitNotifications, but also returns (possibly with none) as soon as any transfer
+  // of this agent became terminal, or a peer was found unreachable, since the previous
+  // call: one wait for an event loop that drives notifications, transfers and peer
+  // failures. Meant for one consumer thread.
+  std::vector<Notification> WaitEvents(std::chrono::milliseconds timeout);
 
  private:
   explicit Agent(std::shared_ptr<internal::AgentCore> core);

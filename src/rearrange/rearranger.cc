@@ -24,6 +24,10 @@ using protocol::LayerProtocol;
 using protocol::LayerState;
 using protocol::ReadTask;
 
+// The event loop's longest sleep: it wakes on every event, so this only paces deadline
+// checks (deadlines are seconds).
+constexpr int kTickMs = 10;
+
 class RearrangerImpl {
  public:
   Agent* agent = nullptr;
@@ -208,7 +212,9 @@ LayerOutcome RearrangerImpl::RunJob(LayerJob& job) {
   deferred.swap(later);
   if (hook) hook(job.layer);
   while (p.state() == LayerState::kRunning) {
-    for (Notification& n : agent->WaitNotifications(std::chrono::milliseconds(1))) {
+    // Wakes on a notification, a finished READ or a lost peer; the timeout only paces
+    // deadline checks.
+    for (Notification& n : agent->WaitEvents(std::chrono::milliseconds(kTickMs))) {
       auto who = rank_of_name.find(n.peer);
       if (who == rank_of_name.end()) continue;  // not a member of this group
       Result<protocol::Record> rec = protocol::DecodeRecord(n.payload);

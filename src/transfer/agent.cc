@@ -153,5 +153,8 @@ std::vector<Notification> Agent::PollNotifications() {
 std::vector<Notification> Agent::WaitNotifications(std::chrono::milliseconds timeout) {
   return core_->PollNotifications(timeout);
 }
+std::vector<Notification> Agent::WaitEvents(std::chrono::milliseconds timeout) {
+  return core_->PollNotifications(timeout, /*or_completion=*/true);
+}
 
 }  // namespace eplbx

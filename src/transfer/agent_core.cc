@@ -374,9 +374,13 @@ Status AgentCore::Notify(PeerId peer, std::string_view payload) {
   return backend_->Notify(peer, std::string(payload));
 }
 
-std::vector<Notification> AgentCore::PollNotifications(std::chrono::milliseconds timeout) {
+std::vector<Notification> AgentCore::PollNotifications(std::chrono::milliseconds timeout,
+                                                       bool or_completion) {
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait_for(lock, timeout, [&] { return !notifications_.empty(); });
+  cv_.wait_for(lock, timeout, [&] {
+    return !notifications_.empty() || (or_completion && events_ != events_seen_);
+  });
+  if (or_completion) events_seen_ = events_;
   std::vector<Notification> out(std::make_move_iterator(notifications_.begin()),
                                 std::make_move_iterator(notifications_.end()));
   notifications_.clear();
@@ -390,6 +394,7 @@ void AgentCore::OnTransferDone(TransferId id, Status status) {
     if (it == transfers_.end() || it->second.state != TransferState::kInProgress) return;
     it->second = status.ok() ? TransferStatus{TransferState::kDone, Status::OK()}
                              : TransferStatus{TransferState::kError, std::move(status)};
+    ++events_;
   }
   cv_.notify_all();
 }
@@ -403,11 +408,15 @@ void AgentCore::OnNotification(std::string sender, std::string payload) {
 }
 
 void AgentCore::OnPeerFailed(PeerId peer, Status reason) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = peers_.find(peer);
-  if (it == peers_.end() || !it->second.reachable) return;
-  it->second.reachable = false;
-  it->second.failure = reason.message();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = peers_.find(peer);
+    if (it == peers_.end() || !it->second.reachable) return;
+    it->second.reachable = false;
+    it->second.failure = reason.message();
+    ++events_;  // wakes WaitEvents: the caller's loop checks Peer()
+  }
+  cv_.notify_all();
 }
 
 }  // namespace eplbx::internal

@@ -45,7 +45,10 @@ class AgentCore : public BackendListener {
   Status Release(TransferId id);
 
   Status Notify(PeerId peer, std::string_view payload);
-  std::vector<Notification> PollNotifications(std::chrono::milliseconds timeout);
+  // Waits up to `timeout` for a notification; with or_completion, also returns once a
+  // transfer became terminal or a peer was lost since the last such call.
+  std::vector<Notification> PollNotifications(std::chrono::milliseconds timeout,
+                                              bool or_completion = false);
 
   // BackendListener
   void OnTransferDone(TransferId id, Status status) override;
@@ -83,6 +86,8 @@ class AgentCore : public BackendListener {
 
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
+  uint64_t events_ = 0;       // transfers that became terminal, peers lost (guarded by mu_)
+  uint64_t events_seen_ = 0;  // as of the last PollNotifications(or_completion)
   std::map<uint64_t, LocalRegion> regions_;  // by address
   uint64_t next_region_id_ = 1;
   std::map<PeerId, PeerRecord> peers_;

@@ -3,7 +3,8 @@
 #   1. clang-format check over the whole tree;
 #   2. Release build, all tests (ctest);
 #   3. ASan + UBSan build, all tests;
-#   4. TSan build: the protocol, agent and rearrangement tests that run ranks as threads;
+#   4. TSan build: the protocol, agent and rearrangement tests that run ranks as threads, and
+#      the multi-process transfer tests;
 #   5. libFuzzer: every fuzz target for about 60 s (scripts/fuzz.sh).
 # --no-sanitize skips 3-5.
 set -euo pipefail
@@ -37,8 +38,9 @@ if ((sanitize)); then
   export UCX_MEM_EVENTS=no UCX_HANDLE_ERRORS=none
   export TSAN_OPTIONS="suppressions=$PWD/tests/sanitizers/tsan.supp halt_on_error=1"
   # Ranks as threads: protocol, loopback agents, a UCX agent, Rearranger, communicator, store.
-  # (The multi-process UCX tests under TSan: docs/reliability.md.)
   build-tsan/bin/eplbx_unit_tests --gtest_filter='LayerProtocol*:Record*:Loopback*:Rearranger*:EplbComm*:TcpStore*'
+  # Real processes over real UCX (tcp, shm, CMA): 28 transfer tests, ~130 s under TSan.
+  build-tsan/bin/eplbx_multiproc_tests
   unset UCX_MEM_EVENTS UCX_HANDLE_ERRORS TSAN_OPTIONS
 
   echo "== fuzzing (libFuzzer, ~60 s per target) =="

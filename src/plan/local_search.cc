@@ -26,11 +26,6 @@ int Layout::Heaviest() const {
   return static_cast<int>(std::max_element(load.begin(), load.end()) - load.begin());
 }
 
-double Layout::Balancedness() const {
-  const double max = *std::max_element(load.begin(), load.end());
-  return max > 0 ? std::accumulate(load.begin(), load.end(), 0.0) / ranks / max : 1.0;
-}
-
 void Layout::Recompute() {
   std::fill(load.begin(), load.end(), 0.0);
   held.assign(static_cast<size_t>(ranks) * count.size(), 0);

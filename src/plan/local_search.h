@@ -25,7 +25,6 @@ struct Layout {
   int rank_of(size_t slot) const { return static_cast<int>(slot) / per_rank; }
   bool holds(int rank, int32_t e) const;
   int Heaviest() const;  // lowest rank among equals
-  double Balancedness() const;
   void Recompute();
 };
 

@@ -38,8 +38,19 @@ void Layout::Recompute() {
 
 namespace {
 
-int Copies(const std::vector<uint8_t>* before, size_t experts, int rank, int32_t e) {
+// 1 when expert e on `rank` is a copy: a (rank, expert) pair absent from `before`.
+int Paid(const std::vector<uint8_t>* before, size_t experts, int rank, int32_t e) {
   return before && e >= 0 && !(*before)[static_cast<size_t>(rank) * experts + e] ? 1 : 0;
+}
+
+// The change in copies when x (on rank ra) and y (on rank rb) trade places: pairs created
+// that are absent from `before`, minus those the trade removes. Counting the removals makes
+// passing an already-paid copy on cost one copy, so a chain of trades (x to r2, r2's y to
+// r3, ...) relieves several ranks at one copy each instead of two.
+int SwapCost(const std::vector<uint8_t>* before, size_t experts, int ra, int32_t x, int rb,
+             int32_t y) {
+  return Paid(before, experts, rb, x) + Paid(before, experts, ra, y) -
+         Paid(before, experts, ra, x) - Paid(before, experts, rb, y);
 }
 
 // Load above the layout's goal (the largest rank load that meets the target), or the load
@@ -56,10 +67,10 @@ double Relief(const Layout& l, double t, double r, double t2, double r2) {
   return t - std::max(t2, r2);
 }
 
-// Keeps the candidate with the most relief per copy paid (free moves count four-fold; ties:
-// the first found).
+// Keeps the candidate with the most relief per copy paid (moves that cost no copy, or save
+// some, count four-fold; ties: the first found).
 void Consider(Move& best, double relief, int copies, Move candidate) {
-  const double gain = copies ? relief / copies : relief * 4;
+  const double gain = copies > 0 ? relief / copies : relief * 4;
   if (gain <= 0) return;
   if (gain > best.gain) {
     candidate.gain = gain;
@@ -81,10 +92,8 @@ void ConsiderSwaps(const Layout& l, int top, const std::vector<uint8_t>* before,
         if (sy >= sx || (y >= 0 && l.holds(top, y))) continue;
         const double worst = std::max(top_load - sx + sy, l.load[r] - sy + sx);
         if (l.goal <= 0 && worst >= top_load * (1 - 1e-12)) continue;
-        const int copies =
-            Copies(before, l.count.size(), r, x) + Copies(before, l.count.size(), top, y);
         Consider(best, Relief(l, top_load, l.load[r], top_load - sx + sy, l.load[r] - sy + sx),
-                 copies, {a, b, -1, -1, -1});
+                 SwapCost(before, l.count.size(), top, x, r, y), {a, b, -1, -1, -1});
       }
     }
   }
@@ -137,9 +146,8 @@ void ConsiderPairSwaps(const Layout& l, int top, const std::vector<uint8_t>* bef
         if (d <= 0 || !valid(p, *q)) continue;
         const double worst = std::max(top_load - d, l.load[r] + d);
         if (l.goal <= 0 && worst >= top_load * (1 - 1e-12)) continue;
-        const int copies =
-            Copies(before, n, r, l.expert[p.a]) + Copies(before, n, r, l.expert[p.b]) +
-            Copies(before, n, top, l.expert[q->a]) + Copies(before, n, top, l.expert[q->b]);
+        const int copies = SwapCost(before, n, top, l.expert[p.a], r, l.expert[q->a]) +
+                           SwapCost(before, n, top, l.expert[p.b], r, l.expert[q->b]);
         Consider(best, Relief(l, top_load, l.load[r], top_load - d, l.load[r] + d), copies,
                  {p.a, q->a, p.b, q->b, -1});
       }
@@ -226,7 +234,8 @@ void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* befo
     const double worst = eval.Worst(a, y, &relief);
     if (l.goal <= 0 && worst >= top_load * (1 - 1e-12)) return;
     if (l.goal <= 0) relief = top_load - worst;
-    Consider(best, relief, Copies(before, l.count.size(), ra, y), {a, -1, -1, -1, y});
+    const int copies = Paid(before, l.count.size(), ra, y) - Paid(before, l.count.size(), ra, x);
+    Consider(best, relief, copies, {a, -1, -1, -1, y});
   };
   for (int a = top * l.per_rank; a < (top + 1) * l.per_rank; ++a) {
     for (int32_t y = 0; y < n; ++y) consider(a, y);

@@ -45,7 +45,9 @@ struct Move {
 // by the total load above the goal they remove, and single swaps from every rank above the
 // goal compete as well. With `before` (ranks x experts flags: the rank held the expert
 // before), a move pays one copy for each (rank, expert) pair it creates that was absent
-// before, and value is divided by copies (free moves count four-fold). Ties: the first
+// before and gets one back for each such pair it removes (so passing a copy already paid
+// on costs one, not two), and value is divided by copies (moves that cost none count
+// four-fold). Ties: the first
 // found (lower ranks and slots, then lower experts). Returns a Move with a < 0 when none
 // helps.
 Move BestMove(const Layout& layout, int top, const std::vector<uint8_t>* before);

@@ -145,19 +145,228 @@ std::vector<int32_t> StickyFromBalanced(const LayerContext& c, std::span<const i
   return out;
 }
 
+int RanksPerNode(const LayerContext& c) {
+  return c.hierarchical ? c.topology.ranks_per_node() : c.topology.ranks;
+}
+
+// ImproveFrom on one node's slice of `start`, written into `out`.
+void ImproveNode(const LayerContext& c, const NodeSlice& n, std::span<const int32_t> previous,
+                 std::span<const int32_t> start, double goal, std::span<int32_t> out) {
+  const std::vector<int32_t> improved =
+      internal::ImproveFrom(n.weight, n.ToLocal(previous), n.ToLocal(start), RanksPerNode(c), goal,
+                            /*max_steps=*/8 * static_cast<int>(n.size));
+  for (size_t i = 0; i < n.size; ++i) out[n.first + i] = n.ids[improved[i]];
+}
+
 // ImproveFrom on each node alone (the whole layer outside hierarchical mode), so that no
 // expert changes node: a group stays where `start` has it.
 std::vector<int32_t> ImproveByNode(const LayerContext& c, std::span<const int32_t> previous,
                                    std::span<const int32_t> start, double goal) {
-  const int ranks_per_node = c.hierarchical ? c.topology.ranks_per_node() : c.topology.ranks;
   std::vector<int32_t> out(start.size());
-  for (const NodeSlice& n : Slices(c, start)) {
-    const std::vector<int32_t> improved =
-        internal::ImproveFrom(n.weight, n.ToLocal(previous), n.ToLocal(start), ranks_per_node, goal,
-                              /*max_steps=*/8 * static_cast<int>(n.size));
-    for (size_t i = 0; i < n.size; ++i) out[n.first + i] = n.ids[improved[i]];
+  for (const NodeSlice& n : Slices(c, start)) ImproveNode(c, n, previous, start, goal, out);
+  return out;
+}
+
+// Hierarchical mode: the node of each group in `slots` (the node holding most of its
+// replicas; ties: lowest node), or an empty vector when some node does not hold exactly
+// groups / nodes groups.
+std::vector<int32_t> GroupNodes(const LayerContext& c, std::span<const int32_t> slots) {
+  const Topology& t = c.topology;
+  const int group_size = static_cast<int>(c.weight.size()) / t.groups;
+  const size_t per_node = slots.size() / static_cast<size_t>(t.nodes);
+  std::vector<int> replicas(static_cast<size_t>(t.groups) * t.nodes, 0);
+  for (size_t s = 0; s < slots.size(); ++s) {
+    if (slots[s] >= 0) ++replicas[slots[s] / group_size * t.nodes + s / per_node];
+  }
+  std::vector<int32_t> node_of(static_cast<size_t>(t.groups));
+  std::vector<int> held(static_cast<size_t>(t.nodes), 0);
+  for (int g = 0; g < t.groups; ++g) {
+    const auto row = replicas.begin() + g * t.nodes;
+    node_of[g] = static_cast<int32_t>(std::max_element(row, row + t.nodes) - row);
+    ++held[node_of[g]];
+  }
+  for (int h : held) {
+    if (h != t.groups / t.nodes) return {};
+  }
+  return node_of;
+}
+
+// Group-to-node assignments one swap of two groups away from `node_of`, else two swaps,
+// that leave every node's load at most `cap`: ordered by the replicas the swapped groups
+// have in `slots` (what must cross nodes), then by the heaviest node load, then by the
+// order found (groups ascending). At most kRegroupCandidates.
+constexpr size_t kRegroupCandidates = 8;
+
+std::vector<std::vector<int32_t>> GroupSwaps(const LayerContext& c, std::span<const int32_t> slots,
+                                             const std::vector<int32_t>& node_of, double cap) {
+  const Topology& t = c.topology;
+  const int group_size = static_cast<int>(c.weight.size()) / t.groups;
+  std::vector<double> group_load(static_cast<size_t>(t.groups), 0.0);
+  for (size_t e = 0; e < c.weight.size(); ++e) group_load[e / group_size] += c.weight[e];
+  std::vector<int> replicas(static_cast<size_t>(t.groups), 0);
+  for (int32_t e : slots) {
+    if (e >= 0) ++replicas[e / group_size];
+  }
+  struct Candidate {
+    int moved;
+    double heaviest;
+    std::vector<int32_t> node_of;
+  };
+  std::vector<std::pair<int, int>> swaps;  // groups on different nodes
+  for (int a = 0; a < t.groups; ++a) {
+    for (int b = a + 1; b < t.groups; ++b) {
+      if (node_of[a] != node_of[b]) swaps.emplace_back(a, b);
+    }
+  }
+  std::vector<Candidate> found;
+  auto consider = [&](std::vector<int32_t> next, int moved) {
+    std::vector<double> load(static_cast<size_t>(t.nodes), 0.0);
+    for (int g = 0; g < t.groups; ++g) load[next[g]] += group_load[g];
+    const double heaviest = *std::max_element(load.begin(), load.end());
+    if (heaviest <= cap) found.push_back({moved, heaviest, std::move(next)});
+  };
+  for (const auto& [a, b] : swaps) {
+    std::vector<int32_t> next = node_of;
+    std::swap(next[a], next[b]);
+    consider(std::move(next), replicas[a] + replicas[b]);
+  }
+  for (size_t i = 0; found.empty() && i < swaps.size(); ++i) {
+    for (size_t j = i + 1; j < swaps.size(); ++j) {
+      const auto [a, b] = swaps[i];
+      const auto [x, y] = swaps[j];
+      if (a == x || a == y || b == x || b == y) continue;
+      std::vector<int32_t> next = node_of;
+      std::swap(next[a], next[b]);
+      std::swap(next[x], next[y]);
+      consider(std::move(next), replicas[a] + replicas[b] + replicas[x] + replicas[y]);
+    }
+  }
+  std::stable_sort(found.begin(), found.end(), [](const Candidate& p, const Candidate& q) {
+    return p.moved != q.moved ? p.moved < q.moved : p.heaviest < q.heaviest;
+  });
+  std::vector<std::vector<int32_t>> out;
+  for (size_t i = 0; i < found.size() && i < kRegroupCandidates; ++i) {
+    out.push_back(std::move(found[i].node_of));
   }
   return out;
+}
+
+// `start` with node `node`'s slots changed for the group assignment `next`: slots of
+// groups that stay keep their experts; the others take the arriving groups' experts, one
+// replica each and then extra replicas of the largest shares, heaviest share first onto the
+// lightest rank of the node with a free slot that lacks the expert (ties: lowest rank, then
+// lowest expert).
+std::vector<int32_t> Substitute(const LayerContext& c, std::span<const int32_t> start,
+                                const std::vector<int32_t>& next, int node) {
+  const Topology& t = c.topology;
+  const int group_size = static_cast<int>(c.weight.size()) / t.groups;
+  const int rpn = t.ranks_per_node();
+  const size_t per_node = start.size() / static_cast<size_t>(t.nodes);
+  const size_t per_rank = per_node / static_cast<size_t>(rpn);
+  const size_t first = static_cast<size_t>(node) * per_node;
+  std::vector<int32_t> out(start.begin(), start.end());
+  std::vector<uint8_t> present(c.weight.size(), 0);
+  std::vector<size_t> free;
+  for (size_t s = first; s < first + per_node; ++s) {
+    if (out[s] >= 0 && next[out[s] / group_size] == node) {
+      present[out[s]] = 1;
+    } else {
+      out[s] = -1;
+      free.push_back(s);
+    }
+  }
+  std::vector<int32_t> arriving;
+  for (int32_t e = 0; e < static_cast<int32_t>(c.weight.size()); ++e) {
+    if (next[e / group_size] == node && !present[e]) arriving.push_back(e);
+  }
+  if (arriving.size() > free.size()) return out;  // cannot happen: a group has a slot per expert
+  std::vector<int32_t> count(c.weight.size(), 0);
+  for (int32_t e : arriving) count[e] = 1;
+  for (size_t extra = arriving.size(); extra < free.size(); ++extra) {
+    int32_t pick = -1;
+    for (int32_t e : arriving) {
+      if (count[e] < rpn &&
+          (pick < 0 || c.weight[e] / (count[e] + 1) > c.weight[pick] / (count[pick] + 1)))
+        pick = e;
+    }
+    if (pick < 0) break;
+    ++count[pick];
+  }
+  std::vector<std::pair<double, int32_t>> replicas;  // (share, expert)
+  for (int32_t e : arriving) {
+    for (int k = 0; k < count[e]; ++k) replicas.emplace_back(c.weight[e] / count[e], e);
+  }
+  std::stable_sort(replicas.begin(), replicas.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  const std::vector<double> load0 = internal::RankLoads(c.weight, out, t.ranks);
+  std::vector<double> load(load0.begin() + node * rpn, load0.begin() + (node + 1) * rpn);
+  for (const auto& [share, e] : replicas) {
+    size_t pick = free.size();
+    for (size_t k = 0; k < free.size(); ++k) {
+      const size_t s = free[k];
+      if (out[s] >= 0) continue;
+      const size_t r = (s - first) / per_rank;
+      bool holds = false;
+      for (size_t q = first + r * per_rank; q < first + (r + 1) * per_rank; ++q)
+        holds |= out[q] == e;
+      if (!holds && (pick == free.size() || load[r] < load[(free[pick] - first) / per_rank]))
+        pick = k;
+    }
+    if (pick == free.size()) continue;
+    out[free[pick]] = e;
+    load[(free[pick] - first) / per_rank] += share;
+  }
+  for (size_t s : free) {  // left empty (every rank with room held the replica): any expert
+    const size_t r = (s - first) / per_rank;  // of the node that the rank lacks
+    for (int32_t e = 0; out[s] < 0 && e < static_cast<int32_t>(c.weight.size()); ++e) {
+      if (next[e / group_size] != node) continue;
+      bool holds = false;
+      for (size_t q = first + r * per_rank; q < first + (r + 1) * per_rank; ++q)
+        holds |= out[q] == e;
+      if (!holds) out[s] = e;
+    }
+  }
+  return out;
+}
+
+// Hierarchical mode, when a node's groups weigh more than its ranks can carry at the goal
+// (no search within nodes can help): for each assignment of GroupSwaps in turn, the nodes
+// whose groups change, or whose part of `local` misses the goal, are searched again from
+// `start` with the arriving groups substituted (Substitute), and the others keep `local`.
+// Returns whether `accept` took one of these candidates.
+template <typename Accept>
+bool Regroup(const LayerContext& c, std::span<const int32_t> start,
+             const std::vector<int32_t>& local, double goal, Accept accept) {
+  const Topology& t = c.topology;
+  const std::vector<int32_t> node_of = GroupNodes(c, start);
+  if (node_of.empty()) return false;
+  const int group_size = static_cast<int>(c.weight.size()) / t.groups;
+  const int rpn = t.ranks_per_node();
+  const size_t per_node = start.size() / static_cast<size_t>(t.nodes);
+  std::vector<uint8_t> keep(static_cast<size_t>(t.nodes), 1);  // local's part meets the goal
+  const std::vector<double> load = internal::RankLoads(c.weight, local, t.ranks);
+  for (int r = 0; r < t.ranks; ++r) {
+    if (load[r] > goal) keep[r / rpn] = 0;
+  }
+  for (const std::vector<int32_t>& next : GroupSwaps(c, start, node_of, goal * rpn)) {
+    std::vector<int32_t> out = local;
+    for (int node = 0; node < t.nodes; ++node) {
+      bool same = keep[node];
+      for (int g = 0; g < t.groups && same; ++g) same = (node_of[g] == node) == (next[g] == node);
+      if (same) continue;
+      std::vector<int32_t> slots = Substitute(c, start, next, node);
+      NodeSlice n{node * per_node, per_node, {}, {}};
+      for (int32_t e = 0; e < static_cast<int32_t>(c.weight.size()); ++e) {
+        if (next[e / group_size] == node) {
+          n.ids.push_back(e);
+          n.weight.push_back(c.weight[e]);
+        }
+      }
+      ImproveNode(c, n, start, slots, goal, out);
+    }
+    if (accept(out)) return true;
+  }
+  return false;
 }
 
 // Renames the nodes of `next` (moves whole node blocks of slots) so that as many experts
@@ -222,14 +431,15 @@ void RelabelNodes(std::span<const int32_t> previous, std::vector<int32_t>& next,
 }
 
 // Candidates in order; the first within `tolerance` of balanced wins: (1) local search from
-// the previous placement (enough on almost every layer); (2) outside hierarchical mode,
-// when that stalls, its result re-pointed to the balanced placement's replica counts
-// (AdoptCounts), then local search again; (3) local search from the balanced counts packed
-// sticky (StickyFromBalanced); (4) the balanced placement with ranks renamed within each
-// node to keep as many (rank, expert) pairs as possible, which always qualifies. In
-// hierarchical mode every local search runs per node, so groups stay on their nodes, and
-// the balanced placement's nodes are first renamed to keep as many experts on their node
-// as possible (RelabelNodes).
+// the previous placement (enough on almost every layer); (2) in hierarchical mode, when a
+// node's groups are too heavy for it, the cheapest swaps of groups between nodes
+// (Regroup); outside it, when the search stalls, its result re-pointed to the balanced
+// placement's replica counts (AdoptCounts), then local search again; (3) local search from
+// the balanced counts packed sticky (StickyFromBalanced); (4) the balanced placement with
+// ranks renamed within each node to keep as many (rank, expert) pairs as possible, which
+// always qualifies. In hierarchical mode every local search runs per node, so groups stay
+// on their nodes, and the balanced placement's nodes are first renamed to keep as many
+// experts on their node as possible (RelabelNodes).
 void IncrementalSlots(const LayerContext& c, std::span<const int32_t> previous, double tolerance,
                       std::span<int32_t> out) {
   const Topology& t = c.topology;
@@ -248,6 +458,7 @@ void IncrementalSlots(const LayerContext& c, std::span<const int32_t> previous, 
   if (c.hierarchical) RelabelNodes(start, balanced, t.nodes, c.weight.size());
   const std::vector<int32_t> local = ImproveByNode(c, start, start, goal);
   if (done(local)) return;
+  if (c.hierarchical && t.nodes > 1 && Regroup(c, start, local, goal, done)) return;
   if (!c.hierarchical || t.nodes == 1) {
     std::vector<int32_t> count(c.weight.size(), 0);
     for (int32_t e : balanced) ++count[e];

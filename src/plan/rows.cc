@@ -6,8 +6,8 @@
 
 namespace eplbx::internal {
 
-double SlotsBalancedness(std::span<const double> weight, std::span<const int32_t> slots,
-                         int ranks) {
+std::vector<double> RankLoads(std::span<const double> weight, std::span<const int32_t> slots,
+                              int ranks) {
   std::vector<int32_t> count(weight.size(), 0);
   for (int32_t e : slots) {
     if (e >= 0) ++count[e];
@@ -17,6 +17,12 @@ double SlotsBalancedness(std::span<const double> weight, std::span<const int32_t
   for (size_t s = 0; s < slots.size(); ++s) {
     if (slots[s] >= 0) load[s / per_rank] += weight[slots[s]] / count[slots[s]];
   }
+  return load;
+}
+
+double SlotsBalancedness(std::span<const double> weight, std::span<const int32_t> slots,
+                         int ranks) {
+  const std::vector<double> load = RankLoads(weight, slots, ranks);
   const double max = *std::max_element(load.begin(), load.end());
   return max > 0 ? std::accumulate(load.begin(), load.end(), 0.0) / ranks / max : 1.0;
 }

@@ -10,6 +10,10 @@
 
 namespace eplbx::internal {
 
+// Per rank: the sum of weight / replicas over its slots.
+std::vector<double> RankLoads(std::span<const double> weight, std::span<const int32_t> slots,
+                              int ranks);
+
 // mean / max rank load, rank load = sum of weight / replicas over its slots (1.0 if zero).
 double SlotsBalancedness(std::span<const double> weight, std::span<const int32_t> slots, int ranks);
 

@@ -92,7 +92,7 @@ TEST(SimulateTest, ScoresThePlacementInForceWithoutLookAhead) {
   LoadTrace t{1, 8, {}};
   const std::vector<double> row{80, 40, 20, 10, 5, 5, 5, 5};
   for (int s = 0; s < 30; ++s) t.values.insert(t.values.end(), row.begin(), row.end());
-  SimulateOptions o{.topology = {.ranks = 4, .slots = 12}, .window = 5};
+  SimulateOptions o{.topology = {.ranks = 4, .slots = 12}, .window = 5, .trigger = {}};
   o.trigger.interval = 10;
   const SimulateResult r = *Simulate(t, o);
   ASSERT_EQ(r.steps.size(), 30u);
@@ -112,7 +112,7 @@ TEST(SimulateTest, ScoresThePlacementInForceWithoutLookAhead) {
 
 TEST(SimulateTest, GatesSkipAndErrors) {
   const LoadTrace t = *SynthTrace({.layers = 2, .experts = 16, .steps = 60});
-  SimulateOptions o{.topology = {.ranks = 4, .slots = 20}, .window = 20};
+  SimulateOptions o{.topology = {.ranks = 4, .slots = 20}, .window = 20, .trigger = {}};
   o.trigger = {.interval = 20, .min_gain = 0, .skip_above = 0};  // everything is "balanced"
   SimulateResult r = *Simulate(t, o);
   EXPECT_EQ(r.rebalances, 0);

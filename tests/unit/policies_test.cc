@@ -216,8 +216,9 @@ TEST(IncrementalTest, FewCopiesAndWithinToleranceUnderDrift) {
     ds_prev = ds;
     inc_prev = *inc;
   }
-  // The bench measures 0.199-0.206 (docs/placement.md); the goal is 20%.
-  EXPECT_LT(inc_copies * 100, ds_copies * 28) << inc_copies << " vs " << ds_copies;
+  // The goal: at most 20% of deepseek's copies (here 0.164; the bench measures
+  // 0.17-0.19 over 10 steps, docs/placement.md). The algorithm is deterministic.
+  EXPECT_LE(inc_copies * 100, ds_copies * 20) << inc_copies << " vs " << ds_copies;
 }
 
 // Hierarchical mode: incremental keeps every group on one node (local search runs per
@@ -247,6 +248,52 @@ TEST(IncrementalTest, HierarchicalKeepsGroupsOnTheirNodes) {
     EXPECT_LT(CountMoves(prev, *inc, t.ranks)->total.remote_copies, 3 * 160 / 2);
     prev = *inc;
   }
+}
+
+// One group's load doubles, so the node holding it carries more than its ranks can at the
+// goal: no search inside the nodes can meet it, and incremental must move groups. It swaps
+// one pair of groups between two nodes and leaves the other two nodes alone.
+TEST(IncrementalTest, HierarchicalSwapsGroupsWhenANodeIsOverloaded) {
+  std::mt19937_64 rng(3);
+  const Topology t{.ranks = 16, .nodes = 4, .slots = 160, .groups = 8};
+  const int per_group = 16, per_node_slots = 40;
+  LoadMatrix load = Zipf(1, 128, 0.7, rng);
+  const Placement prev = *Plan(load, t, {.policy = Policy::kBalanced});
+  auto node_of = [&](const Placement& p) {
+    std::vector<std::set<int>> where(8);
+    for (int s = 0; s < t.slots; ++s) where[p.phy2log(0, s) / per_group].insert(s / per_node_slots);
+    return where;
+  };
+  std::vector<double> v = load.values();
+  for (int e = 0; e < per_group; ++e) v[e] *= 2;  // group 0
+  load = *LoadMatrix::Create(1, 128, v);
+  const Placement inc = *Plan(load, t, {.policy = Policy::kIncremental, .previous = &prev});
+  ExpectValid(inc, t);
+  const double bal =
+      ComputeBalance(*Plan(load, t, {.policy = Policy::kBalanced}), load, t.ranks)->per_layer[0];
+  EXPECT_GE(ComputeBalance(inc, load, t.ranks)->per_layer[0], bal - 0.002 - 1e-9);
+  const auto before = node_of(prev), after = node_of(inc);
+  int moved_groups = 0;
+  std::set<int> touched_nodes;
+  for (int g = 0; g < 8; ++g) {
+    ASSERT_EQ(after[g].size(), 1u) << "group " << g << " is split across nodes";
+    if (after[g] != before[g]) {
+      ++moved_groups;
+      touched_nodes.insert(*before[g].begin());
+      touched_nodes.insert(*after[g].begin());
+    }
+  }
+  EXPECT_EQ(moved_groups, 2);
+  EXPECT_EQ(touched_nodes.size(), 2u);
+  // The swapped groups' replicas must be copied to their new nodes; little else moves
+  // (re-planning the two nodes from scratch cost 52 copies here, deepseek 114).
+  int swapped_replicas = 0;
+  for (int s = 0; s < t.slots; ++s) {
+    const int g = prev.phy2log(0, s) / per_group;
+    swapped_replicas += after[g] != before[g];
+  }
+  const int64_t copies = CountMoves(prev, inc, t.ranks)->total.remote_copies;
+  EXPECT_LE(copies, swapped_replicas + 4);
 }
 
 TEST(IncrementalTest, UnchangedLoadMovesNothing) {

@@ -84,8 +84,13 @@ void ConsiderSwaps(const Layout& l, int top, const std::vector<uint8_t>* before,
     const int32_t x = l.expert[a];
     if (x < 0) continue;
     const double sx = l.share(x);
+    // A swap removes at most sx from `top` (and at most its excess with a goal), and gains
+    // count at most four-fold: skip x when that cannot beat the best so far.
+    if (4 * (l.goal > 0 ? std::min(sx, Excess(l, top_load)) : sx) <= best.gain) continue;
     for (int r = 0; r < l.ranks; ++r) {
-      if (r == top || l.load[r] >= top_load || l.holds(r, x)) continue;
+      // With a goal, a rank at or above it gains all the excess `top` sheds: no relief.
+      if (r == top || l.load[r] >= top_load || l.holds(r, x) || (l.goal > 0 && l.load[r] >= l.goal))
+        continue;
       for (int b = r * l.per_rank; b < (r + 1) * l.per_rank; ++b) {
         const int32_t y = l.expert[b];
         const double sy = y >= 0 ? l.share(y) : 0.0;

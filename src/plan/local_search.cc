@@ -78,6 +78,9 @@ void Consider(Move& best, double relief, int copies, Move candidate) {
   }
 }
 
+// NoGoalBound: without a goal, a trade of load d between `top` and a lighter rank r helps
+// only if d < top - r, and relieves top - max(top - d, r + d) <= (top - r) / 2; at most
+// four-fold as gain, 2 * (top - r). Ranks whose bound cannot beat the best are skipped.
 void ConsiderSwaps(const Layout& l, int top, const std::vector<uint8_t>* before, Move& best) {
   const double top_load = l.load[top];
   for (int a = top * l.per_rank; a < (top + 1) * l.per_rank; ++a) {
@@ -91,6 +94,7 @@ void ConsiderSwaps(const Layout& l, int top, const std::vector<uint8_t>* before,
       // With a goal, a rank at or above it gains all the excess `top` sheds: no relief.
       if (r == top || l.load[r] >= top_load || l.holds(r, x) || (l.goal > 0 && l.load[r] >= l.goal))
         continue;
+      if (l.goal <= 0 && 2 * (top_load - l.load[r]) <= best.gain) continue;  // see NoGoalBound
       for (int b = r * l.per_rank; b < (r + 1) * l.per_rank; ++b) {
         const int32_t y = l.expert[b];
         const double sy = y >= 0 ? l.share(y) : 0.0;
@@ -126,6 +130,7 @@ void ConsiderPairSwaps(const Layout& l, int top, const std::vector<uint8_t>* bef
   }
   for (int r = 0; r < l.ranks; ++r) {
     if (r == top || l.load[r] >= top_load) continue;
+    if (l.goal <= 0 && 2 * (top_load - l.load[r]) <= best.gain) continue;  // see NoGoalBound
     const int rfirst = r * k;
     theirs.clear();
     for (int b = rfirst; b < rfirst + k; ++b) {

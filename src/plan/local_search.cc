@@ -128,9 +128,15 @@ void ConsiderPairSwaps(const Layout& l, int top, const std::vector<uint8_t>* bef
   for (int a = first; a < first + k; ++a) {
     for (int a2 = a + 1; a2 < first + k; ++a2) mine.push_back({share(a) + share(a2), a, a2});
   }
-  for (int r = 0; r < l.ranks; ++r) {
-    if (r == top || l.load[r] >= top_load) continue;
-    if (l.goal <= 0 && 2 * (top_load - l.load[r]) <= best.gain) continue;  // see NoGoalBound
+  // Lightest ranks first (ties: lowest rank): they offer the most relief, so without a
+  // goal the bound stops the scan early.
+  std::vector<int> by_load(static_cast<size_t>(l.ranks));
+  std::iota(by_load.begin(), by_load.end(), 0);
+  std::stable_sort(by_load.begin(), by_load.end(),
+                   [&](int x, int y) { return l.load[x] < l.load[y]; });
+  for (int r : by_load) {
+    if (r == top || l.load[r] >= top_load) break;
+    if (l.goal <= 0 && 2 * (top_load - l.load[r]) <= best.gain) break;  // see NoGoalBound
     const int rfirst = r * k;
     theirs.clear();
     for (int b = rfirst; b < rfirst + k; ++b) {

@@ -40,16 +40,15 @@ struct Move {
 // The best move that lowers the load of rank `top` (the heaviest) without raising any rank
 // to or above it, never putting two replicas of an expert on one rank. Swaps of two
 // replicas for two are tried only when no single swap or re-point helps; re-points only
-// with layout.repoints. Without a goal,
-// moves are ranked by the load they remove from `top`. With layout.goal > 0 (incremental),
-// by the total load above the goal they remove, and single swaps from every rank above the
-// goal compete as well. With `before` (ranks x experts flags: the rank held the expert
-// before), a move pays one copy for each (rank, expert) pair it creates that was absent
-// before and gets one back for each such pair it removes (so passing a copy already paid
-// on costs one, not two), and value is divided by copies (moves that cost none count
-// four-fold). Ties: the first
-// found (lower ranks and slots, then lower experts). Returns a Move with a < 0 when none
-// helps.
+// with layout.repoints. Without a goal, moves are ranked by the load they remove from
+// `top`. With layout.goal > 0 (incremental), by the total load above the goal they
+// remove, and single swaps from every rank above the goal compete as well. With `before`
+// (ranks x experts flags: the rank held the expert before), a move pays one copy for each
+// (rank, expert) pair it creates that was absent before and gets one back for each such
+// pair it removes (so passing a copy already paid on costs one, not two), and value is
+// divided by copies (moves that cost none count four-fold). Ties: the first found (lower
+// ranks and slots, then lower experts; for two-for-two swaps, lighter other ranks first).
+// Returns a Move with a < 0 when none helps.
 Move BestMove(const Layout& layout, int top, const std::vector<uint8_t>* before);
 void Apply(Layout& layout, const Move& move);
 

@@ -58,10 +58,13 @@ class SocketBootstrap final : public Bootstrap {
 // that closes before a round completes fails that round for the others with an error
 // naming it ("rank 2 left before the all-gather completed"). A round still incomplete after
 // `round_timeout` (if non-zero) fails for the members that contributed, naming the others.
+// `on_lost` (if set) hears of every member that closed its socket or missed a round's
+// timeout: one that will not report any more (a callback may come twice for one member).
 Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::milliseconds idle_timeout,
                             const std::function<void(uint32_t, std::string)>& on_message,
                             const std::function<bool()>& stop = nullptr,
-                            std::chrono::milliseconds round_timeout = std::chrono::milliseconds(0));
+                            std::chrono::milliseconds round_timeout = std::chrono::milliseconds(0),
+                            const std::function<void(uint32_t)>& on_lost = nullptr);
 
 // ---- TCP rendezvous (multi-host) -------------------------------------------------------
 //
@@ -91,11 +94,14 @@ class TcpStore {
   TcpStore& operator=(const TcpStore&) = delete;
 
   // Waits up to `join_timeout` for every rank to join (kTimeout naming the missing ranks),
-  // then serves like ServeSocketBootstrap.
+  // then serves like ServeSocketBootstrap. With a round timeout, members' sockets get TCP
+  // keepalive and a user timeout of about that long, so a member whose host or link died
+  // is lost (closed, `on_lost`) within it even while nothing is sent.
   Status Serve(std::chrono::milliseconds join_timeout, std::chrono::milliseconds idle_timeout,
                const std::function<void(uint32_t, std::string)>& on_message,
                const std::function<bool()>& stop = nullptr,
-               std::chrono::milliseconds round_timeout = std::chrono::milliseconds(0));
+               std::chrono::milliseconds round_timeout = std::chrono::milliseconds(0),
+               const std::function<void(uint32_t)>& on_lost = nullptr);
   const std::vector<std::string>& refusals() const { return refusals_; }
 
  private:

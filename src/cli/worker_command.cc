@@ -6,6 +6,7 @@
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <set>
 #include <thread>
 
 #include "cli/commands.h"
@@ -40,15 +41,21 @@ class StoreThread {
             reports_[static_cast<int>(rank)] = std::move(j);
           },
           [&, world, deadline] {
-            // Every rank's waits are bounded by the deadline: once one reported, the others
-            // get one deadline (plus slack); an unreachable rank never will.
+            // Done when every rank reported or is lost (left, missed a round, or its link
+            // died). Every rank's waits are bounded by the deadline: once one reported, the
+            // others get one deadline (plus slack) in any case.
             std::lock_guard<std::mutex> lock(mu_);
-            return static_cast<int>(reports_.size()) == world ||
-                   (!reports_.empty() &&
-                    Clock::now() - first_ > deadline + std::chrono::seconds(2));
+            int settled = static_cast<int>(reports_.size());
+            for (int r : lost_) settled += reports_.count(r) == 0;
+            return settled == world || (!reports_.empty() &&
+                                        Clock::now() - first_ > deadline + std::chrono::seconds(2));
           },
           // The store gives up on a round before the ranks do, so it can name who is missing.
-          deadline * 4 / 5);
+          deadline * 4 / 5,
+          [&](uint32_t rank) {
+            std::lock_guard<std::mutex> lock(mu_);
+            lost_.insert(static_cast<int>(rank));
+          });
     });
   }
   std::map<int, nlohmann::json> Finish(Status* status) {
@@ -64,6 +71,7 @@ class StoreThread {
   std::thread thread_;
   std::mutex mu_;
   std::map<int, nlohmann::json> reports_;
+  std::set<int> lost_;  // ranks that will not report
   Clock::time_point first_{};
   Status status_;
 };

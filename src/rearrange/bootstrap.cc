@@ -136,8 +136,12 @@ Result<std::vector<std::string>> SocketBootstrap::AllGather(std::string_view min
 Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::milliseconds idle_timeout,
                             const std::function<void(uint32_t, std::string)>& on_message,
                             const std::function<bool()>& stop,
-                            std::chrono::milliseconds round_timeout) {
+                            std::chrono::milliseconds round_timeout,
+                            const std::function<void(uint32_t)>& on_lost) {
   const size_t n = fds.size();
+  auto lost = [&](size_t i) {
+    if (on_lost) on_lost(static_cast<uint32_t>(i));
+  };
   std::vector<bool> open(n, true);
   std::vector<std::optional<std::string>> round(n);
   size_t open_count = n;
@@ -160,7 +164,9 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
     if (round_timeout.count() <= 0 || Clock::now() - round_started < round_timeout) return;
     std::string missing;
     for (size_t i = 0; i < n; ++i) {
-      if (!round[i]) missing += StrCat(missing.empty() ? "" : ", ", "rank ", i);
+      if (round[i]) continue;
+      missing += StrCat(missing.empty() ? "" : ", ", "rank ", i);
+      lost(i);
     }
     fail_round(
         StrCat(missing, " did not join the all-gather within ", round_timeout.count(), " ms"));
@@ -195,6 +201,7 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
       if (!ReadFrame(fds[i], Clock::now() + std::chrono::seconds(5), &type, &body, &timed_out)) {
         open[i] = false;
         --open_count;
+        lost(i);
         if (std::any_of(round.begin(), round.end(), [](const auto& c) { return c.has_value(); })) {
           fail_round(StrCat("rank ", i, " left before the all-gather completed"));
         }

@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -19,6 +20,21 @@
 
 namespace eplbx {
 namespace {
+
+// Probes an idle member every `within` / 4 (at least 1 s) and gives up after three
+// unanswered probes, or after `within` with data unacknowledged: a dead host or link closes
+// the socket in about `within` (best effort: errors leave the socket as it was).
+void KeepAlive(int fd, std::chrono::milliseconds within) {
+  const int on = 1;
+  const int probe_s = std::max<int>(1, static_cast<int>(within.count() / 4000));
+  const int probes = 3;
+  const unsigned user_ms = static_cast<unsigned>(within.count());
+  (void)setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof(on));
+  (void)setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &probe_s, sizeof(probe_s));
+  (void)setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &probe_s, sizeof(probe_s));
+  (void)setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof(probes));
+  (void)setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_ms, sizeof(user_ms));
+}
 
 using internal::StrCat;
 using Clock = std::chrono::steady_clock;
@@ -86,7 +102,8 @@ TcpStore::~TcpStore() {
 Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
                        std::chrono::milliseconds idle_timeout,
                        const std::function<void(uint32_t, std::string)>& on_message,
-                       const std::function<bool()>& stop, std::chrono::milliseconds round_timeout) {
+                       const std::function<bool()>& stop, std::chrono::milliseconds round_timeout,
+                       const std::function<void(uint32_t)>& on_lost) {
   members_.assign(world_, -1);
   uint32_t joined = 0;
   const auto deadline = Clock::now() + join_timeout;
@@ -147,7 +164,10 @@ Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
     members_[rank] = fd;
     ++joined;
   }
-  return ServeSocketBootstrap(members_, idle_timeout, on_message, stop, round_timeout);
+  if (round_timeout.count() > 0) {
+    for (int fd : members_) KeepAlive(fd, round_timeout);
+  }
+  return ServeSocketBootstrap(members_, idle_timeout, on_message, stop, round_timeout, on_lost);
 }
 
 Result<std::unique_ptr<SocketBootstrap>> JoinTcpStore(const std::string& addr, uint16_t port,

@@ -16,6 +16,9 @@ ns=(${tag}n0 ${tag}n1 ${tag}n2)
 work=$(mktemp -d)
 cleanup() {
   for n in "${ns[@]}"; do ip netns pids "$n" 2>/dev/null | xargs -r kill -9 2>/dev/null; ip netns del "$n" 2>/dev/null; done
+  # The root-side veth ends can outlive their namespaces (the kernel frees a namespace
+  # lazily); deleting one end deletes the pair.
+  for i in 0 1 2; do ip link del "b${tag}$i" 2>/dev/null; done
   ip link del "$br" 2>/dev/null
   rm -rf "$work"
 }
@@ -73,6 +76,8 @@ read -r c0 c1 c2 <<<"$codes"
 err=$(json "$work/down.0.json" "d.get('error','')")
 [[ "$err" == *"rank 2"* ]] || fail "error does not name rank 2: $err"
 [[ $(json "$work/down.0.json" "d['weights_intact']") == True ]] || fail "weights not intact"
-[[ $took -le 30 ]] || fail "took $took s"
+# The link goes down 3 s in; the survivors must be done within the 6 s deadline after it
+# (plus start-up and teardown): the store stops waiting for a rank whose link died.
+[[ $took -le 15 ]] || fail "took $took s"
 echo "link down: exit $codes in ${took}s: $err"
 echo PASS

@@ -1,5 +1,7 @@
 // The TCP rendezvous store and its refusals; the in-memory group.
 #include <atomic>
+#include <mutex>
+#include <set>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -73,6 +75,62 @@ TEST(TcpStoreTest, MissingRanksTimeOutByName) {
   EXPECT_EQ(TcpStore::Listen("127.0.0.1", port, "", 2).status().code(), Code::kInvalidArgument);
   EXPECT_EQ(JoinTcpStore("127.0.0.1", Port(), "t", 0, 1, milliseconds(300)).status().code(),
             Code::kTimeout);
+}
+
+// A member that misses a round's timeout, or leaves, is reported lost, so that whoever
+// collects reports stops waiting for it (the worker's report with a dead link).
+TEST(TcpStoreTest, MembersThatMissARoundOrLeaveAreLost) {
+  const uint16_t port = Port();
+  auto store = TcpStore::Listen("127.0.0.1", port, "t", 3);
+  ASSERT_TRUE(store.ok());
+  std::mutex mu;
+  std::set<uint32_t> lost;
+  std::atomic<bool> done{false};
+  std::thread serve([&] {
+    (void)(*store)->Serve(
+        milliseconds(5000), milliseconds(5000), [](uint32_t, std::string) {},
+        [&] { return done.load(); }, milliseconds(300),
+        [&](uint32_t r) {
+          std::lock_guard<std::mutex> lock(mu);
+          lost.insert(r);
+        });
+  });
+  std::vector<std::unique_ptr<SocketBootstrap>> m(3);
+  std::vector<std::thread> joins;
+  for (uint32_t r = 0; r < 3; ++r) {
+    joins.emplace_back([&, r] {
+      auto b = JoinTcpStore("127.0.0.1", port, "t", r, 3, milliseconds(5000));
+      if (b.ok()) m[r] = std::move(*b);
+    });
+  }
+  for (std::thread& t : joins) t.join();
+  ASSERT_TRUE(m[0] && m[1] && m[2]);
+  // Rank 2 stays silent: the round fails for 0 and 1 after 300 ms, naming it.
+  Result<std::vector<std::string>> g1 = Status::Internal("unset");
+  std::thread t1([&] { g1 = m[1]->AllGather("one", milliseconds(3000)); });
+  auto g0 = m[0]->AllGather("zero", milliseconds(3000));
+  t1.join();
+  EXPECT_NE(g0.status().message().find("rank 2 did not join the all-gather within 300 ms"),
+            std::string::npos)
+      << g0.status().ToString();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(lost, (std::set<uint32_t>{2}));
+  }
+  m[1].reset();  // leaves
+  for (int i = 0; i < 100; ++i) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (lost.count(1)) break;
+    }
+    std::this_thread::sleep_for(milliseconds(20));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(lost, (std::set<uint32_t>{1, 2}));
+  }
+  done = true;
+  serve.join();
 }
 
 TEST(RendezvousEnvTest, NamesTheMissingVariable) {

@@ -296,6 +296,38 @@ TEST(IncrementalTest, HierarchicalSwapsGroupsWhenANodeIsOverloaded) {
   EXPECT_LE(copies, swapped_replicas + 4);
 }
 
+// A previous placement made without groups (global mode) splits groups across nodes; the
+// hierarchical incremental plan gathers every group on one node, within T of balanced, and
+// still moves less than planning balanced from scratch.
+TEST(IncrementalTest, HierarchicalGathersGroupsAPreviousPlacementSplit) {
+  std::mt19937_64 rng(5);
+  const Topology global{.ranks = 16, .slots = 160};
+  const Topology t{.ranks = 16, .nodes = 4, .slots = 160, .groups = 8};
+  const LoadMatrix load = Zipf(4, 128, 1.0, rng);
+  const Placement prev = *Plan(load, global, {.policy = Policy::kBalanced});
+  const Placement inc = *Plan(load, t, {.policy = Policy::kIncremental, .previous = &prev});
+  const Placement bal = *Plan(load, t, {.policy = Policy::kBalanced, .previous = &prev});
+  ExpectValid(inc, t);
+  const Balance b_inc = *ComputeBalance(inc, load, t.ranks);
+  const Balance b_bal = *ComputeBalance(bal, load, t.ranks);
+  int split_before = 0;
+  for (int l = 0; l < 4; ++l) {
+    EXPECT_GE(b_inc.per_layer[l], b_bal.per_layer[l] - 0.002 - 1e-9) << "layer " << l;
+    std::vector<std::set<int>> before(8), after(8);
+    for (int s = 0; s < t.slots; ++s) {
+      before[prev.phy2log(l, s) / 16].insert(s / 40);
+      after[inc.phy2log(l, s) / 16].insert(s / 40);
+    }
+    for (int g = 0; g < 8; ++g) {
+      split_before += before[g].size() > 1;
+      EXPECT_EQ(after[g].size(), 1u) << "layer " << l << " group " << g;
+    }
+  }
+  EXPECT_GT(split_before, 0);  // the case is the one described
+  EXPECT_LT(CountMoves(prev, inc, t.ranks)->total.remote_copies,
+            CountMoves(prev, bal, t.ranks)->total.remote_copies);
+}
+
 TEST(IncrementalTest, UnchangedLoadMovesNothing) {
   std::mt19937_64 rng(1);
   const Topology t{.ranks = 8, .slots = 72};

@@ -95,6 +95,9 @@ void ConsiderSwaps(const Layout& l, int top, const std::vector<uint8_t>* before,
       if (r == top || l.load[r] >= top_load || l.holds(r, x) || (l.goal > 0 && l.load[r] >= l.goal))
         continue;
       if (l.goal <= 0 && 2 * (top_load - l.load[r]) <= best.gain) continue;  // see NoGoalBound
+      // With a goal, r takes at most goal - load[r] without excess of its own.
+      if (l.goal > 0 && 4 * std::min({sx, Excess(l, top_load), l.goal - l.load[r]}) <= best.gain)
+        continue;
       for (int b = r * l.per_rank; b < (r + 1) * l.per_rank; ++b) {
         const int32_t y = l.expert[b];
         const double sy = y >= 0 ? l.share(y) : 0.0;

@@ -78,35 +78,54 @@ void Consider(Move& best, double relief, int copies, Move candidate) {
   }
 }
 
+// Whether moves whose gain is at most `bound` cannot beat `best`. The bounds are tight (a
+// move can reach one exactly), so a margin keeps rounding in the bound from skipping a
+// move whose computed gain is a hair above the best: skipping never changes the answer.
+bool CannotBeat(double bound, const Move& best) { return bound * (1 + 1e-9) < best.gain; }
+
 // NoGoalBound: without a goal, a trade of load d between `top` and a lighter rank r helps
 // only if d < top - r, and relieves top - max(top - d, r + d) <= (top - r) / 2; at most
 // four-fold as gain, 2 * (top - r). Ranks whose bound cannot beat the best are skipped.
-void ConsiderSwaps(const Layout& l, int top, const std::vector<uint8_t>* before, Move& best) {
+//
+// Swaps of the replica in slot a (on `top`) for each replica of rank r.
+void ConsiderSwapsWith(const Layout& l, int top, int a, int r, const std::vector<uint8_t>* before,
+                       Move& best) {
   const double top_load = l.load[top];
+  const int32_t x = l.expert[a];
+  const double sx = l.share(x);
+  // With a goal, a rank at or above it gains all the excess `top` sheds: no relief.
+  if (r == top || l.load[r] >= top_load || l.holds(r, x) || (l.goal > 0 && l.load[r] >= l.goal))
+    return;
+  if (l.goal <= 0 && CannotBeat(2 * (top_load - l.load[r]), best)) return;  // see NoGoalBound
+  // With a goal, r takes at most goal - load[r] without excess of its own.
+  if (l.goal > 0 && CannotBeat(4 * std::min({sx, Excess(l, top_load), l.goal - l.load[r]}), best))
+    return;
+  for (int b = r * l.per_rank; b < (r + 1) * l.per_rank; ++b) {
+    const int32_t y = l.expert[b];
+    const double sy = y >= 0 ? l.share(y) : 0.0;
+    if (sy >= sx || (y >= 0 && l.holds(top, y))) continue;
+    const double worst = std::max(top_load - sx + sy, l.load[r] - sy + sx);
+    if (l.goal <= 0 && worst >= top_load * (1 - 1e-12)) continue;
+    Consider(best, Relief(l, top_load, l.load[r], top_load - sx + sy, l.load[r] - sy + sx),
+             SwapCost(before, l.count.size(), top, x, r, y), {a, b, -1, -1, -1});
+  }
+}
+
+// Swaps of one replica of `top` for one of another rank (only ranks other than `top`, when
+// `only` >= 0, that rank alone).
+void ConsiderSwaps(const Layout& l, int top, const std::vector<uint8_t>* before, Move& best,
+                   int only = -1) {
   for (int a = top * l.per_rank; a < (top + 1) * l.per_rank; ++a) {
     const int32_t x = l.expert[a];
     if (x < 0) continue;
     const double sx = l.share(x);
     // A swap removes at most sx from `top` (and at most its excess with a goal), and gains
     // count at most four-fold: skip x when that cannot beat the best so far.
-    if (4 * (l.goal > 0 ? std::min(sx, Excess(l, top_load)) : sx) <= best.gain) continue;
-    for (int r = 0; r < l.ranks; ++r) {
-      // With a goal, a rank at or above it gains all the excess `top` sheds: no relief.
-      if (r == top || l.load[r] >= top_load || l.holds(r, x) || (l.goal > 0 && l.load[r] >= l.goal))
-        continue;
-      if (l.goal <= 0 && 2 * (top_load - l.load[r]) <= best.gain) continue;  // see NoGoalBound
-      // With a goal, r takes at most goal - load[r] without excess of its own.
-      if (l.goal > 0 && 4 * std::min({sx, Excess(l, top_load), l.goal - l.load[r]}) <= best.gain)
-        continue;
-      for (int b = r * l.per_rank; b < (r + 1) * l.per_rank; ++b) {
-        const int32_t y = l.expert[b];
-        const double sy = y >= 0 ? l.share(y) : 0.0;
-        if (sy >= sx || (y >= 0 && l.holds(top, y))) continue;
-        const double worst = std::max(top_load - sx + sy, l.load[r] - sy + sx);
-        if (l.goal <= 0 && worst >= top_load * (1 - 1e-12)) continue;
-        Consider(best, Relief(l, top_load, l.load[r], top_load - sx + sy, l.load[r] - sy + sx),
-                 SwapCost(before, l.count.size(), top, x, r, y), {a, b, -1, -1, -1});
-      }
+    if (CannotBeat(4 * (l.goal > 0 ? std::min(sx, Excess(l, l.load[top])) : sx), best)) continue;
+    if (only >= 0) {
+      ConsiderSwapsWith(l, top, a, only, before, best);
+    } else {
+      for (int r = 0; r < l.ranks; ++r) ConsiderSwapsWith(l, top, a, r, before, best);
     }
   }
 }
@@ -139,7 +158,7 @@ void ConsiderPairSwaps(const Layout& l, int top, const std::vector<uint8_t>* bef
                    [&](int x, int y) { return l.load[x] < l.load[y]; });
   for (int r : by_load) {
     if (r == top || l.load[r] >= top_load) break;
-    if (l.goal <= 0 && 2 * (top_load - l.load[r]) <= best.gain) break;  // see NoGoalBound
+    if (l.goal <= 0 && CannotBeat(2 * (top_load - l.load[r]), best)) break;  // see NoGoalBound
     const int rfirst = r * k;
     theirs.clear();
     for (int b = rfirst; b < rfirst + k; ++b) {
@@ -270,12 +289,60 @@ void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* befo
 
 }  // namespace
 
-Move BestMove(const Layout& layout, int top, const std::vector<uint8_t>* before) {
+SwapCache::SwapCache(int ranks)
+    : ranks_(ranks),
+      best_(static_cast<size_t>(ranks) * ranks),
+      valid_(static_cast<size_t>(ranks) * ranks, 0) {}
+
+const Move& SwapCache::Get(const Layout& l, int t, int r, const std::vector<uint8_t>* before) {
+  const size_t k = static_cast<size_t>(t) * ranks_ + r;
+  if (!valid_[k]) {
+    best_[k] = Move{};
+    ConsiderSwaps(l, t, before, best_[k], r);
+    valid_[k] = 1;
+  }
+  return best_[k];
+}
+
+void SwapCache::Invalidate(const Layout& l, const Move& applied) {
+  if (applied.b < 0) {  // a re-point changes shares on every rank holding either expert
+    std::fill(valid_.begin(), valid_.end(), 0);
+    return;
+  }
+  for (int u :
+       {l.rank_of(static_cast<size_t>(applied.a)), l.rank_of(static_cast<size_t>(applied.b))}) {
+    for (int r = 0; r < ranks_; ++r) {
+      valid_[static_cast<size_t>(u) * ranks_ + r] = 0;
+      valid_[static_cast<size_t>(r) * ranks_ + u] = 0;
+    }
+  }
+}
+
+Move BestMove(const Layout& layout, int top, const std::vector<uint8_t>* before, SwapCache* cache) {
   Move best;
-  ConsiderSwaps(layout, top, before, best);
-  if (layout.goal > 0) {  // with a goal, swaps on every rank above it compete too
+  if (cache != nullptr && layout.goal > 0) {
+    // The same search as below, from the cached best swap of each pair of ranks: ranks in
+    // order (top first), and between equal gains of one rank the earlier (slot on it, other
+    // rank, its slot), which is the one the scan below finds first.
+    auto consider_rank = [&](int t) {
+      for (int r = 0; r < layout.ranks; ++r) {
+        const Move& m = cache->Get(layout, t, r, before);
+        if (m.a < 0) continue;
+        const bool earlier = m.gain == best.gain && best.a >= 0 &&
+                             layout.rank_of(static_cast<size_t>(best.a)) == t && m.a < best.a;
+        if (m.gain > best.gain || earlier) best = m;
+      }
+    };
+    consider_rank(top);
     for (int r = 0; r < layout.ranks; ++r) {
-      if (r != top && layout.load[r] > layout.goal) ConsiderSwaps(layout, r, before, best);
+      if (r != top && layout.load[r] > layout.goal) consider_rank(r);
+    }
+  } else {
+    ConsiderSwaps(layout, top, before, best);
+    if (layout.goal > 0) {  // with a goal, swaps on every rank above it compete too
+      for (int r = 0; r < layout.ranks; ++r) {
+        if (r != top && layout.load[r] > layout.goal) ConsiderSwaps(layout, r, before, best);
+      }
     }
   }
   if (layout.repoints) ConsiderRepoints(layout, top, before, best);

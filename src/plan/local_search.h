@@ -49,7 +49,26 @@ struct Move {
 // divided by copies (moves that cost none count four-fold). Ties: the first found (lower
 // ranks and slots, then lower experts; for two-for-two swaps, lighter other ranks first).
 // Returns a Move with a < 0 when none helps.
-Move BestMove(const Layout& layout, int top, const std::vector<uint8_t>* before);
+// With `cache` (and a goal), single swaps come from the cache instead of a full scan: the
+// same move, found faster when moves keep changing only two ranks.
+class SwapCache;
+Move BestMove(const Layout& layout, int top, const std::vector<uint8_t>* before,
+              SwapCache* cache = nullptr);
+
+// The best single swap between each ordered pair of ranks (from the first to the second),
+// kept across moves: a swap changes the loads and holdings of its two ranks only, so only
+// pairs with one of them are searched again (a re-point changes shares: all are).
+class SwapCache {
+ public:
+  explicit SwapCache(int ranks);
+  const Move& Get(const Layout& layout, int from, int to, const std::vector<uint8_t>* before);
+  void Invalidate(const Layout& layout, const Move& applied);
+
+ private:
+  int ranks_;
+  std::vector<Move> best_;
+  std::vector<uint8_t> valid_;
+};
 void Apply(Layout& layout, const Move& move);
 
 }  // namespace eplbx::internal

@@ -9,6 +9,7 @@
 
 #include "eplbx/policy.h"
 #include "plan/balanced_internal.h"
+#include "plan/local_search.h"
 
 namespace eplbx {
 namespace {
@@ -148,12 +149,16 @@ TEST(BalancedTest, StickySlotsKeepHeldExpertsWithinCap) {
       for (int k = 0; k < per_rank; ++k) {
         const int32_t e = out[static_cast<size_t>(r * per_rank + k)];
         ++got[e];
-        if (same_counts) EXPECT_TRUE(on_rank.insert(e).second) << "duplicate " << e;
+        if (same_counts) {
+          EXPECT_TRUE(on_rank.insert(e).second) << "duplicate " << e;
+        }
         kept += held[static_cast<size_t>(r) * n + e];
       }
     }
     EXPECT_EQ(got, count);
-    if (same_counts) EXPECT_EQ(kept, ranks * per_rank) << "iter " << iter;
+    if (same_counts) {
+      EXPECT_EQ(kept, ranks * per_rank) << "iter " << iter;
+    }
     // A cap of zero turns the preference off: plain packing, still exact counts.
     internal::StickySlots(w, count, held, ranks, /*cap=*/0, out);
     std::fill(got.begin(), got.end(), 0);
@@ -326,6 +331,39 @@ TEST(IncrementalTest, HierarchicalGathersGroupsAPreviousPlacementSplit) {
   EXPECT_GT(split_before, 0);  // the case is the one described
   EXPECT_LT(CountMoves(prev, inc, t.ranks)->total.remote_copies,
             CountMoves(prev, bal, t.ranks)->total.remote_copies);
+}
+
+// The swap cache changes how fast the incremental search finds its move, never which move.
+TEST(IncrementalTest, SwapCacheFindsTheSameMoves) {
+  std::mt19937_64 rng(9);
+  for (int trial = 0; trial < 20; ++trial) {
+    const int ranks = 8 + trial % 3 * 4, per_rank = 5, n = ranks * per_rank - ranks;
+    std::vector<double> weight(static_cast<size_t>(n));
+    std::exponential_distribution<double> load(1.0);
+    for (double& w : weight) w = 1 + 100 * load(rng);
+    std::vector<int32_t> slots(static_cast<size_t>(ranks * per_rank));
+    for (size_t s = 0; s < slots.size(); ++s) slots[s] = static_cast<int32_t>(s % n);
+    std::shuffle(slots.begin(), slots.end(), rng);
+    internal::Layout plain(weight, slots, ranks), cached(weight, slots, ranks);
+    std::vector<uint8_t> before(static_cast<size_t>(ranks) * n, 0);
+    for (size_t s = 0; s < slots.size(); ++s) before[s / per_rank * n + slots[s]] = rng() % 2;
+    double total = 0;
+    for (double w : weight) total += w;
+    plain.goal = cached.goal = total / ranks * 1.01;
+    internal::SwapCache cache(ranks);
+    for (int step = 0; step < 200; ++step) {
+      const int top = plain.Heaviest();
+      if (plain.load[top] <= plain.goal) break;
+      const internal::Move a = internal::BestMove(plain, top, &before);
+      const internal::Move b = internal::BestMove(cached, top, &before, &cache);
+      ASSERT_EQ(std::tie(a.a, a.b, a.a2, a.b2, a.to), std::tie(b.a, b.b, b.a2, b.b2, b.to))
+          << "trial " << trial << " step " << step;
+      if (a.a < 0) break;
+      internal::Apply(plain, a);
+      internal::Apply(cached, b);
+      cache.Invalidate(cached, b);
+    }
+  }
 }
 
 TEST(IncrementalTest, UnchangedLoadMovesNothing) {

@@ -188,6 +188,12 @@ std::vector<int32_t> Substitute(const LayerContext& c, std::span<const int32_t> 
     if (pick < 0) break;
     ++count[pick];
   }
+  auto holds = [&](size_t r, int32_t e) {  // r: the node's r-th rank
+    for (size_t q = first + r * per_rank; q < first + (r + 1) * per_rank; ++q) {
+      if (out[q] == e) return true;
+    }
+    return false;
+  };
   std::vector<std::pair<double, int32_t>> replicas;  // (share, expert)
   for (int32_t e : arriving) {
     for (int k = 0; k < count[e]; ++k) replicas.emplace_back(c.weight[e] / count[e], e);
@@ -202,10 +208,7 @@ std::vector<int32_t> Substitute(const LayerContext& c, std::span<const int32_t> 
       const size_t s = free[k];
       if (out[s] >= 0) continue;
       const size_t r = (s - first) / per_rank;
-      bool holds = false;
-      for (size_t q = first + r * per_rank; q < first + (r + 1) * per_rank; ++q)
-        holds |= out[q] == e;
-      if (!holds && (pick == free.size() || load[r] < load[(free[pick] - first) / per_rank]))
+      if (!holds(r, e) && (pick == free.size() || load[r] < load[(free[pick] - first) / per_rank]))
         pick = k;
     }
     if (pick == free.size()) continue;
@@ -215,11 +218,7 @@ std::vector<int32_t> Substitute(const LayerContext& c, std::span<const int32_t> 
   for (size_t s : free) {  // left empty (every rank with room held the replica): any expert
     const size_t r = (s - first) / per_rank;  // of the node that the rank lacks
     for (int32_t e = 0; out[s] < 0 && e < static_cast<int32_t>(c.weight.size()); ++e) {
-      if (next[e / group_size] != node) continue;
-      bool holds = false;
-      for (size_t q = first + r * per_rank; q < first + (r + 1) * per_rank; ++q)
-        holds |= out[q] == e;
-      if (!holds) out[s] = e;
+      if (next[e / group_size] == node && !holds(r, e)) out[s] = e;
     }
   }
   return out;

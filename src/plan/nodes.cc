@@ -39,7 +39,7 @@ void ImproveNode(const LayerContext& c, const NodeSlice& n, std::span<const int3
   const std::vector<int32_t> improved =
       internal::ImproveFrom(n.weight, n.ToLocal(previous), n.ToLocal(start), RanksPerNode(c), goal,
                             /*max_steps=*/8 * static_cast<int>(n.size));
-  for (size_t i = 0; i < n.size; ++i) out[n.first + i] = n.ids[improved[i]];
+  for (size_t i = 0; i < n.size; ++i) out[n.first + i] = improved[i] >= 0 ? n.ids[improved[i]] : -1;
 }
 
 std::vector<int32_t> ImproveByNode(const LayerContext& c, std::span<const int32_t> previous,
@@ -215,11 +215,17 @@ std::vector<int32_t> Substitute(const LayerContext& c, std::span<const int32_t> 
     out[free[pick]] = e;
     load[(free[pick] - first) / per_rank] += share;
   }
-  for (size_t s : free) {  // left empty (every rank with room held the replica): any expert
-    const size_t r = (s - first) / per_rank;  // of the node that the rank lacks
+  // Slots left empty (every rank with room held the replica): an expert of the node that
+  // the rank lacks, else (the rank holds them all) a second replica of the largest share.
+  for (size_t s : free) {
+    const size_t r = (s - first) / per_rank;
+    int32_t fallback = -1;
     for (int32_t e = 0; out[s] < 0 && e < static_cast<int32_t>(c.weight.size()); ++e) {
-      if (next[e / group_size] == node && !holds(r, e)) out[s] = e;
+      if (next[e / group_size] != node) continue;
+      if (!holds(r, e)) out[s] = e;
+      if (fallback < 0 || c.weight[e] > c.weight[fallback]) fallback = e;
     }
+    if (out[s] < 0) out[s] = fallback;
   }
   return out;
 }

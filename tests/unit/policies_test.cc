@@ -366,6 +366,40 @@ TEST(IncrementalTest, SwapCacheFindsTheSameMoves) {
   }
 }
 
+// Any previous placement a user can hand in (empty slots, missing experts, several replicas
+// of an expert on one rank, groups split across nodes) and any load (zeros included) gives
+// a valid plan within T of balanced, with every group on one node in hierarchical mode.
+TEST(IncrementalTest, AnyPreviousPlacementGivesAValidPlan) {
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 400; ++trial) {
+    const int nodes = 1 << (trial % 3), groups = nodes * (1 + trial % 2);
+    const int experts = groups * (4 + static_cast<int>(rng() % 5));
+    const int ranks = nodes * (1 + static_cast<int>(rng() % 4));
+    const int per_rank = (experts + ranks - 1) / ranks + static_cast<int>(rng() % 3);
+    const Topology t{.ranks = ranks, .nodes = nodes, .slots = ranks * per_rank, .groups = groups};
+    std::vector<double> v(static_cast<size_t>(2) * experts);
+    for (double& x : v) x = rng() % 4 == 0 ? 0.0 : static_cast<double>(rng() % 1000);
+    const LoadMatrix load = *LoadMatrix::Create(2, experts, v);
+    std::vector<int32_t> ids(static_cast<size_t>(2) * t.slots);
+    for (int32_t& e : ids) e = static_cast<int32_t>(rng() % (experts + 1)) - 1;
+    const Placement prev = *Placement::FromPhy2Log(2, t.slots, experts, ids);
+    Result<Placement> inc = Plan(load, t, {.policy = Policy::kIncremental, .previous = &prev});
+    ASSERT_TRUE(inc.ok()) << "trial " << trial << ": " << inc.status().ToString();
+    ExpectValid(*inc, t);
+    const Balance b_inc = *ComputeBalance(*inc, load, ranks);
+    const Balance b_bal =
+        *ComputeBalance(*Plan(load, t, {.policy = Policy::kBalanced}), load, ranks);
+    for (int l = 0; l < 2; ++l) {
+      EXPECT_GE(b_inc.per_layer[l], b_bal.per_layer[l] - 0.002 - 1e-9) << "trial " << trial;
+      if (nodes == 1) continue;
+      std::vector<std::set<int>> where(static_cast<size_t>(groups));
+      const int per_node = t.slots / nodes, group_size = experts / groups;
+      for (int s = 0; s < t.slots; ++s) where[inc->phy2log(l, s) / group_size].insert(s / per_node);
+      for (const auto& w : where) EXPECT_EQ(w.size(), 1u) << "trial " << trial << " layer " << l;
+    }
+  }
+}
+
 TEST(IncrementalTest, UnchangedLoadMovesNothing) {
   std::mt19937_64 rng(1);
   const Topology t{.ranks = 8, .slots = 72};

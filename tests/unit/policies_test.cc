@@ -368,7 +368,8 @@ TEST(IncrementalTest, SwapCacheFindsTheSameMoves) {
 
 // Any previous placement a user can hand in (empty slots, missing experts, several replicas
 // of an expert on one rank, groups split across nodes) and any load (zeros included) gives
-// a valid plan within T of balanced, with every group on one node in hierarchical mode.
+// a valid incremental plan within T of balanced, with every group on one node in
+// hierarchical mode (and valid plans from the other policies, which keep its rows).
 TEST(IncrementalTest, AnyPreviousPlacementGivesAValidPlan) {
   std::mt19937_64 rng(11);
   for (int trial = 0; trial < 400; ++trial) {
@@ -386,6 +387,11 @@ TEST(IncrementalTest, AnyPreviousPlacementGivesAValidPlan) {
     Result<Placement> inc = Plan(load, t, {.policy = Policy::kIncremental, .previous = &prev});
     ASSERT_TRUE(inc.ok()) << "trial " << trial << ": " << inc.status().ToString();
     ExpectValid(*inc, t);
+    for (Policy other : {Policy::kDeepSeek, Policy::kBalanced}) {  // rows preserved from it
+      Result<Placement> p = Plan(load, t, {.policy = other, .previous = &prev});
+      ASSERT_TRUE(p.ok()) << "trial " << trial << ": " << p.status().ToString();
+      ExpectValid(*p, t);
+    }
     const Balance b_inc = *ComputeBalance(*inc, load, ranks);
     const Balance b_bal =
         *ComputeBalance(*Plan(load, t, {.policy = Policy::kBalanced}), load, ranks);

@@ -338,6 +338,15 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
       }
     }
   }
+  // Nobody tears its agent down while a peer may still be finishing the last layer (it
+  // would see this rank vanish).
+  if (ok) {
+    Status sync = boot.Barrier(deadline);
+    if (!sync.ok()) {
+      report["error"] = sync.message();
+      ok = false;
+    }
+  }
   const double rss_end = ResidentMiB(), heap_end = HeapInUseKiB();
   nlohmann::json js = nlohmann::json::array();
   for (const StepFigures& f : steps) {

@@ -70,6 +70,7 @@ class LayerProtocol {
   // A notification from `from` that did not decode.
   std::vector<Action> OnMalformed(uint32_t from, const Status& why);
   std::vector<Action> OnReadComplete(const ReadTask& task, const Status& status);
+  // Aborts unless `rank` already sent DONE for this layer (then nothing depends on it).
   std::vector<Action> OnPeerFailed(uint32_t rank, const Status& why);
   std::vector<Action> OnTick(Clock::time_point now);
 

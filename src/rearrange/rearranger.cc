@@ -209,10 +209,8 @@ LayerOutcome RearrangerImpl::RunJob(LayerJob& job) {
   }
   deferred.swap(later);
   if (hook) hook(job.layer);
-  while (p.state() == LayerState::kRunning) {
-    // Wakes on a notification, a finished READ or a lost peer; the timeout only paces
-    // deadline checks.
-    for (Notification& n : agent->WaitEvents(std::chrono::milliseconds(kTickMs))) {
+  auto handle = [&](std::vector<Notification> notes) {
+    for (Notification& n : notes) {
       auto who = rank_of_name.find(n.peer);
       if (who == rank_of_name.end()) continue;  // not a member of this group
       Result<protocol::Record> rec = protocol::DecodeRecord(n.payload);
@@ -224,6 +222,11 @@ LayerOutcome RearrangerImpl::RunJob(LayerJob& job) {
       Execute(p, job, pending, outcome, p.OnRecord(who->second, *rec, Clock::now(), &later_gen));
       if (later_gen) deferred.push_back({who->second, *rec});
     }
+  };
+  while (p.state() == LayerState::kRunning) {
+    // Wakes on a notification, a finished READ or a lost peer; the timeout only paces
+    // deadline checks.
+    handle(agent->WaitEvents(std::chrono::milliseconds(kTickMs)));
     for (size_t i = 0; i < pending.size();) {
       TransferStatus s = agent->GetStatus(pending[i].id);
       if (s.state == TransferState::kInProgress) {
@@ -240,6 +243,10 @@ LayerOutcome RearrangerImpl::RunJob(LayerJob& job) {
       if (r == self()) continue;
       Result<PeerInfo> info = agent->Peer(peer_of[r]);
       if (info.ok() && !info->reachable) {
+        // What the peer sent before it was lost (its DONE, say) is queued by now: take it
+        // first, so that a peer that finished and exited does not fail the layer.
+        handle(agent->PollNotifications());
+        if (p.state() != LayerState::kRunning) break;
         Execute(p, job, pending, outcome, p.OnPeerFailed(r, Status::Unavailable(info->failure)));
       }
     }

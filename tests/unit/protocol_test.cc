@@ -2,6 +2,7 @@
 // fake clock and a simulated network that reorders and duplicates records.
 #include <algorithm>
 #include <deque>
+#include <functional>
 #include <map>
 #include <random>
 #include <set>
@@ -117,8 +118,10 @@ struct World {
       bool deferred = false;
       Apply(m.to, ranks[m.to].OnRecord(m.from, m.r, now, &deferred));
       EXPECT_FALSE(deferred);
+      if (after_record) after_record(m);
     }
   }
+  std::function<void(const Msg&)> after_record;
 };
 
 // A random plan: each rank reads some experts from other ranks.
@@ -151,6 +154,29 @@ TEST(LayerProtocolTest, EveryRankCommitsUnderAnyDeliveryOrder) {
 }
 
 LayerStep TwoRankReader() { return LayerStep{5, 2, 0, 2, {{7, 1}}, {}}; }
+
+// A rank that finished (committed) may exit at once; its peers then see it fail, but once
+// they hold its DONE nothing of the layer depends on it: they still commit. Before its DONE
+// the same failure aborts.
+TEST(LayerProtocolTest, APeerLostAfterItsDoneDoesNotFailTheLayer) {
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 200; ++trial) {
+    World w(RandomSteps(3, rng));
+    w.after_record = [&](const auto& m) {
+      if (m.from == 0 && m.r.kind == RecordKind::kDone && m.to != 0) {
+        w.Apply(m.to, w.ranks[m.to].OnPeerFailed(0, Status::Unavailable("connection lost")));
+      }
+    };
+    w.Run(rng);
+    for (uint32_t r = 0; r < 3; ++r) {
+      EXPECT_EQ(w.commits[r], 1) << "trial " << trial << " rank " << r << ": " << w.aborts[r];
+    }
+  }
+  LayerProtocol p(TwoRankReader(), Clock::time_point{}, seconds(10));
+  p.Start();
+  p.OnPeerFailed(1, Status::Unavailable("connection lost"));
+  EXPECT_EQ(p.state(), LayerState::kAborted);
+}
 
 TEST(LayerProtocolTest, StaleFutureAndDuplicateRecords) {
   LayerProtocol p(TwoRankReader(), Clock::time_point{}, seconds(10));

@@ -111,8 +111,8 @@ void ConsiderSwapsWith(const Layout& l, int top, int a, int r, const std::vector
   }
 }
 
-// Swaps of one replica of `top` for one of another rank (only ranks other than `top`, when
-// `only` >= 0, that rank alone).
+// Swaps of one replica of `top` for one of any other rank (of rank `only` alone when
+// `only` >= 0).
 void ConsiderSwaps(const Layout& l, int top, const std::vector<uint8_t>* before, Move& best,
                    int only = -1) {
   for (int a = top * l.per_rank; a < (top + 1) * l.per_rank; ++a) {

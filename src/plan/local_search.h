@@ -69,6 +69,7 @@ class SwapCache {
   std::vector<Move> best_;
   std::vector<uint8_t> valid_;
 };
+
 void Apply(Layout& layout, const Move& move);
 
 }  // namespace eplbx::internal

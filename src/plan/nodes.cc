@@ -9,36 +9,31 @@
 
 namespace eplbx::internal {
 
-std::vector<NodeSlice> Slices(const LayerContext& c, std::span<const int32_t> slots) {
-  const int nodes = c.hierarchical ? c.topology.nodes : 1;
-  const size_t per_node = slots.size() / static_cast<size_t>(nodes);
-  std::vector<NodeSlice> out;
-  for (int node = 0; node < nodes; ++node) {
-    NodeSlice n{node * per_node, per_node, {}, {}};
-    for (size_t s = n.first; s < n.first + n.size; ++s) {
-      if (slots[s] >= 0) n.ids.push_back(slots[s]);
-    }
-    std::sort(n.ids.begin(), n.ids.end());
-    n.ids.erase(std::unique(n.ids.begin(), n.ids.end()), n.ids.end());
-    for (int32_t e : n.ids) n.weight.push_back(c.weight[e]);
-    out.push_back(std::move(n));
+NodeSlice Slice(const LayerContext& c, std::span<const int32_t> slots, int index) {
+  const int slices = c.hierarchical ? c.topology.nodes : 1;
+  const size_t size = slots.size() / static_cast<size_t>(slices);
+  NodeSlice n{index * size, size, {}, {}};
+  for (size_t s = n.first; s < n.first + n.size; ++s) {
+    if (slots[s] >= 0) n.ids.push_back(slots[s]);
   }
+  std::sort(n.ids.begin(), n.ids.end());
+  n.ids.erase(std::unique(n.ids.begin(), n.ids.end()), n.ids.end());
+  for (int32_t e : n.ids) n.weight.push_back(c.weight[e]);
+  return n;
+}
+
+std::vector<NodeSlice> Slices(const LayerContext& c, std::span<const int32_t> slots) {
+  std::vector<NodeSlice> out;
+  for (int i = 0; i < (c.hierarchical ? c.topology.nodes : 1); ++i)
+    out.push_back(Slice(c, slots, i));
   return out;
 }
 
-namespace {
-
-int RanksPerNode(const LayerContext& c) {
-  return c.hierarchical ? c.topology.ranks_per_node() : c.topology.ranks;
-}
-
-}  // namespace
-
 void ImproveNode(const LayerContext& c, const NodeSlice& n, std::span<const int32_t> previous,
                  std::span<const int32_t> start, double goal, std::span<int32_t> out) {
-  const std::vector<int32_t> improved =
-      internal::ImproveFrom(n.weight, n.ToLocal(previous), n.ToLocal(start), RanksPerNode(c), goal,
-                            /*max_steps=*/8 * static_cast<int>(n.size));
+  const std::vector<int32_t> improved = internal::ImproveFrom(
+      n.weight, n.ToLocal(previous), n.ToLocal(start), c.ranks_per_slice(), goal,
+      /*max_steps=*/8 * static_cast<int>(n.size));
   for (size_t i = 0; i < n.size; ++i) out[n.first + i] = improved[i] >= 0 ? n.ids[improved[i]] : -1;
 }
 
@@ -231,14 +226,11 @@ std::vector<int32_t> Substitute(const LayerContext& c, std::span<const int32_t> 
 }
 
 bool Regroup(const LayerContext& c, std::span<const int32_t> previous,
-             std::span<const int32_t> start, const std::vector<int32_t>& local, double goal,
+             std::span<const int32_t> start, const std::vector<int32_t>& node_of,
+             const std::vector<int32_t>& local, double goal,
              const std::function<bool(const std::vector<int32_t>&)>& accept) {
   const Topology& t = c.topology;
-  const std::vector<int32_t> node_of = GroupNodes(c, start);
-  if (node_of.empty()) return false;
-  const int group_size = static_cast<int>(c.weight.size()) / t.groups;
   const int rpn = t.ranks_per_node();
-  const size_t per_node = start.size() / static_cast<size_t>(t.nodes);
   std::vector<uint8_t> keep(static_cast<size_t>(t.nodes), 1);  // local's part meets the goal
   const std::vector<double> load = internal::RankLoads(c.weight, local, t.ranks);
   for (int r = 0; r < t.ranks; ++r) {
@@ -250,15 +242,8 @@ bool Regroup(const LayerContext& c, std::span<const int32_t> previous,
       bool same = keep[node];
       for (int g = 0; g < t.groups && same; ++g) same = (node_of[g] == node) == (next[g] == node);
       if (same) continue;
-      std::vector<int32_t> slots = Substitute(c, start, next, node);
-      NodeSlice n{node * per_node, per_node, {}, {}};
-      for (int32_t e = 0; e < static_cast<int32_t>(c.weight.size()); ++e) {
-        if (next[e / group_size] == node) {
-          n.ids.push_back(e);
-          n.weight.push_back(c.weight[e]);
-        }
-      }
-      ImproveNode(c, n, previous, slots, goal, out);
+      const std::vector<int32_t> slots = Substitute(c, start, next, node);
+      ImproveNode(c, Slice(c, slots, node), previous, slots, goal, out);
     }
     if (accept(out)) return true;
   }

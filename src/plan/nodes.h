@@ -18,6 +18,9 @@ struct LayerContext {
   const Topology& topology;
   std::span<const double> weight;
   bool hierarchical;
+
+  // Ranks of one node's slice (the whole layer outside hierarchical mode).
+  int ranks_per_slice() const { return hierarchical ? topology.ranks_per_node() : topology.ranks; }
 };
 
 // One node's share of a layer (the whole layer outside hierarchical mode): its slots in
@@ -39,6 +42,9 @@ struct NodeSlice {
     return out;
   }
 };
+
+// Slice `index` of `slots` (its experts: those its slots hold).
+NodeSlice Slice(const LayerContext& c, std::span<const int32_t> slots, int index);
 
 // The slices of `slots`: one per node in hierarchical mode, else one for the whole layer.
 std::vector<NodeSlice> Slices(const LayerContext& c, std::span<const int32_t> slots);
@@ -69,12 +75,14 @@ std::vector<int32_t> Substitute(const LayerContext& c, std::span<const int32_t> 
                                 const std::vector<int32_t>& next, int node);
 
 // Hierarchical mode, when a node's groups weigh more than its ranks can carry at the goal
-// (no search within nodes can help): for each assignment of GroupSwaps in turn, the nodes
-// whose groups change, or whose part of `local` misses the goal, are searched again from
-// `start` with the arriving groups substituted (Substitute), and the others keep `local`;
-// copies are pairs absent from `previous`. Returns whether `accept` took a candidate.
+// (no search within nodes can help): for each assignment of GroupSwaps away from `node_of`
+// (the groups' nodes in `start`) in turn, the nodes whose groups change, or whose part of
+// `local` misses the goal, are searched again from `start` with the arriving groups
+// substituted (Substitute), and the others keep `local`; copies are pairs absent from
+// `previous`. Returns whether `accept` took a candidate.
 bool Regroup(const LayerContext& c, std::span<const int32_t> previous,
-             std::span<const int32_t> start, const std::vector<int32_t>& local, double goal,
+             std::span<const int32_t> start, const std::vector<int32_t>& node_of,
+             const std::vector<int32_t>& local, double goal,
              const std::function<bool(const std::vector<int32_t>&)>& accept);
 
 // Renames the nodes of `next` (moves whole node blocks of slots) so that as many experts

@@ -87,7 +87,7 @@ void BalancedSlotsForLayer(const LayerContext& c, std::span<int32_t> out) {
 // are those the balanced placement puts there).
 std::vector<int32_t> StickyFromBalanced(const LayerContext& c, std::span<const int32_t> balanced,
                                         std::span<const int32_t> previous, double cap) {
-  const int ranks_per_node = c.hierarchical ? c.topology.ranks_per_node() : c.topology.ranks;
+  const int ranks_per_node = c.ranks_per_slice();
   const size_t per_rank = balanced.size() / static_cast<size_t>(c.topology.ranks);
   std::vector<int32_t> out(balanced.size());
   for (const NodeSlice& n : internal::Slices(c, balanced)) {
@@ -133,11 +133,12 @@ void IncrementalSlots(const LayerContext& c, std::span<const int32_t> previous, 
   const std::vector<int32_t> start = internal::CompleteSlots(c.weight, previous, t.ranks);
   std::vector<int32_t> begin = start;
   const bool by_node = c.hierarchical && t.nodes > 1;
+  std::vector<int32_t> node_of;  // by_node: each group's node in `begin`
   if (by_node) {
     internal::RelabelNodes(start, balanced, t.nodes, c.weight.size());
     // Groups split across nodes (a previous placement made without them) are gathered on
     // the node holding most of each; without such an assignment only stages 3-4 remain.
-    const std::vector<int32_t> node_of = internal::GroupNodes(c, start);
+    node_of = internal::GroupNodes(c, start);
     if (node_of.empty()) begin.clear();
     for (int node = 0; node < t.nodes && !begin.empty(); ++node) {
       begin = internal::Substitute(c, begin, node_of, node);
@@ -146,7 +147,7 @@ void IncrementalSlots(const LayerContext& c, std::span<const int32_t> previous, 
   if (!begin.empty()) {
     const std::vector<int32_t> local = internal::ImproveByNode(c, start, begin, goal);
     if (done(local)) return;
-    if (by_node && internal::Regroup(c, start, begin, local, goal, done)) return;
+    if (by_node && internal::Regroup(c, start, begin, node_of, local, goal, done)) return;
     if (!by_node) {
       std::vector<int32_t> count(c.weight.size(), 0);
       for (int32_t e : balanced) ++count[e];

@@ -34,6 +34,16 @@ void ExpectValid(const Placement& p, const Topology& t) {
   EXPECT_EQ(total, t.slots);
 }
 
+// Per group of `t`: the nodes that hold one of its experts in layer `l` of `p`.
+std::vector<std::set<int>> NodesOfGroups(const Placement& p, int l, const Topology& t) {
+  std::vector<std::set<int>> where(static_cast<size_t>(t.groups));
+  const int group_size = p.experts() / t.groups, per_node = t.slots / t.nodes;
+  for (int s = 0; s < t.slots; ++s) {
+    if (p.phy2log(l, s) >= 0) where[p.phy2log(l, s) / group_size].insert(s / per_node);
+  }
+  return where;
+}
+
 // Sum over layers of the share of deepseek's gap to perfect balance that balanced closes
 // (a layer deepseek already balances counts 1), on a global shape.
 double GapClosed(const LoadMatrix& load, int ranks, int slots) {
@@ -67,11 +77,8 @@ TEST(BalancedTest, NeverWorseThanDeepSeekAndValid) {
     for (int l = 0; l < 2; ++l) EXPECT_GE(b_bal.per_layer[l], b_ds.per_layer[l] - 1e-12);
     // Hierarchical: every group stays on one node.
     if (IsHierarchical(t)) {
-      const int group_size = experts / groups, per_node = slots / nodes;
       for (int l = 0; l < 2; ++l) {
-        std::vector<std::set<int>> where(static_cast<size_t>(groups));
-        for (int s = 0; s < slots; ++s) where[bal->phy2log(l, s) / group_size].insert(s / per_node);
-        for (const auto& w : where) EXPECT_EQ(w.size(), 1u);
+        for (const auto& w : NodesOfGroups(*bal, l, t)) EXPECT_EQ(w.size(), 1u);
       }
     }
     EXPECT_EQ(*Plan(load, t, {.policy = Policy::kBalanced}), *bal);  // deterministic
@@ -246,9 +253,9 @@ TEST(IncrementalTest, HierarchicalKeepsGroupsOnTheirNodes) {
         *ComputeBalance(*Plan(load, t, {.policy = Policy::kBalanced}), load, t.ranks);
     for (int l = 0; l < 3; ++l) {
       EXPECT_GE(b_inc.per_layer[l], b_bal.per_layer[l] - 0.002 - 1e-9);
-      std::vector<std::set<int>> where(8);
-      for (int s = 0; s < t.slots; ++s) where[inc->phy2log(l, s) / 16].insert(s / 40);
-      for (const auto& w : where) EXPECT_EQ(w.size(), 1u) << "step " << step << " layer " << l;
+      for (const auto& w : NodesOfGroups(*inc, l, t)) {
+        EXPECT_EQ(w.size(), 1u) << "step " << step << " layer " << l;
+      }
     }
     EXPECT_LT(CountMoves(prev, *inc, t.ranks)->total.remote_copies, 3 * 160 / 2);
     prev = *inc;
@@ -261,14 +268,9 @@ TEST(IncrementalTest, HierarchicalKeepsGroupsOnTheirNodes) {
 TEST(IncrementalTest, HierarchicalSwapsGroupsWhenANodeIsOverloaded) {
   std::mt19937_64 rng(3);
   const Topology t{.ranks = 16, .nodes = 4, .slots = 160, .groups = 8};
-  const int per_group = 16, per_node_slots = 40;
+  const int per_group = 16;
   LoadMatrix load = Zipf(1, 128, 0.7, rng);
   const Placement prev = *Plan(load, t, {.policy = Policy::kBalanced});
-  auto node_of = [&](const Placement& p) {
-    std::vector<std::set<int>> where(8);
-    for (int s = 0; s < t.slots; ++s) where[p.phy2log(0, s) / per_group].insert(s / per_node_slots);
-    return where;
-  };
   std::vector<double> v = load.values();
   for (int e = 0; e < per_group; ++e) v[e] *= 2;  // group 0
   load = *LoadMatrix::Create(1, 128, v);
@@ -277,7 +279,7 @@ TEST(IncrementalTest, HierarchicalSwapsGroupsWhenANodeIsOverloaded) {
   const double bal =
       ComputeBalance(*Plan(load, t, {.policy = Policy::kBalanced}), load, t.ranks)->per_layer[0];
   EXPECT_GE(ComputeBalance(inc, load, t.ranks)->per_layer[0], bal - 0.002 - 1e-9);
-  const auto before = node_of(prev), after = node_of(inc);
+  const auto before = NodesOfGroups(prev, 0, t), after = NodesOfGroups(inc, 0, t);
   int moved_groups = 0;
   std::set<int> touched_nodes;
   for (int g = 0; g < 8; ++g) {
@@ -318,11 +320,7 @@ TEST(IncrementalTest, HierarchicalGathersGroupsAPreviousPlacementSplit) {
   int split_before = 0;
   for (int l = 0; l < 4; ++l) {
     EXPECT_GE(b_inc.per_layer[l], b_bal.per_layer[l] - 0.002 - 1e-9) << "layer " << l;
-    std::vector<std::set<int>> before(8), after(8);
-    for (int s = 0; s < t.slots; ++s) {
-      before[prev.phy2log(l, s) / 16].insert(s / 40);
-      after[inc.phy2log(l, s) / 16].insert(s / 40);
-    }
+    const auto before = NodesOfGroups(prev, l, t), after = NodesOfGroups(inc, l, t);
     for (int g = 0; g < 8; ++g) {
       split_before += before[g].size() > 1;
       EXPECT_EQ(after[g].size(), 1u) << "layer " << l << " group " << g;
@@ -398,10 +396,9 @@ TEST(IncrementalTest, AnyPreviousPlacementGivesAValidPlan) {
     for (int l = 0; l < 2; ++l) {
       EXPECT_GE(b_inc.per_layer[l], b_bal.per_layer[l] - 0.002 - 1e-9) << "trial " << trial;
       if (nodes == 1) continue;
-      std::vector<std::set<int>> where(static_cast<size_t>(groups));
-      const int per_node = t.slots / nodes, group_size = experts / groups;
-      for (int s = 0; s < t.slots; ++s) where[inc->phy2log(l, s) / group_size].insert(s / per_node);
-      for (const auto& w : where) EXPECT_EQ(w.size(), 1u) << "trial " << trial << " layer " << l;
+      for (const auto& w : NodesOfGroups(*inc, l, t)) {
+        EXPECT_EQ(w.size(), 1u) << "trial " << trial << " layer " << l;
+      }
     }
   }
 }

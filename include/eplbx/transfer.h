@@ -85,7 +85,8 @@ class RegisteredRegion {
 
   void* data() const { return data_; }
   size_t size() const { return size_; }
-  // True for memory from Agent::AllocateShared (same-host peers map it and memcpy).
+  // True when same-host peers can map the region and memcpy: memory from AllocateShared,
+  // or registered memory that lies in a shared file mapping (memfd, /dev/shm).
   bool shared() const { return shared_; }
   uint64_t addr() const { return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(data_)); }
 
@@ -98,7 +99,8 @@ class RegisteredRegion {
   void* data_ = nullptr;
   size_t size_ = 0;
   bool shared_ = false;
-  int fd_ = -1;  // memfd of shared memory this region owns
+  bool owns_mapping_ = false;  // AllocateShared: unmapped on destruction
+  int fd_ = -1;                // our fd of the backing file, when shared_
 };
 
 using PeerId = uint32_t;
@@ -145,6 +147,9 @@ class Agent {
 
   // Registers [ptr, ptr + bytes) for local and remote access. Regions may not overlap.
   // Register a few large regions once and describe tensors as offsets inside them.
+  // Memory inside one MAP_SHARED file mapping (memfd, /dev/shm, e.g. a torch tensor after
+  // share_memory_()) is published as mappable: same-host peers then copy it with memcpy
+  // instead of process_vm_readv (shared() is true).
   Result<RegisteredRegion> RegisterMemory(void* ptr, size_t bytes);
   // Allocates `bytes` of zeroed shared memory and registers it. Same-host peers map it and
   // copy at memory speed; use it for buffers the agent's user owns anyway.

@@ -39,11 +39,12 @@ def _check_cpu(t, what: str) -> None:
 
 
 def _merged_regions(tensors) -> list[tuple[int, int]]:
-    """Memory ranges covering `tensors`, overlapping and adjacent ranges merged."""
+    """Memory ranges covering `tensors`, overlapping ranges merged. Merely adjacent ranges
+    stay apart: they may be different shared-memory files, each mappable on its own."""
     spans = sorted((t.data_ptr(), t.data_ptr() + _nbytes(t)) for t in tensors if t.numel() > 0)
     out: list[list[int]] = []
     for start, end in spans:
-        if out and start <= out[-1][1]:
+        if out and start < out[-1][1]:
             out[-1][1] = max(out[-1][1], end)
         else:
             out.append([start, end])

@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <optional>
 
 #include "common/strings.h"
 #include "eplbx/transfer.h"
@@ -44,6 +45,7 @@ RegisteredRegion& RegisteredRegion::operator=(RegisteredRegion&& other) noexcept
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
     shared_ = std::exchange(other.shared_, false);
+    owns_mapping_ = std::exchange(other.owns_mapping_, false);
     fd_ = std::exchange(other.fd_, -1);
   }
   return *this;
@@ -55,13 +57,14 @@ void RegisteredRegion::Reset() {
   if (id_ != 0) {
     if (auto core = core_.lock()) core->Deregister(id_);
   }
-  if (shared_ && data_ != nullptr) munmap(data_, size_);
+  if (owns_mapping_ && data_ != nullptr) munmap(data_, size_);
   if (fd_ >= 0) close(fd_);
   core_.reset();
   id_ = 0;
   data_ = nullptr;
   size_ = 0;
   shared_ = false;
+  owns_mapping_ = false;
   fd_ = -1;
 }
 
@@ -80,13 +83,21 @@ const std::string& Agent::backend() const { return core_->backend_name(); }
 const std::string& Agent::host_id() const { return core_->host_id(); }
 
 Result<RegisteredRegion> Agent::RegisterMemory(void* ptr, size_t bytes) {
-  Result<uint64_t> id = core_->Register(ptr, bytes, /*shared=*/false, -1);
-  if (!id.ok()) return id.status();
+  // Memory in a shared file mapping (memfd, /dev/shm: torch's share_memory_()) is published
+  // as mappable, so same-host peers copy it with memcpy instead of process_vm_readv.
+  std::optional<internal::SharedFile> file =
+      ptr != nullptr && bytes > 0 ? internal::FindSharedFile(ptr, bytes) : std::nullopt;
   RegisteredRegion r;
-  r.core_ = core_;
-  r.id_ = *id;
   r.data_ = ptr;
   r.size_ = bytes;
+  if (file) {
+    r.shared_ = true;
+    r.fd_ = file->fd;  // r's destructor closes it, also on failure below
+  }
+  Result<uint64_t> id = core_->Register(ptr, bytes, file.value_or(internal::SharedFile{}));
+  if (!id.ok()) return id.status();
+  r.core_ = core_;
+  r.id_ = *id;
   return r;
 }
 
@@ -115,8 +126,9 @@ Result<RegisteredRegion> Agent::AllocateShared(size_t bytes) {
   r.data_ = p;
   r.size_ = bytes;
   r.shared_ = true;
+  r.owns_mapping_ = true;
   r.fd_ = fd;
-  Result<uint64_t> id = core_->Register(p, bytes, /*shared=*/true, fd);
+  Result<uint64_t> id = core_->Register(p, bytes, internal::SharedFile{fd, 0});
   if (!id.ok()) return id.status();  // r's destructor unmaps and closes
   r.core_ = core_;
   r.id_ = *id;

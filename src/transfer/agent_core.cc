@@ -83,7 +83,7 @@ AgentCore::~AgentCore() {
   backend_.reset();
 }
 
-Result<uint64_t> AgentCore::Register(void* ptr, size_t bytes, bool shared, int fd) {
+Result<uint64_t> AgentCore::Register(void* ptr, size_t bytes, SharedFile file) {
   const uint64_t addr = reinterpret_cast<uintptr_t>(ptr);
   if (ptr == nullptr || bytes == 0 || addr + bytes < addr) {
     return Status::InvalidArgument(StrCat("agent '", name_, "': cannot register [", Hex(addr),
@@ -114,7 +114,7 @@ Result<uint64_t> AgentCore::Register(void* ptr, size_t bytes, bool shared, int f
   Result<std::string> rkey = backend_->RegisterMemory(id, ptr, bytes);
   if (!rkey.ok()) return rkey.status();
   std::lock_guard<std::mutex> lock(mu_);
-  regions_[addr] = LocalRegion{id, addr, bytes, shared, fd, std::move(*rkey)};
+  regions_[addr] = LocalRegion{id, addr, bytes, file, std::move(*rkey)};
   return id;
 }
 
@@ -139,8 +139,9 @@ std::string AgentCore::Metadata() const {
   m.conn_info = backend_->ConnectionInfo();
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [addr, r] : regions_) {
-    m.regions.push_back(
-        RegionInfo{r.addr, r.bytes, r.shared ? kRegionShared : 0u, r.shared ? r.fd : -1, r.rkey});
+    const bool shared = r.file.fd >= 0;
+    m.regions.push_back(RegionInfo{r.addr, r.bytes, shared ? kRegionShared : 0u, r.file.fd,
+                                   shared ? r.file.offset : 0, r.rkey});
   }
   return EncodeAgentMetadata(m);
 }

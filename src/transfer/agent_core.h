@@ -15,6 +15,7 @@
 
 #include "eplbx/transfer.h"
 #include "transfer/backend.h"
+#include "transfer/shm/shared_file.h"
 #include "transfer/metadata.h"
 
 namespace eplbx::internal {
@@ -29,7 +30,7 @@ class AgentCore : public BackendListener {
   const std::string& backend_name() const { return backend_name_; }
 
   // Returns the new region's id.
-  Result<uint64_t> Register(void* ptr, size_t bytes, bool shared, int fd);
+  Result<uint64_t> Register(void* ptr, size_t bytes, SharedFile file);
   void Deregister(uint64_t id);
   std::string Metadata() const;
 
@@ -60,8 +61,7 @@ class AgentCore : public BackendListener {
     uint64_t id = 0;
     uint64_t addr = 0;
     uint64_t bytes = 0;
-    bool shared = false;
-    int fd = -1;
+    SharedFile file;  // fd -1: not mappable by peers
     std::string rkey;
   };
   struct PeerRecord {

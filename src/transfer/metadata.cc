@@ -27,6 +27,7 @@ std::string EncodeAgentMetadata(const AgentMetadata& m) {
     w.U64(r.bytes);
     w.U32(r.flags);
     w.U32(static_cast<uint32_t>(r.shm_fd));
+    w.U64(r.shm_offset);
     w.Str32(r.rkey);
   }
   w.PatchU32(length_pos, static_cast<uint32_t>(w.size()));
@@ -86,6 +87,7 @@ Result<AgentMetadata> DecodeAgentMetadata(std::string_view blob) {
     uint32_t fd = 0;
     if (!r.U64(f + ".addr", &reg.addr) || !r.U64(f + ".bytes", &reg.bytes) ||
         !r.U32(f + ".flags", &reg.flags) || !r.U32(f + ".shm_fd", &fd) ||
+        !r.U64(f + ".shm_offset", &reg.shm_offset) ||
         !r.Str32(f + ".rkey", kMaxRkeyBytes, &reg.rkey)) {
       return r.status();
     }

@@ -13,7 +13,7 @@
 namespace eplbx::internal {
 
 inline constexpr char kAgentMagic[4] = {'E', 'P', 'X', 'A'};
-inline constexpr uint16_t kAgentMetadataVersion = 1;
+inline constexpr uint16_t kAgentMetadataVersion = 2;
 inline constexpr size_t kMaxMetadataBytes = 16u << 20;
 inline constexpr size_t kMaxHostIdBytes = 256;
 inline constexpr size_t kMaxBackendNameBytes = 32;
@@ -21,13 +21,14 @@ inline constexpr size_t kMaxConnInfoBytes = 64u << 10;
 inline constexpr size_t kMaxRegions = 4096;
 inline constexpr size_t kMaxRkeyBytes = 4096;
 
-inline constexpr uint32_t kRegionShared = 1;  // region flag: memfd-backed, mappable
+inline constexpr uint32_t kRegionShared = 1;  // region flag: backed by a shared file, mappable
 
 struct RegionInfo {
   uint64_t addr = 0;
   uint64_t bytes = 0;
   uint32_t flags = 0;
-  int32_t shm_fd = -1;  // the owner's fd of the memfd, when kRegionShared
+  int32_t shm_fd = -1;     // the owner's fd of the file, when kRegionShared
+  uint64_t shm_offset = 0;  // the file offset of `addr`, when kRegionShared
   std::string rkey;     // backend remote-access key
 };
 

@@ -25,8 +25,8 @@ int main(int argc, char** argv) {
   m.pid = 77;
   m.probe_addr = 4096;
   m.conn_info = std::string(40, '\x11');
-  m.regions.push_back({0x10000, 1 << 20, 0, -1, std::string(30, 'k')});
-  m.regions.push_back({0x200000, 4096, internal::kRegionShared, 5, "r"});
+  m.regions.push_back({0x10000, 1 << 20, 0, -1, 0, std::string(30, 'k')});
+  m.regions.push_back({0x200000, 4096, internal::kRegionShared, 5, 8192, "r"});
   Put(root / "fuzz_agent_metadata", "two_regions", internal::EncodeAgentMetadata(m));
   m.regions.clear();
   Put(root / "fuzz_agent_metadata", "no_regions", internal::EncodeAgentMetadata(m));

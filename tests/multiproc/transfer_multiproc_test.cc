@@ -5,9 +5,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <numeric>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,7 +33,7 @@ constexpr int kPeerTimeoutMs = 2000;
 struct Variant {
   const char* label;
   Transport transport;
-  bool shared;  // the peer's buffer comes from AllocateShared
+  const char* memory;  // the peer's buffer: plain, allocate (AllocateShared) or file
 };
 
 // A peer process with a buffer of `bytes` filled with PatternByte(seed, offset).
@@ -41,7 +43,8 @@ struct RemotePeer {
   uint64_t base = 0;
   uint64_t size = 0;
 
-  static RemotePeer Start(const std::string& name, uint64_t bytes, uint64_t seed, bool shared) {
+  static RemotePeer Start(const std::string& name, uint64_t bytes, uint64_t seed,
+                          const char* memory) {
     RemotePeer p;
     std::vector<std::string> argv = {EPLBX_XFER_PEER,
                                      "--name",
@@ -52,7 +55,8 @@ struct RemotePeer {
                                      std::to_string(seed),
                                      "--timeout-ms",
                                      std::to_string(kPeerTimeoutMs)};
-    if (shared) argv.push_back("--shared");
+    argv.push_back("--memory");
+    argv.push_back(memory);
     p.child = std::make_unique<Child>(argv);
     p.blob = testing::FromHex(p.child->Expect("META "));
     p.base = std::stoull(p.child->Expect("BASE "));
@@ -97,7 +101,7 @@ std::vector<uint64_t> Place(const std::vector<uint64_t>& sizes, uint64_t capacit
 TEST_P(TransferMultiProcTest, RandomDescriptorListsMoveTheRightBytes) {
   constexpr uint64_t kBytes = 150ull << 20;
   constexpr uint64_t kPeerSeed = 11;
-  RemotePeer peer = RemotePeer::Start("peer", kBytes, kPeerSeed, GetParam().shared);
+  RemotePeer peer = RemotePeer::Start("peer", kBytes, kPeerSeed, GetParam().memory);
   ASSERT_FALSE(peer.blob.empty());
   auto agent = MakeAgent("tester");
   ASSERT_NE(agent, nullptr);
@@ -109,6 +113,13 @@ TEST_P(TransferMultiProcTest, RandomDescriptorListsMoveTheRightBytes) {
   const Transport expected =
       GetParam().transport == Transport::kAuto ? Transport::kShm : GetParam().transport;
   EXPECT_EQ(agent->Peer(*pid)->transport, expected);
+  if (std::string(GetParam().memory) == "file" && expected == Transport::kShm) {
+    // The peer's file memory is mapped here (the memcpy path), not read through CMA.
+    std::ifstream maps("/proc/self/maps");
+    std::stringstream text;
+    text << maps.rdbuf();
+    EXPECT_NE(text.str().find("/dev/shm/eplbx-xfer-peer-"), std::string::npos);
+  }
 
   std::mt19937_64 rng(5);
   // Many tiny, some medium, and 64 MiB descriptors; sizes from 1 byte up.
@@ -147,7 +158,7 @@ TEST_P(TransferMultiProcTest, RandomDescriptorListsMoveTheRightBytes) {
 
 TEST_P(TransferMultiProcTest, NotificationsArriveAfterTheData) {
   constexpr uint64_t kBytes = 72ull << 20;  // 8 writes of 8 MiB, then a read past them
-  RemotePeer peer = RemotePeer::Start("peer", kBytes, 3, GetParam().shared);
+  RemotePeer peer = RemotePeer::Start("peer", kBytes, 3, GetParam().memory);
   auto agent = MakeAgent("writer");
   ASSERT_NE(agent, nullptr);
   std::vector<uint8_t> local(kBytes);
@@ -188,7 +199,7 @@ TEST_P(TransferMultiProcTest, NotificationsArriveAfterTheData) {
 
 TEST_P(TransferMultiProcTest, OutOfBoundsDescriptorsAreRejectedAndNothingMoves) {
   constexpr uint64_t kBytes = 1 << 20;
-  RemotePeer peer = RemotePeer::Start("peer", kBytes, 8, GetParam().shared);
+  RemotePeer peer = RemotePeer::Start("peer", kBytes, 8, GetParam().memory);
   auto agent = MakeAgent("tester");
   ASSERT_NE(agent, nullptr);
   std::vector<uint8_t> local(kBytes, 0xab);
@@ -225,7 +236,7 @@ TEST_P(TransferMultiProcTest, OutOfBoundsDescriptorsAreRejectedAndNothingMoves) 
 }
 
 TEST_P(TransferMultiProcTest, MalformedAndDuplicateMetadataIsRejected) {
-  RemotePeer peer = RemotePeer::Start("peer", 4096, 1, GetParam().shared);
+  RemotePeer peer = RemotePeer::Start("peer", 4096, 1, GetParam().memory);
   auto agent = MakeAgent("tester");
   ASSERT_NE(agent, nullptr);
   std::string blob = peer.blob;
@@ -248,7 +259,7 @@ TEST_P(TransferMultiProcTest, MalformedAndDuplicateMetadataIsRejected) {
 
 TEST_P(TransferMultiProcTest, CancelEndsTheTransferForGood) {
   constexpr uint64_t kBytes = 64ull << 20;
-  RemotePeer peer = RemotePeer::Start("peer", kBytes, 4, GetParam().shared);
+  RemotePeer peer = RemotePeer::Start("peer", kBytes, 4, GetParam().memory);
   auto agent = MakeAgent("tester");
   ASSERT_NE(agent, nullptr);
   std::vector<uint8_t> local(kBytes);
@@ -315,8 +326,8 @@ Failure ReadUntilFailure(Agent& agent, PeerId victim, RemotePeer& peer, std::vec
 
 void CheckDeathOf(TransferMultiProcTest* test, int signal) {
   constexpr uint64_t kBytes = 32ull << 20;
-  RemotePeer healthy = RemotePeer::Start("healthy", kBytes, 21, test->GetParam().shared);
-  RemotePeer victim = RemotePeer::Start("victim", kBytes, 22, test->GetParam().shared);
+  RemotePeer healthy = RemotePeer::Start("healthy", kBytes, 21, test->GetParam().memory);
+  RemotePeer victim = RemotePeer::Start("victim", kBytes, 22, test->GetParam().memory);
   AgentConfig config;
   config.transport = test->GetParam().transport;
   config.peer_timeout = milliseconds(kPeerTimeoutMs);
@@ -364,10 +375,12 @@ TEST_P(TransferMultiProcTest, StoppedPeerFailsWithNamedErrorWithinDeadline) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, TransferMultiProcTest,
-                         ::testing::Values(Variant{"shm_cma", Transport::kShm, false},
-                                           Variant{"shm_mapped", Transport::kShm, true},
-                                           Variant{"tcp", Transport::kTcp, false},
-                                           Variant{"auto", Transport::kAuto, false}),
+                         ::testing::Values(Variant{"shm_cma", Transport::kShm, "plain"},
+                                           Variant{"shm_mapped", Transport::kShm, "allocate"},
+                                           Variant{"shm_file", Transport::kShm, "file"},
+                                           Variant{"tcp", Transport::kTcp, "plain"},
+                                           Variant{"tcp_file", Transport::kTcp, "file"},
+                                           Variant{"auto", Transport::kAuto, "plain"}),
                          [](const ::testing::TestParamInfo<Variant>& info) {
                            return info.param.label;
                          });

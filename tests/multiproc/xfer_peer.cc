@@ -8,9 +8,15 @@
 //                                  TIMEOUT
 //   QUIT
 // Output on start: META <hex blob>, BASE <buffer address>, SIZE <bytes>.
+// --memory plain (new[]), allocate (Agent::AllocateShared) or file: a MAP_SHARED mapping
+// of an unlinked /dev/shm file, registered from an offset that is not page-aligned (what
+// torch's share_memory_() gives), with RegisterMemory.
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -29,7 +35,7 @@ int main(int argc, char** argv) {
   std::string name = "peer";
   size_t bytes = 1 << 20;
   uint64_t seed = 1;
-  bool shared = false;
+  std::string memory = "plain";
   int timeout_ms = 2000;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -40,8 +46,8 @@ int main(int argc, char** argv) {
       bytes = std::stoull(next());
     else if (a == "--seed")
       seed = std::stoull(next());
-    else if (a == "--shared")
-      shared = true;
+    else if (a == "--memory")
+      memory = next();
     else if (a == "--timeout-ms")
       timeout_ms = std::stoi(next());
   }
@@ -54,22 +60,34 @@ int main(int argc, char** argv) {
   }
   eplbx::RegisteredRegion region;
   std::unique_ptr<uint8_t[]> owned;
-  if (shared) {
-    auto r = (*agent)->AllocateShared(bytes);
-    if (!r.ok()) {
-      std::cout << "ERR " << r.status().ToString() << std::endl;
+  eplbx::Result<eplbx::RegisteredRegion> r = eplbx::Status::InvalidArgument("--memory " + memory);
+  if (memory == "allocate") {
+    r = (*agent)->AllocateShared(bytes);
+  } else if (memory == "file") {
+    constexpr size_t kLead = 4096 + 100;  // file offset of the region: not page-aligned
+    const std::string path = "/eplbx-xfer-peer-" + std::to_string(getpid());
+    const int fd = shm_open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd < 0 || shm_unlink(path.c_str()) != 0 ||
+        ftruncate(fd, static_cast<off_t>(kLead + bytes)) != 0) {
+      std::cout << "ERR shm file: " << std::strerror(errno) << std::endl;
       return 1;
     }
-    region = std::move(*r);
-  } else {
+    void* m = mmap(nullptr, bytes + 100, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 4096);
+    if (m == MAP_FAILED) {
+      std::cout << "ERR mmap: " << std::strerror(errno) << std::endl;
+      return 1;
+    }
+    r = (*agent)->RegisterMemory(static_cast<uint8_t*>(m) + 100, bytes);  // fd stays open
+    if (r.ok() && !r->shared()) r = eplbx::Status::Internal("file memory not seen as shared");
+  } else if (memory == "plain") {
     owned.reset(new uint8_t[bytes]);
-    auto r = (*agent)->RegisterMemory(owned.get(), bytes);
-    if (!r.ok()) {
-      std::cout << "ERR " << r.status().ToString() << std::endl;
-      return 1;
-    }
-    region = std::move(*r);
+    r = (*agent)->RegisterMemory(owned.get(), bytes);
   }
+  if (!r.ok()) {
+    std::cout << "ERR " << r.status().ToString() << std::endl;
+    return 1;
+  }
+  region = std::move(*r);
   auto* buf = static_cast<uint8_t*>(region.data());
   FillPattern(buf, bytes, seed, 0);
   std::cout << "META " << eplbx::testing::ToHex((*agent)->Metadata()) << "\n"

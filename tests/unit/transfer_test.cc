@@ -26,8 +26,9 @@ AgentMetadata SampleMetadata() {
   m.pid = 4242;
   m.probe_addr = 0x1000;
   m.conn_info = std::string("\x01\x02\x00\x03", 4);
-  m.regions.push_back({0x7f0000000000, 1 << 20, 0, -1, "rkey-a"});
-  m.regions.push_back({0x7f0000200000, 4096, internal::kRegionShared, 12, std::string(40, 'k')});
+  m.regions.push_back({0x7f0000000000, 1 << 20, 0, -1, 0, "rkey-a"});
+  m.regions.push_back(
+      {0x7f0000200000, 4096, internal::kRegionShared, 12, 0x123456789, std::string(40, 'k')});
   return m;
 }
 
@@ -46,6 +47,7 @@ TEST(AgentMetadataTest, RoundTrips) {
   EXPECT_EQ(d->regions[1].bytes, m.regions[1].bytes);
   EXPECT_EQ(d->regions[1].flags, internal::kRegionShared);
   EXPECT_EQ(d->regions[1].shm_fd, 12);
+  EXPECT_EQ(d->regions[1].shm_offset, 0x123456789u);
   EXPECT_EQ(d->regions[1].rkey, m.regions[1].rkey);
   EXPECT_EQ(d->regions[0].shm_fd, -1);
 }
@@ -74,10 +76,12 @@ TEST(AgentMetadataTest, EachMalformationHasItsOwnMessage) {
   magic[1] = 'Q';
   EXPECT_NE(DecodeAgentMetadata(magic).status().message().find("bad magic"), std::string::npos);
   std::string version = blob;
-  version[4] = 2;
+  version[4] = 1;  // the format before regions carried a file offset
   Result<AgentMetadata> v = DecodeAgentMetadata(version);
   EXPECT_EQ(v.status().code(), Code::kNotSupported);
-  EXPECT_NE(v.status().message().find("version 2"), std::string::npos);
+  EXPECT_NE(v.status().message().find("version 1 is not supported (this build reads version 2)"),
+            std::string::npos)
+      << v.status().ToString();
   // Found by fuzz_agent_metadata: a non-zero reserved field decoded, then re-encoded differently.
   std::string reserved = blob;
   reserved[6] = 1;

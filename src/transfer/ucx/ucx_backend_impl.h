@@ -35,8 +35,9 @@ inline std::string Ucs(ucs_status_t s) { return ucs_status_string(s); }
 class UcxBackend;
 
 struct MappedRegion {
-  uint8_t* ptr = nullptr;
-  size_t bytes = 0;
+  uint8_t* ptr = nullptr;  // the region's first byte
+  void* base = nullptr;    // what to munmap (page-aligned, at or before ptr)
+  size_t map_bytes = 0;
 };
 
 // One connected peer. Immutable after Connect except where noted.
@@ -59,7 +60,7 @@ struct PeerState {
 
   ~PeerState() {
     for (MappedRegion& m : mapped) {
-      if (m.ptr != nullptr) munmap(m.ptr, m.bytes);
+      if (m.base != nullptr) munmap(m.base, m.map_bytes);
     }
   }
 };

@@ -1,10 +1,12 @@
 // The UCX backend's data paths: get/put on the peer's rkeys (tcp; a put completes with a
-// flush) and, for same-host peers, ShmCopier on the peer's mapped memfd regions or CMA.
+// flush) and, for same-host peers, ShmCopier on the peer's mapped shared-file regions or CMA.
 #include "transfer/ucx/ucx_backend_impl.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
+
+#include "transfer/shm/shared_file.h"
 
 namespace eplbx::internal::ucx {
 
@@ -103,11 +105,13 @@ void UcxBackend::MapSharedRegions(PeerState& p) {
     if ((r.flags & kRegionShared) == 0 || r.shm_fd < 0) continue;
     int fd = open(StrCat("/proc/", p.pid, "/fd/", r.shm_fd).c_str(), O_RDWR | O_CLOEXEC);
     if (fd < 0) continue;  // CMA still works
-    void* m = mmap(nullptr, r.bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    MappedRegion m;
+    Result<uint8_t*> ptr = MapPeerFile(fd, r.shm_offset, r.bytes, &m.base, &m.map_bytes);
     close(fd);
-    if (m == MAP_FAILED) continue;
-    TouchPagesForRead(m, r.bytes);  // first-access cost now, not inside the first transfers
-    p.mapped[i] = MappedRegion{static_cast<uint8_t*>(m), r.bytes};
+    if (!ptr.ok()) continue;  // e.g. a file shorter than the region claims: CMA
+    m.ptr = *ptr;
+    TouchPagesForRead(m.ptr, r.bytes);  // first-access cost now, not inside the first transfers
+    p.mapped[i] = m;
   }
 }
 

@@ -1,0 +1,153 @@
+// Same-host shared memory: finding the file behind a registered range, mapping it at any
+// offset, and the streaming copy of the mapped path. Transfers over it between real
+// processes are in tests/multiproc/ (variant shm_file).
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "eplbx/transfer.h"
+#include "transfer/shm/copier.h"
+#include "transfer/shm/shared_file.h"
+
+namespace eplbx {
+namespace {
+
+using internal::FindInMaps;
+
+constexpr char kMaps[] =
+    "55d0a0000000-55d0a0021000 r--p 00000000 fd:01 1234    /usr/bin/python3.11\n"
+    "7f0000000000-7f0000400000 rw-s 00000000 00:1b 6449    /dev/shm/torch_1_2_0 (deleted)\n"
+    "7f0000400000-7f0000500000 rw-s 00400000 00:1b 6449    /dev/shm/torch_1_2_0 (deleted)\n"
+    "7f0000500000-7f0000600000 rw-s 00000000 00:1b 7777    /memfd:eplbx (deleted)\n"
+    "7f0000600000-7f0000700000 rw-p 00000000 00:00 0 \n"
+    "7f0000700000-7f0000800000 rw-s 00900000 00:1b 7777    /memfd:eplbx (deleted)\n"
+    "7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0       [stack]\n";
+
+TEST(FindInMapsTest, FindsTheFileAndTheOffset) {
+  auto m = FindInMaps(kMaps, 0x7f0000001000, 4096);
+  ASSERT_TRUE(m.has_value());
+  EXPECT_EQ(m->dev_major, 0u);
+  EXPECT_EQ(m->dev_minor, 0x1bu);
+  EXPECT_EQ(m->inode, 6449u);
+  EXPECT_EQ(m->offset, 0x1000u);
+  EXPECT_EQ(m->start, 0x7f0000000000u);
+  // Across two lines of one file, contiguous in address and offset.
+  m = FindInMaps(kMaps, 0x7f00003ff000, 0x2000);
+  ASSERT_TRUE(m.has_value());
+  EXPECT_EQ(m->offset, 0x3ff000u);
+  // Starting in the second line: its own offset counts.
+  m = FindInMaps(kMaps, 0x7f0000400010, 16);
+  ASSERT_TRUE(m.has_value());
+  EXPECT_EQ(m->offset, 0x400010u);
+}
+
+TEST(FindInMapsTest, RejectsWhatPeersCannotMap) {
+  EXPECT_FALSE(FindInMaps(kMaps, 0x55d0a0000000, 16));  // private file mapping
+  EXPECT_FALSE(FindInMaps(kMaps, 0x7f0000600000, 16));  // anonymous
+  EXPECT_FALSE(FindInMaps(kMaps, 0x7ffd00000000, 16));  // stack
+  EXPECT_FALSE(FindInMaps(kMaps, 0x7f0000900000, 16));  // not mapped
+  // Runs into another file, into anonymous memory, or past the end of the maps.
+  EXPECT_FALSE(FindInMaps(kMaps, 0x7f00004ff000, 0x2000));
+  EXPECT_FALSE(FindInMaps(kMaps, 0x7f00005ff000, 0x2000));
+  EXPECT_FALSE(FindInMaps(kMaps, 0x7ffd00020000, 0x2000));
+  // Same file, adjacent addresses, but not contiguous in the file.
+  const char gap[] =
+      "7f0000000000-7f0000001000 rw-s 00000000 00:1b 5 /dev/shm/x\n"
+      "7f0000001000-7f0000002000 rw-s 00005000 00:1b 5 /dev/shm/x\n";
+  EXPECT_FALSE(FindInMaps(gap, 0x7f0000000800, 0x1000));
+  EXPECT_FALSE(FindInMaps("garbage\n\n", 0x1000, 1));
+}
+
+// A MAP_SHARED mapping of an unlinked /dev/shm file, like torch's share_memory_().
+struct ShmFile {
+  int fd = -1;
+  uint8_t* map = nullptr;
+  size_t bytes = 0;
+  explicit ShmFile(size_t n, off_t map_offset = 0) : bytes(n) {
+    const std::string path = "/eplbx-unit-" + std::to_string(getpid());
+    fd = shm_open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    EXPECT_GE(fd, 0);
+    shm_unlink(path.c_str());
+    EXPECT_EQ(ftruncate(fd, map_offset + static_cast<off_t>(n)), 0);
+    void* m = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, map_offset);
+    EXPECT_NE(m, MAP_FAILED);
+    map = static_cast<uint8_t*>(m);
+  }
+  ~ShmFile() {
+    munmap(map, bytes);
+    close(fd);
+  }
+};
+
+TEST(SharedFileTest, RegisteredFileMemoryIsSharedAndMapsAtItsOffset) {
+  ShmFile file(1 << 20, 8192);
+  for (size_t i = 0; i < file.bytes; ++i) file.map[i] = static_cast<uint8_t>(i * 7);
+  auto found = internal::FindSharedFile(file.map + 100, 5000);
+  ASSERT_TRUE(found.has_value());
+  EXPECT_EQ(found->offset, 8192u + 100);
+  EXPECT_NE(found->fd, file.fd);  // our own fd, closed with the region
+  void* base = nullptr;
+  size_t map_bytes = 0;
+  Result<uint8_t*> p = internal::MapPeerFile(found->fd, found->offset, 5000, &base, &map_bytes);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(std::memcmp(*p, file.map + 100, 5000), 0);
+  (*p)[0] ^= 0xff;  // the same pages, not a copy
+  EXPECT_EQ(file.map[100], static_cast<uint8_t>((100 * 7) ^ 0xff));
+  munmap(base, map_bytes);
+  // A region that claims more than the file holds is not mapped (it would fault).
+  EXPECT_FALSE(internal::MapPeerFile(found->fd, found->offset, 2 << 20, &base, &map_bytes).ok());
+  close(found->fd);
+
+  std::vector<uint8_t> heap(1 << 16);
+  EXPECT_FALSE(internal::FindSharedFile(heap.data(), heap.size()).has_value());
+}
+
+TEST(SharedFileTest, AgentPublishesFileMemoryAsShared) {
+  AgentConfig config;
+  config.backend = "loopback";
+  auto agent = Agent::Create("a", config);
+  ASSERT_TRUE(agent.ok()) << agent.status().ToString();
+  ShmFile file(1 << 20);
+  auto shared = (*agent)->RegisterMemory(file.map + 64, 4096);
+  ASSERT_TRUE(shared.ok()) << shared.status().ToString();
+  EXPECT_TRUE(shared->shared());
+  std::vector<uint8_t> heap(4096);
+  auto plain = (*agent)->RegisterMemory(heap.data(), heap.size());
+  ASSERT_TRUE(plain.ok());
+  EXPECT_FALSE(plain->shared());
+  // Deregistering leaves the user's mapping alone.
+  *shared = RegisteredRegion();
+  file.map[64] = 1;
+  EXPECT_EQ(file.map[64], 1);
+}
+
+TEST(CopyBytesTest, EverySizeAndAlignmentCopiesExactly) {
+  std::mt19937_64 rng(3);
+  std::vector<uint8_t> src((2 << 20) + 512), dst(src.size());
+  for (auto& b : src) b = static_cast<uint8_t>(rng());
+  const size_t sizes[] = {0, 1, 31, 4096, internal::kStreamMinBytes - 1, internal::kStreamMinBytes,
+                          internal::kStreamMinBytes + 1, internal::kStreamMinBytes + 127,
+                          (1 << 20) + 333, 2 << 20};
+  for (size_t n : sizes) {
+    for (size_t d_off : {0, 1, 17, 32, 63}) {
+      for (size_t s_off : {0, 5, 32}) {
+        std::fill(dst.begin(), dst.end(), 0xee);
+        internal::CopyBytes(dst.data() + d_off, src.data() + s_off, n);
+        ASSERT_EQ(std::memcmp(dst.data() + d_off, src.data() + s_off, n), 0)
+            << n << " bytes, dst +" << d_off << ", src +" << s_off;
+        for (size_t i = 0; i < d_off; ++i) ASSERT_EQ(dst[i], 0xee) << "wrote before the range";
+        for (size_t i = d_off + n; i < dst.size(); ++i)
+          ASSERT_EQ(dst[i], 0xee) << "wrote past the range";
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace eplbx

@@ -4,13 +4,18 @@ vLLM moves expert weights without NIXL), in the same run, same placements, same 
 
     PYTHONPATH=build/python /usr/bin/python3 bench/python/bench_vllm_communicator.py [--json]
 
-Prints seconds, GB/s and the ratio; every received row is verified for both.
+Three communicators on the same placements: eplbx on plain torch tensors (same-host READs
+use process_vm_readv), the gloo baseline, and eplbx on tensors moved to shared memory with
+torch's share_memory_() (READs are memcpy). After a warm-up, --repeats rearrangements each,
+interleaved so all three see the same machine; prints the median seconds, GB/s and the
+ratios. Every received row is verified, and the buffer is zeroed between repetitions.
 """
 import argparse
 import json
 import multiprocessing as mp
 import random
 import socket
+import statistics
 import time
 
 WORLD, LAYERS, ROWS, EXPERTS = 4, 4, 4, 12
@@ -67,7 +72,7 @@ class GlooStagingCommunicator:
         dist.barrier(group=self.group)  # nobody overwrites rows a peer still reads
 
 
-def worker(rank, port, results):
+def worker(rank, port, repeats, results):
     import torch
     import torch.distributed as dist
 
@@ -77,16 +82,24 @@ def worker(rank, port, results):
     group = dist.new_group(backend="gloo")
     before, after = maps(1), maps(2)
     elems = [mib * (1 << 20) // 4 for mib in TENSOR_MIB]
-    weights = []
-    for layer in range(LAYERS):
-        tensors = []
-        for t, n in enumerate(elems):
-            w = torch.empty((ROWS, n), dtype=torch.float32)
-            for row in range(ROWS):
-                w[row].fill_(layer * 1000 + before[layer][rank * ROWS + row] * 10 + t)
-            tensors.append(w)
-        weights.append(tensors)
-    buffer = [torch.zeros((ROWS, n), dtype=torch.float32) for n in elems]
+
+    def tensors(shared):
+        weights = []
+        for layer in range(LAYERS):
+            layer_tensors = []
+            for t, n in enumerate(elems):
+                w = torch.empty((ROWS, n), dtype=torch.float32)
+                for row in range(ROWS):
+                    w[row].fill_(layer * 1000 + before[layer][rank * ROWS + row] * 10 + t)
+                layer_tensors.append(w)
+            weights.append(layer_tensors)
+        buffer = [torch.zeros((ROWS, n), dtype=torch.float32) for n in elems]
+        if shared:
+            # torch's share_memory_() moves a tensor into /dev/shm in place; eplbx publishes
+            # such memory as mappable and same-host READs become memcpy (docs/python.md).
+            for t in [w for layer in weights for w in layer] + buffer:
+                t.share_memory_()
+        return weights, buffer
 
     def holder(layer, e):
         return next(s // ROWS for s in range(WORLD * ROWS) if before[layer][s] == e)
@@ -94,7 +107,7 @@ def worker(rank, port, results):
     def holds(layer, r, e):
         return e in before[layer][r * ROWS:(r + 1) * ROWS]
 
-    def rearrange(comm):
+    def rearrange(comm, weights, buffer):
         moved = 0
         for layer in range(LAYERS):
             comm.set_transfer_context(torch.tensor(before[layer]), layer)
@@ -119,30 +132,32 @@ def worker(rank, port, results):
                 for t in range(len(elems)):
                     assert float(buffer[t][row][0]) == layer * 1000 + e * 10 + t, (layer, e, t)
                     assert float(buffer[t][row][-1]) == layer * 1000 + e * 10 + t, (layer, e, t)
-                moved += sum(elems) * 4
+            moved += sum(elems) * 4 * len(received)
         return moved
 
-    def share():
-        # torch's share_memory_() moves each tensor into /dev/shm in place; eplbx then
-        # publishes it as mappable and same-host reads are memcpy (docs/python.md).
-        for t in [w for layer in weights for w in layer] + buffer:
-            t.share_memory_()
-        return EplbxCommunicator(group, weights, buffer, timeout_s=60.0)
-
+    plain, shared = tensors(False), tensors(True)
+    runs = {
+        "eplbx": (EplbxCommunicator(group, *plain, timeout_s=60.0), plain),
+        "gloo_isend_irecv_staging": (GlooStagingCommunicator(group), plain),
+        "eplbx_shared": (EplbxCommunicator(group, *shared, timeout_s=60.0), shared),
+    }
+    seconds = {name: [] for name in runs}
+    moved = {}
+    for rep in range(repeats + 1):  # the first is a warm-up (connections, first touch)
+        for name, (comm, (weights, buffer)) in runs.items():  # interleaved: same VM weather
+            for b in buffer:
+                b.zero_()  # untimed: stale rows from the previous repetition cannot pass the checks
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            moved[name] = rearrange(comm, weights, buffer)
+            dist.barrier(group=group)
+            if rep > 0:
+                seconds[name].append(time.perf_counter() - t0)
     out = {}
-    for name, make in (("eplbx", lambda: EplbxCommunicator(group, weights, buffer, timeout_s=60.0)),
-                       ("gloo_isend_irecv_staging", lambda: GlooStagingCommunicator(group)),
-                       ("eplbx_shared", share)):
-        comm = make()
-        rearrange(comm)  # warm-up (connections, first touch)
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        moved = rearrange(comm)
-        dist.barrier(group=group)
-        seconds = time.perf_counter() - t0
+    for name in runs:
         totals = [None] * WORLD
-        dist.all_gather_object(totals, moved, group=group)
-        out[name] = {"seconds": seconds, "bytes_moved": sum(totals)}
+        dist.all_gather_object(totals, moved[name], group=group)
+        out[name] = {"seconds": seconds[name], "bytes_moved": sum(totals)}
     if rank == 0:
         results.put(out)
 
@@ -150,29 +165,32 @@ def worker(rank, port, results):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rearrangements per communicator")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, results)) for r in range(WORLD)]
+    procs = [ctx.Process(target=worker, args=(r, port, args.repeats, results)) for r in range(WORLD)]
     for p in procs:
         p.start()
     out = results.get(timeout=600)
     for p in procs:
         p.join()
     for v in out.values():
-        v["gbps"] = v["bytes_moved"] / v["seconds"] / 1e9
-    gloo = out["gloo_isend_irecv_staging"]["seconds"]
-    report = {"ranks": WORLD, "layers": LAYERS, "tensor_mib_per_expert": TENSOR_MIB, "results": out,
-              "speedup": gloo / out["eplbx"]["seconds"],
-              "speedup_shared": gloo / out["eplbx_shared"]["seconds"]}
+        v["median_s"] = statistics.median(v["seconds"])
+        v["gbps"] = v["bytes_moved"] / v["median_s"] / 1e9
+    gloo = out["gloo_isend_irecv_staging"]["median_s"]
+    report = {"ranks": WORLD, "layers": LAYERS, "tensor_mib_per_expert": TENSOR_MIB, "repeats": args.repeats,
+              "results": out, "speedup": gloo / out["eplbx"]["median_s"],
+              "speedup_shared": gloo / out["eplbx_shared"]["median_s"]}
     if args.json:
         print(json.dumps(report, indent=1))
     else:
         for name, v in out.items():
-            print(f"{name:26s} {v['seconds']:.3f} s  {v['bytes_moved'] / 2**20:.0f} MiB  {v['gbps']:.2f} GB/s")
+            print(f"{name:26s} median {v['median_s']:.3f} s (min {min(v['seconds']):.3f}, max {max(v['seconds']):.3f})"
+                  f"  {v['bytes_moved'] / 2**20:.0f} MiB  {v['gbps']:.2f} GB/s")
         print(f"eplbx is {report['speedup']:.1f}x faster on plain tensors, "
-              f"{report['speedup_shared']:.1f}x on shared ones")
+              f"{report['speedup_shared']:.1f}x on shared ones (medians)")
 
 
 if __name__ == "__main__":

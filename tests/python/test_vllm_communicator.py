@@ -1,5 +1,6 @@
 """eplbx.vllm.EplbxCommunicator in spawned processes over a gloo group, driven exactly as
-vLLM drives an EPLB communicator; layout mismatches and a killed rank."""
+vLLM drives an EPLB communicator; tensors in shared memory (share_memory_()); layout
+mismatches and a killed rank."""
 import multiprocessing as mp
 import os
 import socket
@@ -46,10 +47,15 @@ def worker(rank, world, port, scenario, results, seed=7):
         before = random_maps(seed, world)
         after = random_maps(seed + 1, world)
         dtypes = [getattr(torch, d) for d in DTYPES]
+        shapes = list(SHAPES)
+        if scenario == "shared":
+            # One tensor of ~1.2 MB per expert: large copies take the streaming path.
+            shapes.append((300001,))
+            dtypes.append(torch.float32)
         weights = []
         for layer in range(LAYERS):
             tensors = []
-            for t, (shape, dtype) in enumerate(zip(SHAPES, dtypes)):
+            for t, (shape, dtype) in enumerate(zip(shapes, dtypes)):
                 if scenario == "mismatch" and rank == 1 and t == 1:
                     shape = (shape[0] // 2 + 1,)
                 w = torch.empty((ROWS,) + tuple(shape), dtype=dtype)
@@ -57,13 +63,27 @@ def worker(rank, world, port, scenario, results, seed=7):
                     w[row].fill_(value(layer, before[layer][rank * ROWS + row], t))
                 tensors.append(w)
             weights.append(tensors)
-        buffer = [torch.zeros((ROWS,) + tuple(s), dtype=d) for s, d in zip(SHAPES, dtypes)]
+        buffer = [torch.zeros((ROWS,) + tuple(s), dtype=d) for s, d in zip(shapes, dtypes)]
+        if scenario == "shared" and rank != 1:
+            # Ranks 0 and 2 move their tensors to /dev/shm; rank 1 keeps plain memory, so
+            # its rows are read with process_vm_readv and the others' are mapped.
+            for t in [w for layer in weights for w in layer] + buffer:
+                t.share_memory_()
         try:
             comm = EplbxCommunicator(group, weights, buffer, timeout_s=4.0)
         except eplbx.EplbxError as e:
             results.put((rank, type(e).__name__, str(e)))
             return
         assert comm.needs_profile_buffer_reservation is False
+        if scenario == "shared":
+            # The peers' shared files are mapped here (torch names them torch_<pid>_...).
+            with open("/proc/self/maps") as maps:
+                peers = {line.split("/dev/shm/torch_")[1].split("_")[0] for line in maps
+                         if "/dev/shm/torch_" in line}
+            peers.discard(str(os.getpid()))
+            if len(peers) != (1 if rank != 1 else 2):
+                results.put((rank, "not mapped", f"peer files mapped from pids {sorted(peers)}"))
+                return
 
         def holder(layer, e):
             return next(s // ROWS for s in range(world * ROWS) if before[layer][s] == e)
@@ -97,7 +117,7 @@ def worker(rank, world, port, scenario, results, seed=7):
                 results.put((rank, type(e).__name__, str(e), time.monotonic() - started))
                 return
             for e, row in received.items():
-                for t in range(len(SHAPES)):
+                for t in range(len(shapes)):
                     got = buffer[t][row]
                     want = value(layer, e, t)
                     if not bool((got == want).all()):
@@ -105,7 +125,7 @@ def worker(rank, world, port, scenario, results, seed=7):
                         return
             # vLLM copies from the buffer into the weights afterwards.
             for e, row in received.items():
-                for t in range(len(SHAPES)):
+                for t in range(len(shapes)):
                     for r in range(ROWS):
                         if after[layer][rank * ROWS + r] == e:
                             weights[layer][t][r].copy_(buffer[t][row])
@@ -140,6 +160,10 @@ def run(world, scenario, timeout=90):
 class VllmCommunicatorTest(unittest.TestCase):
     def test_random_placements_every_row(self):
         out = run(3, "ok")
+        self.assertEqual(out, {0: ("ok", ""), 1: ("ok", ""), 2: ("ok", "")})
+
+    def test_shared_memory_tensors_are_mapped_and_every_row_is_right(self):
+        out = run(3, "shared")
         self.assertEqual(out, {0: ("ok", ""), 1: ("ok", ""), 2: ("ok", "")})
 
     def test_layout_mismatch_raises_on_every_rank(self):

@@ -17,6 +17,7 @@
 #include "eplbx/policy.h"
 #include "eplbx/rearrange.h"
 #include "eplbx/transfer.h"
+#include "transfer/shm/measure.h"
 
 namespace py = pybind11;
 
@@ -329,6 +330,16 @@ PYBIND11_MODULE(_eplbx, m) {
         "(src, src_row, dst, dst_row, expert, round); local_copies rows: (rank, src_row, dst_row, "
         "expert, "
         "from_new).");
+
+  m.def(
+      "_copy_limit_gbps",
+      [](int threads) {
+        py::gil_scoped_release release;
+        return internal::MeasureCopyLimitGbps(threads);
+      },
+      py::arg("threads") = 2,
+      "GB/s of `threads` threads copying 64 MiB blocks at once with eplbx's streaming copy: "
+      "the fastest this machine copies each byte once (for benchmarks).");
 
   py::class_<Communicator>(m, "_Communicator")
       .def(py::init<uint32_t, uint32_t, py::function, const py::list&, const py::list&, double,

@@ -1,6 +1,7 @@
 // `eplbx bench xfer`: READ and WRITE throughput and latency between two processes on this
-// machine, per transport, block size and batch size, next to single-thread memcpy (the
-// physical limit) and, with --perftest, UCX's own ucx_perftest at the same sizes.
+// machine, per transport, block size and batch size, next to the physical limits
+// (single-thread memcpy, and two threads copying with streaming stores) and, with
+// --perftest, UCX's own ucx_perftest at the same sizes.
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -18,7 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
-#include "cli/measure.h"
+#include "transfer/shm/measure.h"
 #include "common/strings.h"
 #include "eplbx/transfer.h"
 
@@ -272,7 +273,9 @@ Status RunXfer(const XferOptions& o) {
         StrCat("--ops '", o.ops, "': expected read, write or read,write"));
 
   nlohmann::json out;
-  out["memcpy_gbps"] = MeasureMemcpyGbps();
+  out["memcpy_gbps"] = internal::MeasureMemcpyGbps();
+  // Same-host READs copy with two threads and streaming stores: their own limit.
+  out["copy_limit_gbps"] = internal::MeasureCopyLimitGbps(2);
   Target target;
   EPLBX_RETURN_IF_ERROR(StartTarget(&target, kMaxBuffer));
   std::unique_ptr<uint8_t[]> local(new uint8_t[kMaxBuffer]);
@@ -353,6 +356,8 @@ Status RunXfer(const XferOptions& o) {
     std::cout << out.dump(1) << "\n";
   } else {
     std::printf("memcpy (one thread, 64 MiB): %.2f GB/s\n", out["memcpy_gbps"].get<double>());
+    std::printf("copy limit (two threads, streaming stores): %.2f GB/s\n",
+                out["copy_limit_gbps"].get<double>());
   }
   return Status::OK();
 }

@@ -11,7 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "cli/measure.h"
+#include "transfer/shm/measure.h"
 #include "eplbx/bootstrap.h"
 #include "eplbx/status.h"
 

@@ -103,7 +103,7 @@ namespace {
 
 Status RunDemo(DemoOptions o) {
   EPLBX_RETURN_IF_ERROR(ParseDemo(o));
-  const double memcpy_gbps = MeasureMemcpyGbps();
+  const double memcpy_gbps = internal::MeasureMemcpyGbps();
   std::vector<int> fds(o.ranks);
   std::vector<pid_t> pids(o.ranks);
   std::cout.flush();

@@ -86,7 +86,7 @@ Status RunWorker(DemoOptions o, bool ranks_given) {
   o.ranks = static_cast<int>(env->world);
   EPLBX_RETURN_IF_ERROR(ParseDemo(o));
   const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
-  const double memcpy_gbps = env->rank == 0 ? MeasureMemcpyGbps() : 0.0;
+  const double memcpy_gbps = env->rank == 0 ? internal::MeasureMemcpyGbps() : 0.0;
   std::unique_ptr<StoreThread> store;
   if (env->rank == 0) {
     Result<std::unique_ptr<TcpStore>> s =

@@ -1,0 +1,18 @@
+// Internal: the physical limits benchmarks and the demo compare against (used by the CLI
+// and the Python module).
+#ifndef EPLBX_SRC_TRANSFER_SHM_MEASURE_H_
+#define EPLBX_SRC_TRANSFER_SHM_MEASURE_H_
+
+namespace eplbx::internal {
+
+// Single-thread memcpy GB/s (10^9 bytes/s) of 64 MiB blocks, median of 9 copies.
+double MeasureMemcpyGbps();
+
+// The fastest this machine copies each byte once: `threads` threads at the same time, each
+// copying its own 64 MiB blocks with CopyBytes (streaming stores), in 4 MiB pieces as the
+// copier does. Aggregate GB/s, median of 7 rounds.
+double MeasureCopyLimitGbps(int threads);
+
+}  // namespace eplbx::internal
+
+#endif  // EPLBX_SRC_TRANSFER_SHM_MEASURE_H_

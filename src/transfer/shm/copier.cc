@@ -32,37 +32,20 @@ __attribute__((target("avx2"))) void StreamAvx2(uint8_t* d, const uint8_t* s, si
     _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 96), e);
   }
 }
-
-void StreamSse2(uint8_t* d, const uint8_t* s, size_t n) {
-  for (size_t i = 0; i < n; i += 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
-    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
-  }
-}
 #endif
 
 }  // namespace
 
 void CopyBytes(void* dst, const void* src, size_t n) {
 #if defined(__x86_64__)
-  if (n >= kStreamMinBytes) {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (n >= kStreamMinBytes && avx2) {
     auto* d = static_cast<uint8_t*>(dst);
     const auto* s = static_cast<const uint8_t*>(src);
     const size_t head = (32 - reinterpret_cast<uintptr_t>(d) % 32) % 32;
     std::memcpy(d, s, head);
     const size_t body = (n - head) / 128 * 128;
-    static const bool avx2 = __builtin_cpu_supports("avx2");
-    if (avx2) {
-      StreamAvx2(d + head, s + head, body);
-    } else {
-      StreamSse2(d + head, s + head, body);
-    }
+    StreamAvx2(d + head, s + head, body);
     _mm_sfence();  // the stores are weakly ordered: visible before the copy is reported done
     std::memcpy(d + head + body, s + head + body, n - head - body);
     return;

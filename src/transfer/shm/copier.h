@@ -31,7 +31,7 @@ void TouchPagesForWrite(void* p, size_t n);
 void TouchPagesForRead(const void* p, size_t n);
 
 // memcpy for the mapped path. Copies of at least kStreamMinBytes use non-temporal stores
-// on x86-64 (AVX2 when the CPU has it, else SSE2) and end with a store fence: the
+// on x86-64 CPUs with AVX2 (others: memcpy) and end with a store fence: the
 // destination is not read back soon, and skipping the read-for-ownership of every
 // destination line cuts memory traffic by a third. With a large L3 glibc's memcpy keeps
 // regular stores up to ~3/4 of it, so it never does this for expert rows (measured 1.3-1.5x

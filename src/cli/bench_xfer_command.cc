@@ -19,9 +19,9 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
-#include "transfer/shm/measure.h"
 #include "common/strings.h"
 #include "eplbx/transfer.h"
+#include "transfer/shm/measure.h"
 
 namespace eplbx::cli {
 namespace {

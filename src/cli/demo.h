@@ -11,9 +11,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "transfer/shm/measure.h"
 #include "eplbx/bootstrap.h"
 #include "eplbx/status.h"
+#include "transfer/shm/measure.h"
 
 namespace eplbx::cli {
 

@@ -15,8 +15,8 @@
 
 #include "eplbx/transfer.h"
 #include "transfer/backend.h"
-#include "transfer/shm/shared_file.h"
 #include "transfer/metadata.h"
+#include "transfer/shm/shared_file.h"
 
 namespace eplbx::internal {
 

@@ -27,9 +27,9 @@ struct RegionInfo {
   uint64_t addr = 0;
   uint64_t bytes = 0;
   uint32_t flags = 0;
-  int32_t shm_fd = -1;     // the owner's fd of the file, when kRegionShared
+  int32_t shm_fd = -1;      // the owner's fd of the file, when kRegionShared
   uint64_t shm_offset = 0;  // the file offset of `addr`, when kRegionShared
-  std::string rkey;     // backend remote-access key
+  std::string rkey;         // backend remote-access key
 };
 
 struct AgentMetadata {

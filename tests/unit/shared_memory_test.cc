@@ -131,9 +131,16 @@ TEST(CopyBytesTest, EverySizeAndAlignmentCopiesExactly) {
   std::mt19937_64 rng(3);
   std::vector<uint8_t> src((2 << 20) + 512), dst(src.size());
   for (auto& b : src) b = static_cast<uint8_t>(rng());
-  const size_t sizes[] = {0, 1, 31, 4096, internal::kStreamMinBytes - 1, internal::kStreamMinBytes,
-                          internal::kStreamMinBytes + 1, internal::kStreamMinBytes + 127,
-                          (1 << 20) + 333, 2 << 20};
+  const size_t sizes[] = {0,
+                          1,
+                          31,
+                          4096,
+                          internal::kStreamMinBytes - 1,
+                          internal::kStreamMinBytes,
+                          internal::kStreamMinBytes + 1,
+                          internal::kStreamMinBytes + 127,
+                          (1 << 20) + 333,
+                          2 << 20};
   for (size_t n : sizes) {
     for (size_t d_off : {0, 1, 17, 32, 63}) {
       for (size_t s_off : {0, 5, 32}) {

@@ -27,6 +27,7 @@ constexpr char kMaps[] =
     "7f0000500000-7f0000600000 rw-s 00000000 00:1b 7777    /memfd:eplbx (deleted)\n"
     "7f0000600000-7f0000700000 rw-p 00000000 00:00 0 \n"
     "7f0000700000-7f0000800000 rw-s 00900000 00:1b 7777    /memfd:eplbx (deleted)\n"
+    "7f0000800000-7f0000900000 r--s 00000000 fd:01 4242    /models/experts.safetensors\n"
     "7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0       [stack]\n";
 
 TEST(FindInMapsTest, FindsTheFileAndTheOffset) {
@@ -51,7 +52,8 @@ TEST(FindInMapsTest, RejectsWhatPeersCannotMap) {
   EXPECT_FALSE(FindInMaps(kMaps, 0x55d0a0000000, 16));  // private file mapping
   EXPECT_FALSE(FindInMaps(kMaps, 0x7f0000600000, 16));  // anonymous
   EXPECT_FALSE(FindInMaps(kMaps, 0x7ffd00000000, 16));  // stack
-  EXPECT_FALSE(FindInMaps(kMaps, 0x7f0000900000, 16));  // not mapped
+  EXPECT_FALSE(FindInMaps(kMaps, 0x7f0000800000, 16));  // shared but read-only
+  EXPECT_FALSE(FindInMaps(kMaps, 0x7f0000a00000, 16));  // not mapped
   // Runs into another file, into anonymous memory, or past the end of the maps.
   EXPECT_FALSE(FindInMaps(kMaps, 0x7f00004ff000, 0x2000));
   EXPECT_FALSE(FindInMaps(kMaps, 0x7f00005ff000, 0x2000));

@@ -24,7 +24,8 @@ namespace {
 struct MapsLine {
   uint64_t start = 0, end = 0, offset = 0, inode = 0;
   uint32_t major = 0, minor = 0;
-  bool shared = false;
+  bool shared = false;    // MAP_SHARED
+  bool writable = false;  // PROT_WRITE
 };
 
 bool ParseMapsLine(std::string_view text, MapsLine* out) {
@@ -36,7 +37,7 @@ bool ParseMapsLine(std::string_view text, MapsLine* out) {
                   &major, &minor, &inode) != 7) {
     return false;
   }
-  *out = MapsLine{start, end, offset, inode, major, minor, perms[3] == 's'};
+  *out = MapsLine{start, end, offset, inode, major, minor, perms[3] == 's', perms[1] == 'w'};
   return true;
 }
 
@@ -74,14 +75,16 @@ std::optional<MappedFileRange> FindInMaps(std::string_view maps, uint64_t p, uin
     if (!ParseMapsLine(text, &l)) continue;
     if (!found) {
       if (p < l.start || p >= l.end) continue;
-      if (!l.shared || l.inode == 0) return std::nullopt;
+      // Read-only shared mappings (a model file mapped for reading, say) stay private to
+      // CMA: a peer's WRITE through a mapping of its own would reach the file.
+      if (!l.shared || !l.writable || l.inode == 0) return std::nullopt;
       found = MappedFileRange{l.start, l.end, l.major, l.minor, l.inode, l.offset + (p - l.start)};
       covered_to = l.end;
       next_offset = l.offset + (l.end - l.start);
     } else {
       // A later line continues the range only if it is the same file, contiguous in both
       // address and offset (one mmap split by mprotect, for example).
-      if (l.start != covered_to || !l.shared || l.inode != found->inode ||
+      if (l.start != covered_to || !l.shared || !l.writable || l.inode != found->inode ||
           l.major != found->dev_major || l.minor != found->dev_minor || l.offset != next_offset) {
         break;
       }

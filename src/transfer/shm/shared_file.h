@@ -1,5 +1,5 @@
 // Internal: memory that same-host peers can map. A region is mappable when it lies in a
-// MAP_SHARED mapping of a file (memfd, /dev/shm, any tmpfs or regular file): a peer opens
+// writable MAP_SHARED mapping of a file (memfd, /dev/shm, any tmpfs or regular file): a peer opens
 // the file through /proc/<owner pid>/fd/<fd> and maps the same pages, so its READs and
 // WRITEs are plain memcpy instead of process_vm_readv (docs/transfer.md, "Same host").
 #ifndef EPLBX_SRC_TRANSFER_SHM_SHARED_FILE_H_
@@ -21,7 +21,7 @@ struct SharedFile {
   uint64_t offset = 0;
 };
 
-// If [p, p + n) lies in MAP_SHARED mappings of one file with contiguous offsets, returns a
+// If [p, p + n) lies in writable MAP_SHARED mappings of one file with contiguous offsets, returns a
 // new close-on-exec fd of that file (the caller owns it) and the offset of `p`. The fd comes
 // from one this process already holds for the file (torch keeps one for tensors moved by
 // share_memory_()), else from /proc/self/map_files. nullopt for private or anonymous

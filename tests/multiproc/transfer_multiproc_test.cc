@@ -8,6 +8,7 @@
 #include <fstream>
 #include <memory>
 #include <numeric>
+#include <ostream>
 #include <random>
 #include <sstream>
 #include <string>
@@ -35,6 +36,7 @@ struct Variant {
   Transport transport;
   const char* memory;  // the peer's buffer: plain, allocate (AllocateShared) or file
 };
+void PrintTo(const Variant& v, std::ostream* os) { *os << v.label; }  // readable test names
 
 // A peer process with a buffer of `bytes` filled with PatternByte(seed, offset).
 struct RemotePeer {

@@ -86,7 +86,7 @@ class RegisteredRegion {
   void* data() const { return data_; }
   size_t size() const { return size_; }
   // True when same-host peers can map the region and memcpy: memory from AllocateShared,
-  // or registered memory that lies in a shared file mapping (memfd, /dev/shm).
+  // or registered memory that lies in a writable shared file mapping (memfd, /dev/shm).
   bool shared() const { return shared_; }
   uint64_t addr() const { return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(data_)); }
 
@@ -147,8 +147,8 @@ class Agent {
 
   // Registers [ptr, ptr + bytes) for local and remote access. Regions may not overlap.
   // Register a few large regions once and describe tensors as offsets inside them.
-  // Memory inside one MAP_SHARED file mapping (memfd, /dev/shm, e.g. a torch tensor after
-  // share_memory_()) is published as mappable: same-host peers then copy it with memcpy
+  // Memory inside one writable MAP_SHARED file mapping (memfd, /dev/shm, e.g. a torch tensor
+  // after share_memory_()) is published as mappable: same-host peers then copy it with memcpy
   // instead of process_vm_readv (shared() is true).
   Result<RegisteredRegion> RegisterMemory(void* ptr, size_t bytes);
   // Allocates `bytes` of zeroed shared memory and registers it. Same-host peers map it and

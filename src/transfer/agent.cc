@@ -83,8 +83,8 @@ const std::string& Agent::backend() const { return core_->backend_name(); }
 const std::string& Agent::host_id() const { return core_->host_id(); }
 
 Result<RegisteredRegion> Agent::RegisterMemory(void* ptr, size_t bytes) {
-  // Memory in a shared file mapping (memfd, /dev/shm: torch's share_memory_()) is published
-  // as mappable, so same-host peers copy it with memcpy instead of process_vm_readv.
+  // Memory in a writable shared file mapping (memfd, /dev/shm: torch's share_memory_()) is
+  // published as mappable, so same-host peers copy it with memcpy instead of process_vm_readv.
   std::optional<internal::SharedFile> file =
       ptr != nullptr && bytes > 0 ? internal::FindSharedFile(ptr, bytes) : std::nullopt;
   RegisteredRegion r;

@@ -10,6 +10,8 @@
 
 namespace eplbx::internal::ucx {
 
+constexpr uint64_t kTouchAtConnectBytes = 256ull << 20;  // larger mapped regions fault lazily
+
 void UcxBackend::StartRma(const std::shared_ptr<PeerState>& p, PostRequest req) {
   auto owned = std::make_unique<Op>();
   Op* op = owned.get();
@@ -110,7 +112,10 @@ void UcxBackend::MapSharedRegions(PeerState& p) {
     close(fd);
     if (!ptr.ok()) continue;  // e.g. a file shorter than the region claims: CMA
     m.ptr = *ptr;
-    TouchPagesForRead(m.ptr, r.bytes);  // first-access cost now, not inside the first transfers
+    // First-access cost now, not inside the first transfers. Not for large regions (a CPU
+    // model's weights): every peer would build page tables for all of them, while only the
+    // rows actually read ever need them.
+    if (r.bytes <= kTouchAtConnectBytes) TouchPagesForRead(m.ptr, r.bytes);
     p.mapped[i] = m;
   }
 }

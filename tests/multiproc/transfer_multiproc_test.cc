@@ -199,6 +199,56 @@ TEST_P(TransferMultiProcTest, NotificationsArriveAfterTheData) {
   }
 }
 
+// A peer's shared region above 256 MiB is mapped without touching its pages at connect;
+// reads fault them in and still move the right bytes, from the start, middle and end.
+TEST(SharedFileMultiProcTest, LargeRegionIsMappedLazilyAndReadRight) {
+  constexpr uint64_t kBytes = 300ull << 20;
+  constexpr uint64_t kSeed = 31;
+  RemotePeer peer = RemotePeer::Start("peer", kBytes, kSeed, "file");
+  ASSERT_FALSE(peer.blob.empty());
+  AgentConfig config;
+  config.transport = Transport::kShm;
+  auto agent = Agent::Create("tester", config);
+  ASSERT_TRUE(agent.ok()) << agent.status().ToString();
+  std::vector<uint8_t> local(3 << 20);
+  auto region = (*agent)->RegisterMemory(local.data(), local.size());
+  ASSERT_TRUE(region.ok());
+  auto pid = (*agent)->Connect(peer.blob);
+  ASSERT_TRUE(pid.ok()) << pid.status().ToString();
+  const uint64_t at[] = {0, kBytes / 2 + 12345, kBytes - (1 << 20)};
+  std::vector<Descriptor> l, r;
+  for (int i = 0; i < 3; ++i) {
+    l.push_back(Descriptor::Of(local.data() + (static_cast<size_t>(i) << 20), 1 << 20));
+    r.push_back({peer.base + at[i], 1 << 20});
+  }
+  auto id = (*agent)->Read(*pid, l, r);
+  ASSERT_TRUE(id.ok()) << id.status().ToString();
+  TransferStatus s = (*agent)->Wait(*id, std::chrono::seconds(30));
+  ASSERT_EQ(s.state, TransferState::kDone) << s.error.ToString();
+  for (int i = 0; i < 3; ++i) {
+    for (uint64_t k = 0; k < (1 << 20); ++k) {
+      ASSERT_EQ(local[(static_cast<size_t>(i) << 20) + k], PatternByte(kSeed, at[i] + k))
+          << "piece " << i << " byte " << k;
+    }
+  }
+  // Mapped (not read with CMA), and only about the pages read are resident in our mapping.
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool in_mapping = false;
+  int64_t rss_kib = -1;
+  while (std::getline(smaps, line)) {
+    if (line.find(" /dev/shm/eplbx-xfer-peer-") != std::string::npos) in_mapping = true;
+    if (in_mapping && line.rfind("Rss:", 0) == 0) {
+      rss_kib = std::stoll(line.substr(4));
+      break;
+    }
+  }
+  ASSERT_GE(rss_kib, 0) << "the peer's file is not mapped here";
+  EXPECT_LT(rss_kib, 64 << 10) << "a 300 MiB peer region was touched at connect";
+  EXPECT_GE(rss_kib, 3 << 10);
+  peer.child->Send("QUIT");
+}
+
 TEST_P(TransferMultiProcTest, OutOfBoundsDescriptorsAreRejectedAndNothingMoves) {
   constexpr uint64_t kBytes = 1 << 20;
   RemotePeer peer = RemotePeer::Start("peer", kBytes, 8, GetParam().memory);

@@ -87,7 +87,7 @@ class RegisteredRegion {
   size_t size() const { return size_; }
   // True when same-host peers can map the region and memcpy: memory from AllocateShared,
   // or registered memory that lies in a writable shared file mapping (memfd, /dev/shm).
-  bool shared() const { return shared_; }
+  bool shared() const { return fd_ >= 0; }
   uint64_t addr() const { return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(data_)); }
 
  private:
@@ -98,9 +98,8 @@ class RegisteredRegion {
   uint64_t id_ = 0;
   void* data_ = nullptr;
   size_t size_ = 0;
-  bool shared_ = false;
   bool owns_mapping_ = false;  // AllocateShared: unmapped on destruction
-  int fd_ = -1;                // our fd of the backing file, when shared_
+  int fd_ = -1;                // our fd of the backing file, when peers can map the region
 };
 
 using PeerId = uint32_t;

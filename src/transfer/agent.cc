@@ -44,7 +44,6 @@ RegisteredRegion& RegisteredRegion::operator=(RegisteredRegion&& other) noexcept
     id_ = std::exchange(other.id_, 0);
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
-    shared_ = std::exchange(other.shared_, false);
     owns_mapping_ = std::exchange(other.owns_mapping_, false);
     fd_ = std::exchange(other.fd_, -1);
   }
@@ -63,7 +62,6 @@ void RegisteredRegion::Reset() {
   id_ = 0;
   data_ = nullptr;
   size_ = 0;
-  shared_ = false;
   owns_mapping_ = false;
   fd_ = -1;
 }
@@ -90,10 +88,7 @@ Result<RegisteredRegion> Agent::RegisterMemory(void* ptr, size_t bytes) {
   RegisteredRegion r;
   r.data_ = ptr;
   r.size_ = bytes;
-  if (file) {
-    r.shared_ = true;
-    r.fd_ = file->fd;  // r's destructor closes it, also on failure below
-  }
+  if (file) r.fd_ = file->fd;  // r's destructor closes it, also on failure below
   Result<uint64_t> id = core_->Register(ptr, bytes, file.value_or(internal::SharedFile{}));
   if (!id.ok()) return id.status();
   r.core_ = core_;
@@ -125,7 +120,6 @@ Result<RegisteredRegion> Agent::AllocateShared(size_t bytes) {
   RegisteredRegion r;
   r.data_ = p;
   r.size_ = bytes;
-  r.shared_ = true;
   r.owns_mapping_ = true;
   r.fd_ = fd;
   Result<uint64_t> id = core_->Register(p, bytes, internal::SharedFile{fd, 0});

@@ -139,9 +139,8 @@ std::string AgentCore::Metadata() const {
   m.conn_info = backend_->ConnectionInfo();
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [addr, r] : regions_) {
-    const bool shared = r.file.fd >= 0;
-    m.regions.push_back(RegionInfo{r.addr, r.bytes, shared ? kRegionShared : 0u, r.file.fd,
-                                   shared ? r.file.offset : 0, r.rkey});
+    m.regions.push_back(RegionInfo{r.addr, r.bytes, r.file.fd >= 0 ? kRegionShared : 0u, r.file.fd,
+                                   r.file.offset, r.rkey});
   }
   return EncodeAgentMetadata(m);
 }

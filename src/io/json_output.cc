@@ -1,6 +1,13 @@
 #include "io/json_output.h"
 
+#include <fcntl.h>
+#include <limits.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -100,6 +107,71 @@ json MigrationToJson(const MigrationPlan& plan, const MigrationOptions& options)
   return json{{"layers", std::move(layers)}, {"summary", std::move(summary)}};
 }
 
+namespace {
+
+// Writes all of `text` to `fd`; false (errno set) on failure.
+bool WriteAll(int fd, std::string_view text) {
+  while (!text.empty()) {
+    const ssize_t n = ::write(fd, text.data(), text.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    text.remove_prefix(static_cast<size_t>(n));
+  }
+  return true;
+}
+
+std::string Errno() { return std::strerror(errno); }
+
+// A FIFO, a device (/dev/null, /dev/stdout) or a socket: written in place, never replaced.
+Status WriteInPlace(const std::string& path, std::string_view text) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_NOCTTY | O_CLOEXEC);
+  if (fd < 0) return Status::IoError(StrCat(path, ": cannot open for writing (", Errno(), ")"));
+  const bool ok = WriteAll(fd, text);
+  const std::string why = ok ? std::string() : Errno();
+  ::close(fd);
+  if (!ok) return Status::IoError(StrCat(path, ": write failed (", why, ")"));
+  return Status::OK();
+}
+
+// A regular file (or none yet): a fresh temporary beside it, created exclusively and
+// without following links, renamed over it once complete.
+Status ReplaceRegular(const std::string& path, std::string_view text, const struct stat* old) {
+  const std::filesystem::path target(path);
+  const std::filesystem::path dir =
+      target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
+  std::string tmpl = (dir / ("." + target.filename().string() + ".XXXXXX")).string();
+  const int fd = ::mkostemp(tmpl.data(), O_CLOEXEC);  // O_CREAT | O_EXCL: never follows a link
+  if (fd < 0)
+    return Status::IoError(StrCat(path, ": cannot create a file beside it (", Errno(), ")"));
+  // mkostemp creates 0600; keep the old file's mode, else what a new file would get.
+  mode_t mode = 0;
+  if (old != nullptr) {
+    mode = old->st_mode & 07777;
+  } else {
+    const mode_t mask = ::umask(0);
+    ::umask(mask);
+    mode = 0666 & ~mask;
+  }
+  bool ok = ::fchmod(fd, mode) == 0 && WriteAll(fd, text);
+  std::string why = ok ? std::string() : Errno();
+  if (::close(fd) != 0 && ok) {
+    ok = false;
+    why = Errno();
+  }
+  if (!ok) {
+    ::unlink(tmpl.c_str());
+    return Status::IoError(StrCat(path, ": write failed (", why, "; disk full?)"));
+  }
+  if (::rename(tmpl.c_str(), path.c_str()) != 0) {
+    why = Errno();
+    ::unlink(tmpl.c_str());
+    return Status::IoError(StrCat(path, ": cannot replace the file (", why, ")"));
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
 Status WriteOutput(const std::string& path, std::string_view text) {
   if (path.empty() || path == "-") {
     std::cout << text;
@@ -107,24 +179,23 @@ Status WriteOutput(const std::string& path, std::string_view text) {
     if (!std::cout) return Status::IoError("cannot write to stdout");
     return Status::OK();
   }
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) return Status::IoError(StrCat(path, ": cannot open for writing"));
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    out.flush();
-    if (!out) {
-      std::remove(tmp.c_str());
-      return Status::IoError(StrCat(path, ": write failed (disk full?)"));
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno != ENOENT) return Status::IoError(StrCat(path, ": ", Errno()));
+    return ReplaceRegular(path, text, nullptr);
+  }
+  if (S_ISDIR(st.st_mode)) return Status::IoError(StrCat(path, ": is a directory"));
+  if (S_ISLNK(st.st_mode)) {
+    // A link stays a link: what it points to gets the output.
+    char resolved[PATH_MAX];
+    if (::realpath(path.c_str(), resolved) == nullptr) {
+      return Status::IoError(
+          StrCat(path, ": is a symbolic link that cannot be followed (", Errno(), ")"));
     }
+    return WriteOutput(resolved, text);
   }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::remove(tmp.c_str());
-    return Status::IoError(StrCat(path, ": cannot replace the file (", ec.message(), ")"));
-  }
-  return Status::OK();
+  if (!S_ISREG(st.st_mode)) return WriteInPlace(path, text);
+  return ReplaceRegular(path, text, &st);
 }
 
 }  // namespace eplbx::io

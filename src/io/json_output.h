@@ -24,8 +24,11 @@ nlohmann::json MovesToJson(const Moves& moves);
 //  "summary": {...}} (docs/cli.md).
 nlohmann::json MigrationToJson(const MigrationPlan& plan, const MigrationOptions& options);
 
-// Writes `text` to `path` through a temporary file and a rename, so a failed write never
-// leaves a half-written file behind. "-" means stdout.
+// Writes `text` to `path`. A regular file (or a new one) is replaced through a fresh
+// temporary in the same directory (created exclusively, never through a link) and a
+// rename, so a failed write never leaves a half-written file and keeps the file's mode; a
+// FIFO, device or socket (/dev/null, /dev/stdout) is written in place, never replaced; a
+// symbolic link stays a link and its target gets the output. "-" means stdout.
 Status WriteOutput(const std::string& path, std::string_view text);
 
 }  // namespace eplbx::io

@@ -1,6 +1,10 @@
 // Runs the real `eplbx` binary as a user would and checks stdout, stderr and the exit code.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -115,6 +119,71 @@ TEST_F(CliTest, OutFileAndTableFormat) {
   EXPECT_NE(t.out.find("rank loads:"), std::string::npos) << t.out;
   EXPECT_NE(t.out.find("replicated (expert x replicas): 1x2"), std::string::npos) << t.out;
   EXPECT_NE(t.out.find("balancedness_total"), std::string::npos) << t.out;
+}
+
+// --out never replaces what is at the path with a regular file (issue 17, item 4): a FIFO
+// and a device are written in place, a link stays a link, a planted PATH.tmp (or a link
+// there) is left alone, and a replaced file keeps its mode.
+TEST_F(CliTest, OutWritesThroughWhatIsThere) {
+  const std::string load = Write("load.json", kReadme);
+  const std::string plan = "plan --load " + load + " --slots 16 --ranks 8 --out ";
+  struct stat st {};
+  // FIFO: a reader gets the JSON; the FIFO is still a FIFO. The reader end is opened here
+  // first (non-blocking), so the writer never waits and the test never hangs.
+  const fs::path fifo = dir_ / "fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const int rd = ::open(fifo.c_str(), O_RDONLY | O_NONBLOCK);
+  ASSERT_GE(rd, 0);
+  CliRun r = Eplbx(plan + fifo.string());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::string got(1 << 16, '\0');
+  const ssize_t n = ::read(rd, got.data(), got.size());
+  ::close(rd);
+  got.resize(n > 0 ? static_cast<size_t>(n) : 0);
+  ASSERT_FALSE(got.empty()) << "nothing arrived through the FIFO";
+  EXPECT_EQ(nlohmann::json::parse(got)["phy2log"].size(), 2u);
+  ASSERT_EQ(::lstat(fifo.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISFIFO(st.st_mode));
+  // A character device (a private copy of /dev/null where we may make one).
+  const fs::path null = dir_ / "null";
+  if (::mknod(null.c_str(), S_IFCHR | 0666, makedev(1, 3)) == 0) {
+    r = Eplbx(plan + null.string());
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    ASSERT_EQ(::lstat(null.c_str(), &st), 0);
+    EXPECT_TRUE(S_ISCHR(st.st_mode)) << "the device became a regular file";
+  } else {
+    std::printf("[ note ] mknod not permitted here: the device case ran on /dev/null\n");
+    r = Eplbx(plan + "/dev/null");
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    ASSERT_EQ(::lstat("/dev/null", &st), 0);
+    EXPECT_TRUE(S_ISCHR(st.st_mode));
+  }
+  // A symbolic link stays a link; its target gets the plan.
+  const fs::path target = dir_ / "target.json", link = dir_ / "link.json";
+  Write("target.json", "old");
+  fs::create_symlink(target, link);
+  r = Eplbx(plan + link.string());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(fs::is_symlink(link));
+  EXPECT_EQ(nlohmann::json::parse(Slurp(target))["phy2log"].size(), 2u);
+  // A planted PATH.tmp, and a link planted there, are neither destroyed nor followed.
+  const fs::path out = dir_ / "plan.json", victim = dir_ / "victim";
+  Write("victim", "precious");
+  fs::create_symlink(victim, dir_ / "plan.json.tmp");
+  Write("plan.json", "{}");
+  ASSERT_EQ(::chmod(out.c_str(), 0640), 0);
+  r = Eplbx(plan + out.string());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(Slurp(victim), "precious");
+  EXPECT_TRUE(fs::is_symlink(dir_ / "plan.json.tmp"));
+  EXPECT_EQ(nlohmann::json::parse(Slurp(out))["phy2log"].size(), 2u);
+  ASSERT_EQ(::stat(out.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0640u);
+  // Nothing else was left in the directory (no temporaries).
+  int entries = 0;
+  for (const auto& e : fs::directory_iterator(dir_))
+    entries += e.path().filename().string()[0] == '.';
+  EXPECT_EQ(entries, 0);
 }
 
 TEST_F(CliTest, ShippedExampleWorks) {

@@ -8,6 +8,7 @@
 
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -244,15 +245,21 @@ class Communicator {
     comm_ = Take(std::move(comm));
   }
 
-  void SetTransferContext(
-      const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& old, uint32_t layer) {
-    Check(comm_->SetTransferContext(std::span<const int32_t>(old.data(), old.size()), layer));
+  // Maps arrive as int32 arrays already checked (integral, in range) by eplbx/vllm.py.
+  void SetTransferContext(const py::array_t<int32_t, py::array::c_style>& old, uint32_t layer,
+                          const std::optional<py::array_t<int32_t, py::array::c_style>>& next) {
+    std::span<const int32_t> new_map;
+    if (next) new_map = std::span<const int32_t>(next->data(), next->size());
+    Check(comm_->SetTransferContext(std::span<const int32_t>(old.data(), old.size()), layer,
+                                    new_map));
   }
   void AddSend(uint32_t dst, uint32_t expert) { Check(comm_->AddSend(dst, expert)); }
-  void AddRecv(uint32_t src, uint32_t expert, const std::vector<uintptr_t>& rows) {
-    std::vector<void*> p;
-    for (uintptr_t r : rows) p.push_back(reinterpret_cast<void*>(r));
-    Check(comm_->AddRecv(src, expert, p));
+  // `rows`: (address, bytes) of each receive row.
+  void AddRecv(uint32_t src, uint32_t expert,
+               const std::vector<std::pair<uintptr_t, uint64_t>>& rows) {
+    std::vector<Descriptor> d;
+    for (const auto& [addr, bytes] : rows) d.push_back({addr, bytes});
+    Check(comm_->AddRecv(src, expert, d));
   }
   void Execute() {
     Status s;
@@ -261,6 +268,10 @@ class Communicator {
       s = comm_->Execute();
     }
     Check(s);
+  }
+  void Abort(const std::string& reason) {
+    Status s = comm_->Abort(reason);
+    if (!s.ok() && s.code() != Code::kAborted) Check(s);
   }
   bool failed() const { return comm_->failed(); }
 
@@ -346,9 +357,11 @@ PYBIND11_MODULE(_eplbx, m) {
                     const std::string&>(),
            py::arg("rank"), py::arg("world"), py::arg("allgather"), py::arg("layers"),
            py::arg("regions"), py::arg("timeout_s"), py::arg("transport") = "auto")
-      .def("set_transfer_context", &Communicator::SetTransferContext)
+      .def("set_transfer_context", &Communicator::SetTransferContext, py::arg("old"),
+           py::arg("layer"), py::arg("new_map") = py::none())
       .def("add_send", &Communicator::AddSend)
       .def("add_recv", &Communicator::AddRecv)
+      .def("abort", &Communicator::Abort)
       .def("execute", &Communicator::Execute)
       .def_property_readonly("failed", &Communicator::failed);
 }

@@ -14,6 +14,5 @@ echo "== eplbx plan: DeepSeek-V3 shape, examples/dsv3_load.json =="
 build/bin/eplbx plan --load examples/dsv3_load.json --slots 288 --ranks 32 --nodes 4 --groups 8 \
   --out build/dsv3_plan.json
 build/bin/eplbx plan --load examples/dsv3_load.json --slots 288 --ranks 32 --nodes 4 --groups 8 \
-  --format table | head -n 12
-echo "..."
+  --format table
 echo "full plan (JSON): build/dsv3_plan.json"

@@ -135,7 +135,7 @@ Status RunDemo(DemoOptions o) {
   // one deadline (plus slack) to report too; a rank that does not (stopped, hung) is killed.
   const auto grace = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000) + 2000);
   Clock::time_point first_report{};
-  std::vector<bool> gone(o.ranks, false), reaped(o.ranks, false);
+  std::vector<bool> gone(o.ranks, false), reaped(o.ranks, false), closed(o.ranks, false);
   Status served = ServeSocketBootstrap(
       fds, std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000) + 10000),
       [&](uint32_t rank, std::string bytes) {
@@ -156,18 +156,22 @@ Status RunDemo(DemoOptions o) {
             ++settled;
             continue;
           }
+          // An exited rank counts once its socket is drained to the end: a report it sent
+          // just before exiting is still read (issue 17, item 14).
           int st = 0;
-          if (waitpid(pids[r], &st, WNOHANG | WUNTRACED) == pids[r]) {
-            gone[r] = true;
+          if (!reaped[r] && waitpid(pids[r], &st, WNOHANG | WUNTRACED) == pids[r]) {
             reaped[r] = !WIFSTOPPED(st);
-            ++settled;
+            gone[r] = !reaped[r];  // stopped: it never reports
           }
+          if (reaped[r] && closed[r]) gone[r] = true;
+          if (gone[r]) ++settled;
         }
         return settled == o.ranks || (!reports.empty() && Clock::now() - first_report > grace);
       },
       // The coordinator gives up on a setup round before the ranks do, so it can name who
       // is missing.
-      std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 800)));
+      std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 800)),
+      [&](uint32_t rank) { closed[rank] = true; });
   // Every rank has reported or left; a stopped one is removed now.
   for (int r = 0; r < o.ranks; ++r) {
     close(fds[r]);

@@ -268,7 +268,9 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
     if (o.fault == "bad-notify") {
       for (int r = 0; r < o.ranks; ++r) {
         if (r == rank) continue;
-        protocol::Record bogus{protocol::RecordKind::kReady, 1, 0, 0, 0, 0, ""};
+        protocol::Record bogus;
+        bogus.kind = protocol::RecordKind::kReady;
+        bogus.generation = 1;
         std::string bytes = protocol::EncodeRecord(bogus);
         bytes[4] = 99;  // unsupported version
         (void)(*agent)->Notify(*(*rearranger)->peer(static_cast<uint32_t>(r)), bytes);

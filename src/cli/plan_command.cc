@@ -31,13 +31,10 @@ std::string Fixed(double v, int digits) {
   return buf;
 }
 
-std::string FormatTable(const Placement& p, const LoadMatrix& load, const Topology& t,
-                        const Balance& balance, std::string_view policy, double plan_ms) {
+// Every layer's rank loads, replicas and slot ids (--format table-full).
+std::string FormatFullTable(const Placement& p, const LoadMatrix& load, const Topology& t,
+                            const Balance& balance) {
   std::ostringstream out;
-  out << "policy " << policy << ": " << p.layers() << " layers, " << p.experts() << " experts -> "
-      << p.slots() << " slots on " << t.ranks << " ranks / " << t.nodes << " nodes ("
-      << (IsHierarchical(t) ? "hierarchical" : "global") << "), planned in " << Fixed(plan_ms, 3)
-      << " ms\n";
   for (int l = 0; l < p.layers(); ++l) {
     const std::vector<double> loads = RankLoads(p, load, l, t.ranks);
     double max = 0, total = 0;
@@ -67,14 +64,77 @@ std::string FormatTable(const Placement& p, const LoadMatrix& load, const Topolo
     }
     out << "\n";
   }
+  return out.str();
+}
+
+// What a person reads at a glance (--format table): balancedness over the layers, the
+// replication, and the least balanced layer's rank loads as bars (ties: the lower layer).
+std::string FormatSummary(const Placement& p, const LoadMatrix& load, const Topology& t,
+                          const Balance& balance) {
+  std::ostringstream out;
+  const int layers = p.layers();
+  std::vector<int> order(layers);
+  for (int l = 0; l < layers; ++l) order[l] = l;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return balance.per_layer[a] < balance.per_layer[b]; });
+  const int worst = order.front(), best = order.back(), median = order[layers / 2];
+  out << "balancedness (mean / max rank load, 1 = perfect): total " << Fixed(balance.total, 4)
+      << "\n  per layer: min " << Fixed(balance.per_layer[worst], 4) << " (layer " << worst
+      << "), median " << Fixed(balance.per_layer[median], 4) << ", max "
+      << Fixed(balance.per_layer[best], 4) << " (layer " << best << ")\n";
+  int fewest = p.experts(), most = 0, top = 1;
+  for (int l = 0; l < layers; ++l) {
+    int replicated = 0;
+    for (int e = 0; e < p.experts(); ++e) {
+      replicated += p.logcnt(l, e) > 1;
+      top = std::max(top, p.logcnt(l, e));
+    }
+    fewest = std::min(fewest, replicated);
+    most = std::max(most, replicated);
+  }
+  out << "replicated experts per layer: " << fewest << (fewest == most ? "" : "-")
+      << (fewest == most ? std::string() : std::to_string(most)) << " of " << p.experts()
+      << "; most replicas of one expert: " << top << "\n";
+  const std::vector<double> loads = RankLoads(p, load, worst, t.ranks);
+  double max = 0, total = 0;
+  for (double v : loads) {
+    max = std::max(max, v);
+    total += v;
+  }
+  out << "\nrank loads of layer " << worst << " (the least balanced; bar = load / max "
+      << Fixed(max, 1) << ", mean " << Fixed(total / t.ranks, 1) << "):\n";
+  constexpr int kWidth = 40;
+  const int digits = static_cast<int>(std::to_string(t.ranks - 1).size());
+  for (int r = 0; r < t.ranks; ++r) {
+    const int filled = max > 0 ? static_cast<int>(loads[r] / max * kWidth + 0.5) : 0;
+    std::string bar;
+    for (int i = 0; i < kWidth; ++i) bar += i < filled ? "#" : ".";
+    char label[32];
+    std::snprintf(label, sizeof(label), "  rank %*d ", digits, r);
+    out << label << bar << " " << Fixed(loads[r], 0) << "\n";
+  }
+  out << "\n(--format table-full: every layer's rank loads, replicas and slots)\n";
+  return out.str();
+}
+
+std::string FormatTable(const Placement& p, const LoadMatrix& load, const Topology& t,
+                        const Balance& balance, std::string_view policy, double plan_ms,
+                        bool full) {
+  std::ostringstream out;
+  out << "policy " << policy << ": " << p.layers() << " layers, " << p.experts() << " experts -> "
+      << p.slots() << " slots on " << t.ranks << " ranks / " << t.nodes << " nodes ("
+      << (IsHierarchical(t) ? "hierarchical" : "global") << "), planned in " << Fixed(plan_ms, 3)
+      << " ms\n";
+  if (!full) return out.str() + FormatSummary(p, load, t, balance);
+  out << FormatFullTable(p, load, t, balance);
   out << "\nbalancedness_total " << Fixed(balance.total, 4) << "\n";
   return out.str();
 }
 
 Status RunPlan(const PlanArgs& args) {
-  if (args.format != "json" && args.format != "table") {
+  if (args.format != "json" && args.format != "table" && args.format != "table-full") {
     return Status::InvalidArgument(
-        internal::StrCat("--format is '", args.format, "' (expected json or table)"));
+        internal::StrCat("--format is '", args.format, "' (expected json, table or table-full)"));
   }
   Result<Policy> policy = ParsePolicy(args.policy);
   if (!policy.ok()) return policy.status().WithPrefix("--policy");
@@ -113,10 +173,11 @@ Status RunPlan(const PlanArgs& args) {
                                   " remote copies, ", moves->total.local_copies, " local copies, ",
                                   moves->total.unchanged_slots, " unchanged slots\n");
   }
-  const std::string text = args.format == "json" ? json.dump() + "\n"
-                                                 : FormatTable(*placement, *load, args.topology,
-                                                               *balance, args.policy, plan_ms) +
-                                                       moves_line;
+  const std::string text = args.format == "json"
+                               ? json.dump() + "\n"
+                               : FormatTable(*placement, *load, args.topology, *balance,
+                                             args.policy, plan_ms, args.format == "table-full") +
+                                     moves_line;
   return io::WriteOutput(args.out, text);
 }
 
@@ -142,7 +203,10 @@ void AddPlanCommand(CLI::App& app, Action& run) {
                   "incremental: allowed balancedness loss per layer against balanced")
       ->capture_default_str();
   cmd->add_option("--out", args->out, "Output file ('-' for stdout)")->capture_default_str();
-  cmd->add_option("--format", args->format, "json or table")->capture_default_str();
+  cmd->add_option("--format", args->format,
+                  "json, table (a summary: balancedness, replication, the least balanced "
+                  "layer's rank loads as bars) or table-full (every layer's loads and slots)")
+      ->capture_default_str();
   cmd->callback([&run, args] { run = [args] { return RunPlan(*args); }; });
 }
 

@@ -142,7 +142,8 @@ Status ReplaceRegular(const std::string& path, std::string_view text, const stru
   std::string tmpl = (dir / ("." + target.filename().string() + ".XXXXXX")).string();
   const int fd = ::mkostemp(tmpl.data(), O_CLOEXEC);  // O_CREAT | O_EXCL: never follows a link
   if (fd < 0)
-    return Status::IoError(StrCat(path, ": cannot create a file beside it (", Errno(), ")"));
+    return Status::IoError(
+        StrCat(path, ": cannot open for writing (", Errno(), ", creating a file beside it)"));
   // mkostemp creates 0600; keep the old file's mode, else what a new file would get.
   mode_t mode = 0;
   if (old != nullptr) {

@@ -29,11 +29,27 @@ LayerProtocol::LayerProtocol(LayerStep step, Clock::time_point now, Clock::durat
       ready_(step_.reads.size(), false),
       read_done_(step_.reads.size(), false),
       served_(step_.serves.size(), false),
-      done_from_(step_.world, false) {}
+      done_from_(step_.world, false),
+      posted_(step_.reads.size(), false),
+      maps_ok_(step_.world, false),
+      chunk_seen_(step_.world, std::vector<bool>(chunks(), false)) {
+  if (step_.self < step_.world) maps_ok_[step_.self] = true;
+}
+
+size_t LayerProtocol::chunks() const {
+  return std::max<size_t>(1, (step_.old_map.size() + chunk_slots() - 1) / chunk_slots());
+}
 
 Record LayerProtocol::Make(RecordKind kind, uint32_t expert, uint32_t source,
                            uint32_t reader) const {
-  return Record{kind, step_.generation, step_.layer, expert, source, reader, {}};
+  Record r;
+  r.kind = kind;
+  r.generation = step_.generation;
+  r.layer = step_.layer;
+  r.expert = expert;
+  r.source = source;
+  r.reader = reader;
+  return r;
 }
 
 int LayerProtocol::FindRead(uint32_t expert, uint32_t source) const {
@@ -56,6 +72,18 @@ std::vector<Action> LayerProtocol::Start() {
   std::vector<Action> out;
   if (started_ || state_ != LayerState::kRunning) return out;
   started_ = true;
+  const size_t slots = step_.old_map.size(), per = chunk_slots();
+  for (size_t c = 0; c < chunks(); ++c) {
+    Record m = Make(RecordKind::kMaps, static_cast<uint32_t>(c * per), step_.self, map_count());
+    m.map_slots = static_cast<uint32_t>(slots);
+    const size_t first = c * per, n = std::min(per, slots - std::min(slots, first));
+    m.maps.assign(step_.old_map.begin() + first, step_.old_map.begin() + first + n);
+    if (map_count() == 2)
+      m.maps.insert(m.maps.end(), step_.new_map.begin() + first, step_.new_map.begin() + first + n);
+    for (uint32_t r = 0; r < step_.world; ++r) {
+      if (r != step_.self) out.push_back(MakeAction(ActionKind::kSend, r, m));
+    }
+  }
   for (const ServeTask& s : step_.serves) {
     out.push_back(MakeAction(ActionKind::kSend, s.reader,
                              Make(RecordKind::kReady, s.expert, step_.self, s.reader)));
@@ -76,7 +104,8 @@ void LayerProtocol::MaybeDone(std::vector<Action>* out) {
         out->push_back(MakeAction(ActionKind::kSend, r, Make(RecordKind::kDone, 0, step_.self, 0)));
     }
   }
-  if (std::all_of(done_from_.begin(), done_from_.end(), [](bool b) { return b; })) {
+  if (std::all_of(done_from_.begin(), done_from_.end(), [](bool b) { return b; }) &&
+      std::all_of(maps_ok_.begin(), maps_ok_.end(), [](bool b) { return b; })) {
     state_ = LayerState::kCommitted;
     out->push_back(MakeAction(ActionKind::kCommit));
   }
@@ -139,9 +168,7 @@ std::vector<Action> LayerProtocol::OnRecord(uint32_t from, const Record& r, Cloc
         return {};
       }
       ready_[i] = true;
-      out.push_back(MakeAction(ActionKind::kPostRead, from,
-                               Make(RecordKind::kReadDone, r.expert, from, step_.self),
-                               step_.reads[i]));
+      if (maps_ok_[from]) PostRead(static_cast<size_t>(i), &out);
       break;
     }
     case RecordKind::kReadDone: {
@@ -175,11 +202,78 @@ std::vector<Action> LayerProtocol::OnRecord(uint32_t from, const Record& r, Cloc
       break;
     case RecordKind::kAbort:
       return Abort(StrCat("aborted by rank ", from, " (", r.reason, ")"), false);
+    case RecordKind::kMaps: {
+      if (r.source != from || from == step_.self) {
+        return Abort(StrCat("rank ", from, " sent misrouted MAPS (source ", r.source, ")"), true);
+      }
+      out = OnMaps(from, r);
+      if (state_ != LayerState::kRunning) return out;
+      break;
+    }
   }
   MaybeDone(&out);
   if (state_ == LayerState::kRunning) {
     auto tick = OnTick(now);
     out.insert(out.end(), tick.begin(), tick.end());
+  }
+  return out;
+}
+
+void LayerProtocol::PostRead(size_t i, std::vector<Action>* out) {
+  if (posted_[i]) return;
+  posted_[i] = true;
+  const ReadTask& t = step_.reads[i];
+  out->push_back(MakeAction(ActionKind::kPostRead, t.source,
+                            Make(RecordKind::kReadDone, t.expert, t.source, step_.self), t));
+}
+
+std::vector<Action> LayerProtocol::OnMaps(uint32_t from, const Record& r) {
+  const size_t slots = step_.old_map.size(), per = chunk_slots();
+  const uint32_t me = step_.self;
+  if (r.reader != map_count()) {
+    return Abort(
+        StrCat("rank ", from, (r.reader == 2 ? " passed" : " passed no"),
+               " new map of the layer and rank ", me, (map_count() == 2 ? " did" : " did not"),
+               "; every rank must pass the same maps"),
+        true);
+  }
+  if (r.map_slots != slots) {
+    return Abort(StrCat("the map of the layer has ", r.map_slots, " slots on rank ", from, " and ",
+                        slots, " on rank ", me, "; every rank must pass the same map"),
+                 true);
+  }
+  const size_t first = r.expert, n = r.maps.size() / map_count();
+  if (first % per != 0 || (slots > 0 && first >= slots) ||
+      n != std::min(per, slots - std::min(slots, first))) {
+    return Abort(StrCat("rank ", from, " sent MAPS for slots ", first, "..", first + n,
+                        " of a layer of ", slots, " slots (malformed chunk)"),
+                 true);
+  }
+  std::vector<bool>& seen = chunk_seen_[from];
+  if (seen[first / per]) {
+    ++ignored_;
+    return {};
+  }
+  for (uint32_t m = 0; m < map_count(); ++m) {
+    const std::vector<int32_t>& mine = m == 0 ? step_.old_map : step_.new_map;
+    for (size_t i = 0; i < n; ++i) {
+      const int32_t theirs = r.maps[m * n + i];
+      if (theirs == mine[first + i]) continue;
+      return Abort(StrCat(m == 0 ? "old" : "new", " map of the layer differs between rank ", me,
+                          " and rank ", from, " at slot ", first + i, " (rank ", me, ": expert ",
+                          mine[first + i], ", rank ", from, ": expert ", theirs,
+                          "); every rank must pass the same map (a stale or reordered map on "
+                          "one of them)"),
+                   true);
+    }
+  }
+  seen[first / per] = true;
+  std::vector<Action> out;
+  if (std::all_of(seen.begin(), seen.end(), [](bool b) { return b; })) {
+    maps_ok_[from] = true;
+    for (size_t i = 0; i < step_.reads.size(); ++i) {
+      if (step_.reads[i].source == from && ready_[i]) PostRead(i, &out);
+    }
   }
   return out;
 }
@@ -216,6 +310,9 @@ std::vector<Action> LayerProtocol::OnPeerFailed(uint32_t rank, const Status& why
 std::vector<Action> LayerProtocol::OnTick(Clock::time_point now) {
   if (state_ != LayerState::kRunning || now < deadline_) return {};
   // Name the first thing still missing.
+  for (uint32_t r = 0; r < step_.world; ++r) {
+    if (!maps_ok_[r]) return Abort(StrCat("deadline passed waiting for MAPS from rank ", r), true);
+  }
   for (size_t i = 0; i < step_.reads.size(); ++i) {
     if (!ready_[i]) {
       return Abort(StrCat("deadline passed waiting for READY of expert ", step_.reads[i].expert,

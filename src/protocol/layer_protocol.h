@@ -9,6 +9,8 @@
 // A rank whose READs completed and whose readers all sent READ_DONE sends DONE to every
 // rank; a rank commits (staging -> weights, new map published) once DONE came from all.
 // Any failure sends ABORT(reason) to every rank; the layer then keeps its old bytes and map.
+// Before any of that, every rank sends its maps of the layer (MAPS) to every other rank, and
+// nothing is read from a rank whose maps differ from this rank's.
 #ifndef EPLBX_SRC_PROTOCOL_LAYER_PROTOCOL_H_
 #define EPLBX_SRC_PROTOCOL_LAYER_PROTOCOL_H_
 
@@ -40,6 +42,12 @@ struct LayerStep {
   uint32_t world = 1;
   std::vector<ReadTask> reads;    // this rank reads these
   std::vector<ServeTask> serves;  // these read from this rank
+  // The layer's maps as this rank has them (slot -> logical expert; new_map may be empty).
+  // Every rank sends them to every other first (MAPS); a READ from a source is posted only
+  // after the source's maps matched this rank's, and the layer commits only after every
+  // rank's did, so a rank with a stale map fails the layer on every rank, naming the slot.
+  std::vector<int32_t> old_map;
+  std::vector<int32_t> new_map;
 };
 
 enum class ActionKind {
@@ -73,6 +81,9 @@ class LayerProtocol {
   // Aborts unless `rank` already sent DONE for this layer (then nothing depends on it).
   std::vector<Action> OnPeerFailed(uint32_t rank, const Status& why);
   std::vector<Action> OnTick(Clock::time_point now);
+  // This rank cannot take part (bad arguments found before anything moved): abort and tell
+  // every rank, so nobody waits for the deadline.
+  std::vector<Action> Fail(const std::string& reason) { return Abort(reason, true); }
 
   LayerState state() const { return state_; }
   const std::string& error() const { return error_; }
@@ -85,6 +96,11 @@ class LayerProtocol {
   void MaybeDone(std::vector<Action>* out);
   int FindRead(uint32_t expert, uint32_t source) const;
   int FindServe(uint32_t expert, uint32_t reader) const;
+  std::vector<Action> OnMaps(uint32_t from, const Record& r);
+  void PostRead(size_t i, std::vector<Action>* out);
+  uint32_t map_count() const { return step_.new_map.empty() ? 1u : 2u; }
+  size_t chunk_slots() const { return kMaxMapEntries / map_count(); }
+  size_t chunks() const;
   Record Make(RecordKind kind, uint32_t expert, uint32_t source, uint32_t reader) const;
 
   const LayerStep step_;
@@ -95,6 +111,9 @@ class LayerProtocol {
   std::vector<bool> read_done_;  // per read: our READ completed
   std::vector<bool> served_;     // per serve: READ_DONE received
   std::vector<bool> done_from_;  // per rank: DONE received (self: sent)
+  std::vector<bool> posted_;     // per read: READ posted
+  std::vector<bool> maps_ok_;    // per rank: every MAPS chunk received and matched (self: true)
+  std::vector<std::vector<bool>> chunk_seen_;  // per rank, per MAPS chunk
   bool started_ = false;
   uint64_t ignored_ = 0;
 };

@@ -1,5 +1,6 @@
 #include "protocol/records.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "common/bytes.h"
@@ -11,7 +12,8 @@ using internal::StrCat;
 
 namespace {
 constexpr char kMagic[4] = {'E', 'P', 'X', 'R'};
-constexpr uint16_t kVersion = 1;
+// 2: MAPS records (map agreement before any READ).
+constexpr uint16_t kVersion = 2;
 }  // namespace
 
 std::string_view KindName(RecordKind kind) {
@@ -24,6 +26,8 @@ std::string_view KindName(RecordKind kind) {
       return "DONE";
     case RecordKind::kAbort:
       return "ABORT";
+    case RecordKind::kMaps:
+      return "MAPS";
   }
   return "?";
 }
@@ -39,7 +43,15 @@ std::string EncodeRecord(const Record& r) {
   w.U32(r.expert);
   w.U32(r.source);
   w.U32(r.reader);
-  w.Str16(r.reason.substr(0, kMaxReasonBytes));
+  if (r.kind == RecordKind::kMaps) {
+    internal::ByteWriter v;
+    v.U32(r.map_slots);
+    const size_t n = std::min(r.maps.size(), kMaxMapEntries);
+    for (size_t i = 0; i < n; ++i) v.U32(static_cast<uint32_t>(r.maps[i]));
+    w.Str16(v.Take());
+  } else {
+    w.Str16(r.reason.substr(0, kMaxReasonBytes));
+  }
   return w.Take();
 }
 
@@ -66,17 +78,41 @@ Result<Record> DecodeRecord(std::string_view bytes) {
     return Status::NotSupported(
         StrCat("protocol record: version ", version, " (this build speaks ", kVersion, ")"));
   }
-  if (kind < 1 || kind > 4)
+  if (kind < 1 || kind > 5)
     return Status::Corruption(StrCat("protocol record: unknown kind ", +kind));
   r.kind = static_cast<RecordKind>(kind);
   if (reserved != 0) return Status::Corruption("protocol record: reserved byte is not 0");
-  if (reason_len > kMaxReasonBytes) {
+  const size_t limit = kind == 5 ? 4 + 4 * kMaxMapEntries : kMaxReasonBytes;
+  if (reason_len > limit) {
     return Status::Corruption(
-        StrCat("protocol record: reason of ", reason_len, " bytes (limit ", kMaxReasonBytes, ")"));
+        StrCat("protocol record: variable part of ", reason_len, " bytes (limit ", limit, ")"));
   }
   if (bytes.size() != kRecordFixedBytes + reason_len) {
     return Status::Corruption(StrCat("protocol record: ", bytes.size(), " bytes, the header says ",
                                      kRecordFixedBytes + reason_len));
+  }
+  if (r.kind == RecordKind::kMaps) {
+    if (reason_len < 4 || reason_len % 4 != 0) {
+      return Status::Corruption(StrCat("protocol record: MAPS part of ", reason_len,
+                                       " bytes (4 + 4 per entry expected)"));
+    }
+    if (r.reader != 1 && r.reader != 2) {
+      return Status::Corruption(
+          StrCat("protocol record: MAPS of ", r.reader, " maps (1 or 2 expected)"));
+    }
+    (void)in.U32("map_slots", &r.map_slots);
+    const size_t n = (reason_len - 4u) / 4u;
+    if (n % r.reader != 0) {
+      return Status::Corruption(
+          StrCat("protocol record: MAPS of ", r.reader, " maps with ", n, " entries"));
+    }
+    r.maps.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      uint32_t v = 0;
+      (void)in.U32("map entry", &v);
+      r.maps[i] = static_cast<int32_t>(v);
+    }
+    return r;
   }
   if (r.kind != RecordKind::kAbort && reason_len != 0) {
     return Status::Corruption(StrCat("protocol record: ", KindName(r.kind), " carries a reason"));

@@ -1,12 +1,14 @@
 // Internal: the rearrangement protocol's wire records (docs/protocol.md). Every record is
 // magic "EPXR", version, kind, generation, layer, expert, source rank, reader rank and a
-// reason (ABORT only), with an exact length; decoding rejects anything else.
+// variable part (ABORT: the reason; MAPS: the layer's slot count and a chunk of its maps),
+// with an exact length; decoding rejects anything else.
 #ifndef EPLBX_SRC_PROTOCOL_RECORDS_H_
 #define EPLBX_SRC_PROTOCOL_RECORDS_H_
 
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "eplbx/status.h"
 
@@ -17,11 +19,14 @@ enum class RecordKind : uint8_t {
   kReadDone = 2,  // reader -> source (attached to the READ): the data landed
   kDone = 3,      // rank -> every rank: my reads and my readers' reads are complete
   kAbort = 4,     // rank -> every rank: the generation failed; reason attached
+  kMaps = 5,      // rank -> every rank: a chunk of the layer's old (and new) map, first
 };
 std::string_view KindName(RecordKind kind);
 
 inline constexpr size_t kRecordFixedBytes = 34;
 inline constexpr size_t kMaxReasonBytes = 1024;
+// Map entries one MAPS record carries (old and new entries together): 16 KiB.
+inline constexpr size_t kMaxMapEntries = 4096;
 
 struct Record {
   RecordKind kind = RecordKind::kReady;
@@ -31,6 +36,11 @@ struct Record {
   uint32_t source = 0;  // the serving rank (READY, READ_DONE) or the sender (DONE, ABORT)
   uint32_t reader = 0;
   std::string reason;  // ABORT only
+  // MAPS only: `expert` is the chunk's first slot, `reader` the number of maps (1: old
+  // only, 2: old and new); `map_slots` the layer's slots; `maps` the chunk's old entries
+  // followed by the same slots' new entries.
+  uint32_t map_slots = 0;
+  std::vector<int32_t> maps;
 };
 
 std::string EncodeRecord(const Record& r);

@@ -57,10 +57,13 @@ class RearrangerImpl {
     uint32_t layer = 0;
     std::vector<JobRead> reads;
     std::vector<protocol::ServeTask> serves;
-    std::function<void()> commit;  // runs when every rank is done with the layer
+    std::vector<int32_t> old_map, new_map;  // checked against every rank's before any READ
+    std::function<void()> commit;           // runs when every rank is done with the layer
+    Status refused;                         // set: this rank refuses the layer (peers are told)
   };
   LayerOutcome RunJob(LayerJob& job);
-  LayerOutcome RunLayer(uint32_t l, const LayerMigration& m);
+  LayerOutcome RunLayer(uint32_t l, const LayerMigration& m, const Placement& from,
+                        const Placement& to);
   uint64_t RowBytes(uint32_t layer) const {
     uint64_t b = 0;
     for (const TensorSpec& t : layout.layers[layer]) b += t.bytes_per_expert;
@@ -198,7 +201,17 @@ LayerOutcome RearrangerImpl::RunJob(LayerJob& job) {
   step.world = world();
   for (const JobRead& r : job.reads) step.reads.push_back(r.task);
   step.serves = job.serves;
+  step.old_map = job.old_map;
+  step.new_map = job.new_map;
   LayerProtocol p(step, Clock::now(), options.deadline);
+  if (!job.refused.ok()) {
+    std::string why = job.refused.message();
+    const std::string mine = StrCat("rank ", self(), ": ");
+    if (why.rfind(mine, 0) == 0) why = why.substr(mine.size());  // Fail names this rank itself
+    Execute(p, job, pending, outcome, p.Fail(why));
+    outcome.error = p.error();
+    return outcome;
+  }
   Execute(p, job, pending, outcome, p.Start());
   // Records that arrived early, during an earlier layer.
   std::deque<std::pair<uint32_t, protocol::Record>> later;
@@ -261,9 +274,14 @@ LayerOutcome RearrangerImpl::RunJob(LayerJob& job) {
   return outcome;
 }
 
-LayerOutcome RearrangerImpl::RunLayer(uint32_t l, const LayerMigration& m) {
+LayerOutcome RearrangerImpl::RunLayer(uint32_t l, const LayerMigration& m, const Placement& from,
+                                      const Placement& to) {
   LayerJob job;
   job.layer = l;
+  for (int s = 0; s < from.slots(); ++s) {
+    job.old_map.push_back(from.phy2log(static_cast<int>(l), s));
+    job.new_map.push_back(to.phy2log(static_cast<int>(l), s));
+  }
   const size_t tensors = layout.layers[l].size();
   std::vector<int> changed;
   for (const RemoteRead& r : m.transfers) {
@@ -367,7 +385,7 @@ RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to
     return report;
   }
   for (int l = 0; l < layers; ++l) {
-    LayerOutcome o = d.RunLayer(static_cast<uint32_t>(l), plan->layers[l]);
+    LayerOutcome o = d.RunLayer(static_cast<uint32_t>(l), plan->layers[l], from, to);
     report.bytes_read += o.bytes_read;
     report.experts_read += o.experts_read;
     report.bytes_cross_node += o.bytes_cross_node;
@@ -405,7 +423,7 @@ void Rearranger::set_commit_hook(std::function<void(uint32_t layer)> hook) {
 
 struct EplbCommunicator::State {
   std::unique_ptr<internal::RearrangerImpl> impl;
-  std::vector<int32_t> old_map;
+  std::vector<int32_t> old_map, new_map;
   bool has_context = false;
   internal::RearrangerImpl::LayerJob job;
 
@@ -426,7 +444,91 @@ struct EplbCommunicator::State {
     }
     return -1;
   }
+  // Refuses receive rows that would overwrite memory the layer still needs (see AddRecv).
+  Status CheckReceiveRows() const;
+  // A bad argument once the layer's context is set: this rank cannot run the layer. Its
+  // peers are told at once (ABORT), so none waits for the deadline; nothing has moved.
+  Status Refuse(Status why) {
+    job.refused = why;
+    LayerOutcome o = impl->RunJob(job);
+    has_context = false;
+    impl->failed = true;
+    impl->failure = o.error;
+    return why;
+  }
 };
+
+Status EplbCommunicator::State::CheckReceiveRows() const {
+  const auto& d = *impl;
+  const uint32_t me = d.self(), layer = job.layer, rows = d.layout.layers[layer][0].rows;
+  struct Span {
+    uint64_t begin, end;
+    std::string what;
+  };
+  auto overlaps = [](const Span& a, uint64_t b, uint64_t e) { return a.begin < e && b < a.end; };
+  std::vector<Span> recv;
+  for (const auto& r : job.reads) {
+    for (size_t t = 0; t < r.dst.size(); ++t) {
+      const uint64_t b = reinterpret_cast<uintptr_t>(r.dst[t]);
+      recv.push_back(
+          {b, b + d.layout.layers[layer][t].bytes_per_expert,
+           StrCat("rank ", me, ": the receive row of expert ", r.task.expert, " (tensor ", t, " '",
+                  d.layout.layers[layer][t].name, "') of layer ", layer)});
+    }
+  }
+  // What each of this layer's rows is for: read by a peer, kept, or free to overwrite.
+  std::vector<std::string> why_live(rows);
+  for (const protocol::ServeTask& sv : job.serves) {
+    const int row = RowOf(me, sv.expert);
+    if (row >= 0)
+      why_live[row] = StrCat("which rank ", sv.reader, " reads (expert ", sv.expert, ")");
+  }
+  for (uint32_t row = 0; row < rows; ++row) {
+    if (!why_live[row].empty()) continue;
+    const int32_t e = old_map[me * rows + row];
+    if (new_map.empty()) {
+      why_live[row] = StrCat("a live weight row (expert ", e,
+                             "; without the new map every row counts as kept: receive into a "
+                             "buffer, or pass the new map)");
+      continue;
+    }
+    for (uint32_t k = 0; k < rows; ++k) {
+      if (e >= 0 && new_map[me * rows + k] == e)
+        why_live[row] = StrCat("which holds expert ", e, ", kept by this rank");
+    }
+  }
+  for (const Span& r : recv) {
+    for (uint32_t l = 0; l < d.layout.layers.size(); ++l) {
+      for (size_t t = 0; t < d.layout.layers[l].size(); ++t) {
+        const TensorSpec& spec = d.layout.layers[l][t];
+        if (!overlaps(r, spec.base, spec.base + spec.rows * spec.bytes_per_expert)) continue;
+        for (uint32_t row = 0; row < spec.rows; ++row) {
+          const uint64_t b = spec.base + row * spec.bytes_per_expert;
+          if (!overlaps(r, b, b + spec.bytes_per_expert)) continue;
+          if (l != layer) {
+            return Status::InvalidArgument(
+                StrCat(r.what, " overlaps row ", row, " of layer ", l, " tensor '", spec.name,
+                       "' (live weights of another layer); receive into a buffer"));
+          }
+          if (!why_live[row].empty()) {
+            return Status::InvalidArgument(StrCat(r.what, " overlaps weight row ", row,
+                                                  " of tensor '", spec.name, "', ", why_live[row]));
+          }
+        }
+      }
+    }
+  }
+  for (size_t i = 0; i < recv.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (overlaps(recv[i], recv[j].begin, recv[j].end)) {
+        return Status::InvalidArgument(StrCat(recv[i].what, " overlaps",
+                                              recv[j].what.substr(recv[j].what.find(':') + 1),
+                                              "; every receive row needs its own memory"));
+      }
+    }
+  }
+  return Status::OK();
+}
 
 EplbCommunicator::EplbCommunicator(std::unique_ptr<State> state) : state_(std::move(state)) {}
 EplbCommunicator::~EplbCommunicator() = default;
@@ -451,7 +553,8 @@ Result<std::unique_ptr<EplbCommunicator>> EplbCommunicator::Create(Agent* agent,
   return std::unique_ptr<EplbCommunicator>(new EplbCommunicator(std::move(state)));
 }
 
-Status EplbCommunicator::SetTransferContext(std::span<const int32_t> old_phy2log, uint32_t layer) {
+Status EplbCommunicator::SetTransferContext(std::span<const int32_t> old_phy2log, uint32_t layer,
+                                            std::span<const int32_t> new_phy2log) {
   State& s = *state_;
   const auto& d = *s.impl;
   if (d.failed)
@@ -468,7 +571,13 @@ Status EplbCommunicator::SetTransferContext(std::span<const int32_t> old_phy2log
                                           " has ", old_phy2log.size(), " slots, expected ", slots,
                                           " (ranks x rows)"));
   }
+  if (!new_phy2log.empty() && new_phy2log.size() != slots) {
+    return Status::InvalidArgument(StrCat("rank ", d.self(), ": new_phy2log of layer ", layer,
+                                          " has ", new_phy2log.size(), " slots, expected ", slots,
+                                          " (ranks x rows)"));
+  }
   s.old_map.assign(old_phy2log.begin(), old_phy2log.end());
+  s.new_map.assign(new_phy2log.begin(), new_phy2log.end());
   s.job = {};
   s.job.layer = layer;
   s.has_context = true;
@@ -480,43 +589,54 @@ Status EplbCommunicator::AddSend(uint32_t dst_rank, uint32_t expert) {
   EPLBX_RETURN_IF_ERROR(s.Check());
   const auto& d = *s.impl;
   if (dst_rank >= d.world() || dst_rank == d.self()) {
-    return Status::InvalidArgument(
-        StrCat("rank ", d.self(), ": add_send to rank ", dst_rank, " (world ", d.world(), ")"));
+    return s.Refuse(Status::InvalidArgument(
+        StrCat("rank ", d.self(), ": add_send to rank ", dst_rank, " (world ", d.world(), ")")));
   }
   if (s.RowOf(d.self(), expert) < 0) {
-    return Status::InvalidArgument(StrCat("rank ", d.self(), ": add_send of expert ", expert,
-                                          " in layer ", s.job.layer,
-                                          ", which this rank does not hold in the old map"));
+    return s.Refuse(Status::InvalidArgument(
+        StrCat("rank ", d.self(), ": add_send of expert ", expert, " in layer ", s.job.layer,
+               ", which this rank does not hold in the old map")));
   }
   s.job.serves.push_back({expert, dst_rank});
   return Status::OK();
 }
 
 Status EplbCommunicator::AddRecv(uint32_t src_rank, uint32_t expert,
-                                 std::span<void* const> dst_rows) {
+                                 std::span<const Descriptor> dst_rows) {
   State& s = *state_;
   EPLBX_RETURN_IF_ERROR(s.Check());
   const auto& d = *s.impl;
   if (src_rank >= d.world() || src_rank == d.self()) {
-    return Status::InvalidArgument(
-        StrCat("rank ", d.self(), ": add_recv from rank ", src_rank, " (world ", d.world(), ")"));
+    return s.Refuse(Status::InvalidArgument(
+        StrCat("rank ", d.self(), ": add_recv from rank ", src_rank, " (world ", d.world(), ")")));
   }
   const size_t tensors = d.layout.layers[s.job.layer].size();
   if (dst_rows.size() != tensors) {
-    return Status::InvalidArgument(StrCat("rank ", d.self(), ": add_recv of expert ", expert,
-                                          " gives ", dst_rows.size(), " rows; layer ", s.job.layer,
-                                          " has ", tensors, " tensors"));
+    return s.Refuse(Status::InvalidArgument(
+        StrCat("rank ", d.self(), ": add_recv of expert ", expert, " gives ", dst_rows.size(),
+               " rows; layer ", s.job.layer, " has ", tensors, " tensors")));
+  }
+  for (size_t t = 0; t < tensors; ++t) {
+    const TensorSpec& spec = d.layout.layers[s.job.layer][t];
+    if (dst_rows[t].bytes != spec.bytes_per_expert) {
+      return s.Refuse(Status::InvalidArgument(
+          StrCat("rank ", d.self(), ": add_recv of expert ", expert, " in layer ", s.job.layer,
+                 ": receive row ", t, " (tensor '", spec.name, "') is ", dst_rows[t].bytes,
+                 " bytes, the layout's row is ", spec.bytes_per_expert, " (dtype ", spec.dtype,
+                 "); give rows shaped like the weights' rows")));
+    }
   }
   const int row = s.RowOf(src_rank, expert);
   if (row < 0) {
-    return Status::InvalidArgument(
+    return s.Refuse(Status::InvalidArgument(
         StrCat("rank ", d.self(), ": add_recv of expert ", expert, " from rank ", src_rank,
-               ", which does not hold it in layer ", s.job.layer, "'s old map"));
+               ", which does not hold it in layer ", s.job.layer, "'s old map")));
   }
   internal::RearrangerImpl::JobRead jr;
   jr.task = {expert, src_rank};
   jr.src_row = static_cast<uint64_t>(row);
-  for (void* p : dst_rows) jr.dst.push_back(static_cast<uint8_t*>(p));
+  for (const Descriptor& p : dst_rows)
+    jr.dst.push_back(reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(p.addr)));
   s.job.reads.push_back(std::move(jr));
   return Status::OK();
 }
@@ -524,6 +644,10 @@ Status EplbCommunicator::AddRecv(uint32_t src_rank, uint32_t expert,
 Status EplbCommunicator::Execute() {
   State& s = *state_;
   EPLBX_RETURN_IF_ERROR(s.Check());
+  Status rows = s.CheckReceiveRows();
+  if (!rows.ok()) return s.Refuse(rows);
+  s.job.old_map = s.old_map;
+  s.job.new_map = s.new_map;
   LayerOutcome o = s.impl->RunJob(s.job);
   s.has_context = false;
   if (!o.committed) {
@@ -532,6 +656,13 @@ Status EplbCommunicator::Execute() {
     return Status::Aborted(StrCat("rank ", s.impl->self(), ": ", o.error));
   }
   return Status::OK();
+}
+
+Status EplbCommunicator::Abort(std::string_view reason) {
+  State& s = *state_;
+  EPLBX_RETURN_IF_ERROR(s.Check());
+  (void)s.Refuse(Status::Aborted(std::string(reason)));
+  return Status::Aborted(StrCat("rank ", s.impl->self(), ": ", reason));
 }
 
 bool EplbCommunicator::failed() const { return state_->impl->failed; }

@@ -113,12 +113,35 @@ TEST_F(CliTest, OutFileAndTableFormat) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_TRUE(r.out.empty());
   EXPECT_EQ(nlohmann::json::parse(Slurp(out))["phy2log"].size(), 2u);
-  CliRun t = Eplbx("plan --load " + load + " --slots 16 --ranks 8 --format table");
+  CliRun t = Eplbx("plan --load " + load + " --slots 16 --ranks 8 --format table-full");
   ASSERT_EQ(t.exit_code, 0) << t.err;
   EXPECT_NE(t.out.find("layer 1  balancedness"), std::string::npos) << t.out;
   EXPECT_NE(t.out.find("rank loads:"), std::string::npos) << t.out;
   EXPECT_NE(t.out.find("replicated (expert x replicas): 1x2"), std::string::npos) << t.out;
   EXPECT_NE(t.out.find("balancedness_total"), std::string::npos) << t.out;
+}
+
+// The table a person reads (issue 17, item 18): a summary and one layer's rank loads as
+// bars, not every slot id of every rank; a DeepSeek-V3-sized plan fits on a screen.
+TEST_F(CliTest, TableIsASummaryAtAGlance) {
+  CliRun t = Eplbx(std::string("plan --load ") + EPLBX_EXAMPLES +
+                   "/dsv3_load.json --slots 288 --ranks 32 --nodes 4 --groups 8 --format table");
+  ASSERT_EQ(t.exit_code, 0) << t.err;
+  EXPECT_NE(t.out.find("balancedness (mean / max rank load, 1 = perfect): total 0."),
+            std::string::npos)
+      << t.out;
+  EXPECT_NE(t.out.find("replicated experts per layer: "), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("(the least balanced; bar = load / max"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find("  rank 31 #"), std::string::npos) << t.out;
+  EXPECT_EQ(t.out.find("slots by rank"), std::string::npos) << t.out;
+  EXPECT_LE(std::count(t.out.begin(), t.out.end(), '\n'), 45) << t.out;
+  for (size_t at = 0, next; at < t.out.size(); at = next + 1) {
+    next = t.out.find('\n', at);
+    if (next == std::string::npos) next = t.out.size();
+    EXPECT_LE(next - at, 120u) << t.out.substr(at, next - at);
+  }
+  // Bars scale with load: the heaviest rank's bar is full.
+  EXPECT_NE(t.out.find("########################################"), std::string::npos);
 }
 
 // --out never replaces what is at the path with a regular file (issue 17, item 4): a FIFO

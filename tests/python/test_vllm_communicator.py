@@ -64,6 +64,12 @@ def worker(rank, world, port, scenario, results, seed=7):
                 tensors.append(w)
             weights.append(tensors)
         buffer = [torch.zeros((ROWS,) + tuple(s), dtype=d) for s, d in zip(shapes, dtypes)]
+        if scenario == "short_buffer" and rank == 1:
+            buffer[0] = torch.zeros((ROWS, 6, 4), dtype=dtypes[0])  # rows of 24 floats, not 30
+        if scenario == "args":
+            results.put((rank, "args", bad_arguments(torch, eplbx, EplbxCommunicator, group, weights,
+                                                     buffer, before)))
+            return
         if scenario == "shared" and rank != 1:
             # Ranks 0 and 2 move their tensors to /dev/shm; rank 1 keeps plain memory, so
             # its rows are read with process_vm_readv and the others' are mapped.
@@ -92,7 +98,10 @@ def worker(rank, world, port, scenario, results, seed=7):
             return e in before[layer][r * ROWS:(r + 1) * ROWS]
 
         for layer in range(LAYERS):
-            comm.set_transfer_context(torch.tensor(before[layer]), layer)
+            old = list(before[layer])
+            if scenario == "stale" and rank == 2:
+                old[0], old[1] = old[1], old[0]  # a stale map: two of rank 0's rows swapped
+            comm.set_transfer_context(torch.tensor(old), layer)
             for dst in range(world):  # what the others need from this rank
                 asked = set()
                 for row in range(ROWS):
@@ -107,14 +116,29 @@ def worker(rank, world, port, scenario, results, seed=7):
                 if holds(layer, rank, e) or e in received:
                     continue
                 received[e] = row
-                comm.add_recv([b[row] for b in buffer], holder(layer, e), e)
+                rows = [b[row] for b in buffer]
+                if scenario == "weight_row" and rank == 0:
+                    rows = [w[0] for w in weights[layer]]  # a live weight row as receive row
+                try:
+                    comm.add_recv(rows, holder(layer, e), e)
+                except eplbx.EplbxError as err:
+                    results.put((rank, type(err).__name__, str(err), 0.0))
+                    time.sleep(2.0)  # an engine process lives on: its ABORT goes out meanwhile
+                    return
             if scenario == "kill" and rank == 2:
                 os._exit(3)  # dies mid-layer, its READYs unsent
             started = time.monotonic()
             try:
                 comm.execute()
             except eplbx.EplbxError as e:
-                results.put((rank, type(e).__name__, str(e), time.monotonic() - started))
+                if scenario == "weight_row":
+                    intact = all(bool((weights[l][t][r] == value(l, before[l][rank * ROWS + r], t)).all())
+                                 for l in range(LAYERS) for t in range(len(shapes)) for r in range(ROWS))
+                    results.put((rank, type(e).__name__, str(e), "intact" if intact else "CHANGED"))
+                else:
+                    results.put((rank, type(e).__name__, str(e), time.monotonic() - started))
+                if scenario == "short_buffer":
+                    time.sleep(2.0)  # alive until every peer reported, as an engine process is
                 return
             for e, row in received.items():
                 for t in range(len(shapes)):
@@ -132,6 +156,32 @@ def worker(rank, world, port, scenario, results, seed=7):
         results.put((rank, "ok", ""))
     except Exception:  # noqa: BLE001 - report anything to the parent
         results.put((rank, "crash", traceback.format_exc()))
+
+
+def bad_arguments(torch, eplbx, EplbxCommunicator, group, weights, buffer, before):
+    """Each bad argument raises InvalidArgumentError (never a wrap, cut or silent cast)."""
+    said = []
+
+    def expect(what, call):
+        try:
+            call()
+        except eplbx.InvalidArgumentError as e:
+            said.append(str(e))
+            return
+        said.append(f"NOT REFUSED: {what}")
+
+    for t in (float("inf"), float("nan"), 0, -1, 1e-4, "5"):
+        expect(f"timeout {t!r}", lambda t=t: EplbxCommunicator(group, weights, buffer, timeout_s=t))
+    comm = EplbxCommunicator(group, weights, buffer, timeout_s=10.0)
+    m = torch.tensor(before[0])
+    expect("float map", lambda: comm.set_transfer_context(m.float(), 0))
+    expect("float64 map", lambda: comm.set_transfer_context(m.double() + 0.9, 0))
+    expect("id past int32", lambda: comm.set_transfer_context(m.long() + 2**32, 0))
+    expect("layer 2.7", lambda: comm.set_transfer_context(m, 2.7))
+    expect("layer past the end", lambda: comm.set_transfer_context(m, LAYERS))
+    comm.set_transfer_context(m, 0, new_indices=m, some_future_kwarg=1)  # accepted, ignored
+    expect("expert 2**32 + 1", lambda: comm.add_recv([b[0] for b in buffer], 0, 2**32 + 1))
+    return said
 
 
 def run(world, scenario, timeout=90):
@@ -179,6 +229,54 @@ class VllmCommunicatorTest(unittest.TestCase):
             self.assertIn("8 bytes", message)
             if rank != 1:
                 self.assertIn("rank 1", message)
+
+    def test_stale_map_on_one_rank_fails_every_rank_naming_the_slot(self):
+        # Before: every execute() succeeded and rank 2's buffer held the wrong experts.
+        out = run(3, "stale")
+        self.assertEqual(set(out), {0, 1, 2}, out)
+        named = False
+        for rank, (kind, message, *_) in out.items():
+            self.assertEqual(kind, "AbortedError", message)
+            named |= "old map of the layer differs between rank" in message and "at slot 0 " in message
+        self.assertTrue(named, out)
+
+    def test_receive_rows_unlike_the_weights_rows_are_refused(self):
+        # Before: rows of 24 floats were overrun by 30-float experts, silently.
+        out = run(3, "short_buffer")
+        self.assertEqual(set(out), {0, 1, 2}, out)
+        kind, message, *_ = out[1]
+        self.assertEqual(kind, "InvalidArgumentError", message)
+        self.assertIn("receive row 0", message)
+        self.assertIn("[6, 4] (96 bytes)", message)
+        self.assertIn("[6, 5] (120 bytes)", message)
+        for rank in (0, 2):
+            kind, message, *rest = out[rank]
+            self.assertEqual(kind, "AbortedError", message)
+            self.assertIn("aborted by rank 1", message)
+            self.assertLess(rest[0], 4.0, message)  # told at once, not at the deadline
+
+    def test_live_weight_rows_as_receive_rows_are_refused_and_weights_kept(self):
+        out = run(3, "weight_row")
+        kind, message, *rest = out[0]
+        self.assertEqual(kind, "InvalidArgumentError", message)
+        self.assertIn("overlaps weight row 0 of tensor 'tensor0'", message)
+        self.assertEqual(rest, ["intact"])
+
+    def test_bad_arguments_are_refused_by_name(self):
+        out = run(3, "args")
+        self.assertEqual(set(out), {0, 1, 2}, out)
+        for rank, (kind, said) in out.items():
+            self.assertEqual(kind, "args", said)
+            self.assertEqual(kind, "args")
+            for line in said:
+                self.assertNotIn("NOT REFUSED", line)
+            self.assertIn("no limit is not offered", said[0])
+            self.assertIn("outside [0.1, 86400] seconds", said[2])
+            self.assertIn("dtype float32", said[6])
+            self.assertIn("dtype float64", said[7])
+            self.assertIn("outside [-1, 2147483647]", said[8])
+            self.assertIn("layer_idx is 2.7, not an integer", said[9])
+            self.assertIn("expert_id is 4294967297, outside", said[11])
 
     def test_killed_rank_makes_survivors_raise_in_time(self):
         out = run(3, "kill")

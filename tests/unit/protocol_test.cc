@@ -33,6 +33,33 @@ TEST(RecordTest, RoundTripsEveryKind) {
   }
 }
 
+TEST(RecordTest, MapsRoundTripAndMalformedMaps) {
+  Record m;
+  m.kind = RecordKind::kMaps;
+  m.generation = 3;
+  m.layer = 1;
+  m.expert = 2048;  // first slot of the chunk
+  m.source = 2;
+  m.reader = 2;  // old and new
+  m.map_slots = 2051;
+  m.maps = {4, 5, -1, 7, 8, 9};
+  Result<Record> d = DecodeRecord(EncodeRecord(m));
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->kind, RecordKind::kMaps);
+  EXPECT_EQ(d->map_slots, 2051u);
+  EXPECT_EQ(d->maps, m.maps);
+  EXPECT_EQ(d->reader, 2u);
+  const std::string good = EncodeRecord(m);
+  for (size_t n = 0; n < good.size(); ++n) EXPECT_FALSE(DecodeRecord(good.substr(0, n)).ok()) << n;
+  m.reader = 3;
+  EXPECT_NE(DecodeRecord(EncodeRecord(m)).status().message().find("MAPS of 3 maps"),
+            std::string::npos);
+  m.reader = 2;
+  m.maps = {1, 2, 3};
+  EXPECT_NE(DecodeRecord(EncodeRecord(m)).status().message().find("2 maps with 3 entries"),
+            std::string::npos);
+}
+
 TEST(RecordTest, RejectsEveryMalformedRecord) {
   const std::string good = EncodeRecord({RecordKind::kAbort, 5, 1, 2, 3, 4, "why"});
   for (size_t n = 0; n < good.size(); ++n) {
@@ -45,7 +72,8 @@ TEST(RecordTest, RejectsEveryMalformedRecord) {
     return DecodeRecord(s).status();
   };
   EXPECT_NE(patched(0, 'X').message().find("bad magic"), std::string::npos);
-  EXPECT_EQ(patched(4, 2).code(), Code::kNotSupported);
+  EXPECT_EQ(patched(4, 1).code(), Code::kNotSupported);  // version 1: before MAPS
+  EXPECT_EQ(patched(4, 3).code(), Code::kNotSupported);
   EXPECT_NE(patched(6, 0).message().find("unknown kind 0"), std::string::npos);
   EXPECT_NE(patched(6, 9).message().find("unknown kind 9"), std::string::npos);
   EXPECT_NE(patched(7, 1).message().find("reserved"), std::string::npos);
@@ -82,6 +110,7 @@ struct World {
           break;
         case ActionKind::kPostRead:
           reads.push_back({self, a.read});
+          posted.push_back({self, a.read});
           // READ_DONE is delivered only after the READ completes; the test completes it later.
           pending_done.push_back({self, a.peer, a.record});
           break;
@@ -95,6 +124,7 @@ struct World {
     }
   }
   std::deque<Msg> pending_done;
+  std::vector<std::pair<uint32_t, ReadTask>> posted;  // every READ ever posted
 
   // Delivers everything in a random order, duplicating some records.
   void Run(std::mt19937& rng) {
@@ -155,6 +185,122 @@ TEST(LayerProtocolTest, EveryRankCommitsUnderAnyDeliveryOrder) {
 
 LayerStep TwoRankReader() { return LayerStep{5, 2, 0, 2, {{7, 1}}, {}}; }
 
+// The MAPS record rank `from` sends first (one chunk: maps of up to 2048 slots).
+Record MapsOf(uint32_t from, uint64_t gen, uint32_t layer, std::vector<int32_t> old_map = {},
+              std::vector<int32_t> new_map = {}) {
+  Record m;
+  m.kind = RecordKind::kMaps;
+  m.generation = gen;
+  m.layer = layer;
+  m.source = from;
+  m.reader = new_map.empty() ? 1 : 2;
+  m.map_slots = static_cast<uint32_t>(old_map.size());
+  m.maps = old_map;
+  m.maps.insert(m.maps.end(), new_map.begin(), new_map.end());
+  return m;
+}
+
+// Maps of `slots` slots, the same on every rank unless a test changes one.
+void GiveMaps(std::vector<LayerStep>& steps, size_t slots, bool with_new, std::mt19937& rng) {
+  std::vector<int32_t> old_map(slots), new_map(with_new ? slots : 0);
+  for (int32_t& e : old_map) e = static_cast<int32_t>(rng() % 300);
+  for (int32_t& e : new_map) e = static_cast<int32_t>(rng() % 300);
+  for (LayerStep& s : steps) {
+    s.old_map = old_map;
+    s.new_map = new_map;
+  }
+}
+
+TEST(LayerProtocolTest, RanksAgreeOnTheMapsUnderAnyDeliveryOrder) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 300; ++trial) {
+    const uint32_t world = 2 + rng() % 4;
+    std::vector<LayerStep> steps = RandomSteps(world, rng);
+    // Up to 5000 slots: maps of several MAPS records each.
+    GiveMaps(steps, rng() % 5000, rng() % 2, rng);
+    World w(steps);
+    w.Run(rng);
+    for (uint32_t r = 0; r < world; ++r) {
+      ASSERT_EQ(w.commits[r], 1) << "trial " << trial << " rank " << r << ": " << w.aborts[r];
+    }
+  }
+}
+
+// One rank's old map has two slots swapped (a stale map): no rank commits, nothing is read
+// from a rank whose maps differ from the reader's, and the error names both ranks and the
+// first differing slot (issue 17, item 1).
+TEST(LayerProtocolTest, AStaleMapOnOneRankFailsTheLayerOnEveryRank) {
+  std::mt19937 rng(12);
+  int named = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const uint32_t world = 2 + rng() % 4;
+    std::vector<LayerStep> steps = RandomSteps(world, rng);
+    const size_t slots = 8 + rng() % 4000;
+    const bool with_new = rng() % 2;
+    GiveMaps(steps, slots, with_new, rng);
+    const uint32_t stale = rng() % world;
+    const size_t a = rng() % slots;
+    size_t b = rng() % slots;
+    while (b == a) b = rng() % slots;
+    std::vector<int32_t>& map =
+        (with_new && rng() % 2) ? steps[stale].new_map : steps[stale].old_map;
+    map[a] = 300;  // no other slot holds 300: the swap changes both slots
+    std::swap(map[a], map[b]);
+    World w(steps);
+    w.Run(rng);
+    for (uint32_t r = 0; r < world; ++r) {
+      ASSERT_EQ(w.commits[r], 0) << "trial " << trial << " rank " << r;
+      ASSERT_EQ(w.ranks[r].state(), LayerState::kAborted);
+    }
+    for (const auto& [reader, task] : w.posted) {
+      EXPECT_TRUE(reader != stale && task.source != stale)
+          << "rank " << reader << " read from rank " << task.source << " with maps that differ";
+    }
+    const std::string& e = w.aborts[stale];
+    if (e.find("aborted by") != std::string::npos) continue;  // a peer noticed first
+    EXPECT_NE(e.find("map of the layer differs between rank " + std::to_string(stale)),
+              std::string::npos)
+        << e;
+    // The first differing slot of the first chunk that differs: one of the two (this test's
+    // network reorders MAPS chunks; a real peer's arrive in order).
+    EXPECT_TRUE(e.find("at slot " + std::to_string(std::min(a, b)) + " ") != std::string::npos ||
+                e.find("at slot " + std::to_string(std::max(a, b)) + " ") != std::string::npos)
+        << e << " (swapped slots " << a << ", " << b << ")";
+    ++named;
+  }
+  EXPECT_GT(named, 50);
+}
+
+TEST(LayerProtocolTest, MapsOfDifferentShapeAreRefusedByName) {
+  bool d = false;
+  LayerStep mine = TwoRankReader();
+  mine.old_map = {1, 2, 3, 4};
+  {
+    LayerProtocol p(mine, Clock::time_point{}, seconds(10));
+    p.Start();
+    p.OnRecord(1, MapsOf(1, 5, 2, {1, 2, 3, 4}, {4, 3, 2, 1}), {}, &d);
+    EXPECT_NE(p.error().find("rank 1 passed new map of the layer and rank 0 did not"),
+              std::string::npos)
+        << p.error();
+  }
+  {
+    LayerProtocol p(mine, Clock::time_point{}, seconds(10));
+    p.Start();
+    p.OnRecord(1, MapsOf(1, 5, 2, {1, 2, 3}), {}, &d);
+    EXPECT_NE(p.error().find("has 3 slots on rank 1 and 4 on rank 0"), std::string::npos)
+        << p.error();
+  }
+  {
+    // A READY before the source's maps: the READ waits for them, then goes out.
+    LayerProtocol p(mine, Clock::time_point{}, seconds(10));
+    p.Start();
+    EXPECT_TRUE(p.OnRecord(1, {RecordKind::kReady, 5, 2, 7, 1, 0, ""}, {}, &d).empty());
+    auto a = p.OnRecord(1, MapsOf(1, 5, 2, {1, 2, 3, 4}), {}, &d);
+    ASSERT_EQ(a.size(), 1u);
+    EXPECT_EQ(a[0].kind, ActionKind::kPostRead);
+  }
+}
+
 // A rank that finished (committed) may exit at once; its peers then see it fail, but once
 // they hold its DONE nothing of the layer depends on it: they still commit. Before its DONE
 // the same failure aborts.
@@ -182,6 +328,7 @@ TEST(LayerProtocolTest, StaleFutureAndDuplicateRecords) {
   LayerProtocol p(TwoRankReader(), Clock::time_point{}, seconds(10));
   p.Start();
   bool deferred = false;
+  EXPECT_TRUE(p.OnRecord(1, MapsOf(1, 5, 2), {}, &deferred).empty());
   EXPECT_TRUE(p.OnRecord(1, {RecordKind::kReady, 4, 2, 7, 1, 0, ""}, {}, &deferred).empty());
   EXPECT_FALSE(deferred);
   EXPECT_EQ(p.ignored(), 1u);
@@ -244,6 +391,14 @@ TEST(LayerProtocolTest, FailuresAndDeadlinesNameWhatIsMissing) {
   {
     LayerProtocol p(TwoRankReader(), t0, seconds(10));
     p.Start();
+    p.OnTick(t0 + seconds(10));
+    EXPECT_NE(p.error().find("waiting for MAPS from rank 1"), std::string::npos) << p.error();
+  }
+  {
+    LayerProtocol p(TwoRankReader(), t0, seconds(10));
+    p.Start();
+    bool d = false;
+    p.OnRecord(1, MapsOf(1, 5, 2), t0, &d);
     EXPECT_TRUE(p.OnTick(t0 + seconds(9)).empty());
     auto a = p.OnTick(t0 + seconds(10));
     EXPECT_EQ(p.state(), LayerState::kAborted);
@@ -284,8 +439,11 @@ TEST(LayerProtocolTest, FailuresAndDeadlinesNameWhatIsMissing) {
     // A source waits for READ_DONE, then for DONE.
     LayerProtocol p(LayerStep{5, 2, 1, 2, {}, {{7, 0}}}, t0, seconds(10));
     auto start = p.Start();
-    ASSERT_EQ(start.size(), 1u);
-    EXPECT_EQ(start[0].record.kind, RecordKind::kReady);
+    ASSERT_EQ(start.size(), 2u);
+    EXPECT_EQ(start[0].record.kind, RecordKind::kMaps);  // maps first, then READY
+    EXPECT_EQ(start[1].record.kind, RecordKind::kReady);
+    bool d = false;
+    p.OnRecord(0, MapsOf(0, 5, 2), t0, &d);
     p.OnTick(t0 + seconds(11));
     EXPECT_NE(p.error().find("waiting for READ_DONE of expert 7 from rank 0"), std::string::npos)
         << p.error();

@@ -2,6 +2,7 @@
 // loopback agents (the real multi-process runs are tests/cli/demo_test.cc).
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <thread>
 
@@ -189,89 +190,201 @@ TEST(RearrangerTest, RandomPlacementsEveryByteLands) {
 }
 
 // Drives the communicator exactly as vLLM does: per layer, set_transfer_context, add_send
-// for each expert this rank serves, add_recv for each expert it needs, execute, then copy.
-TEST(EplbCommunicatorTest, DrivenLikeVllm) {
-  std::mt19937 rng(5);
+// for each expert this rank serves, add_recv for each expert it needs, execute, then check
+// the buffer. Hooks let a test give one rank a stale map or bad receive rows.
+struct VllmDrive {
   std::vector<std::vector<int32_t>> before, after;
-  for (int l = 0; l < kLayers; ++l) {
-    before.push_back(RandomMap(rng));
-    after.push_back(RandomMap(rng));
-  }
-  InMemoryGroup group(kRanks);
+  bool pass_new_map = false;
+  // Changes the map rank `r` passes for layer `l` (a stale map).
+  std::function<void(uint32_t r, int l, std::vector<int32_t>& map)> map_of;
+  // Replaces the receive row of tensor `t` (a short row, a weight row).
+  std::function<Descriptor(uint32_t r, int l, int t, Descriptor row, Rank& rank)> recv_row;
+  std::vector<std::string> errors = std::vector<std::string>(kRanks);
+  std::vector<int> wrong_bytes = std::vector<int>(kRanks);  // layers "executed" with wrong bytes
   std::vector<std::unique_ptr<Rank>> ranks;
-  for (uint32_t r = 0; r < kRanks; ++r) ranks.push_back(MakeRank(r, before));
-  std::vector<std::string> errors(kRanks);
-  std::vector<std::thread> threads;
-  for (uint32_t r = 0; r < kRanks; ++r) {
-    threads.emplace_back([&, r] {
-      auto boot = group.Member(r);
-      auto comm = EplbCommunicator::Create(ranks[r]->agent.get(), boot.get(), ranks[r]->layout);
-      if (!comm.ok()) {
-        errors[r] = comm.status().ToString();
+
+  explicit VllmDrive(int seed) {
+    std::mt19937 rng(seed);
+    for (int l = 0; l < kLayers; ++l) {
+      before.push_back(RandomMap(rng));
+      after.push_back(RandomMap(rng));
+    }
+  }
+  void Run() {
+    InMemoryGroup group(kRanks);
+    for (uint32_t r = 0; r < kRanks; ++r) ranks.push_back(MakeRank(r, before));
+    std::vector<std::thread> threads;
+    for (uint32_t r = 0; r < kRanks; ++r) threads.emplace_back([&, r] { RunRank(group, r); });
+    for (auto& t : threads) t.join();
+  }
+  void RunRank(InMemoryGroup& group, uint32_t r) {
+    auto boot = group.Member(r);
+    RearrangeOptions o;
+    o.deadline = std::chrono::seconds(20);
+    auto comm = EplbCommunicator::Create(ranks[r]->agent.get(), boot.get(), ranks[r]->layout, o);
+    if (!comm.ok()) {
+      errors[r] = comm.status().ToString();
+      return;
+    }
+    // One layer's buffer, registered once.
+    std::vector<std::vector<uint8_t>> buffer = {std::vector<uint8_t>(kRows * kBytes[0]),
+                                                std::vector<uint8_t>(kRows * kBytes[1])};
+    auto b0 = ranks[r]->agent->RegisterMemory(buffer[0].data(), buffer[0].size());
+    auto b1 = ranks[r]->agent->RegisterMemory(buffer[1].data(), buffer[1].size());
+    auto holder = [&](int l, int32_t e) {  // the lowest rank holding e before
+      for (int s = 0; s < kRanks * kRows; ++s) {
+        if (before[l][s] == e) return s / kRows;
+      }
+      return -1;
+    };
+    auto holds = [&](int l, int rank, int32_t e) {
+      for (int row = 0; row < kRows; ++row) {
+        if (before[l][rank * kRows + row] == e) return true;
+      }
+      return false;
+    };
+    for (int l = 0; l < kLayers; ++l) {
+      std::vector<int32_t> old_map = before[l];
+      if (map_of) map_of(r, l, old_map);
+      Status s = (*comm)->SetTransferContext(
+          old_map, l,
+          pass_new_map ? std::span<const int32_t>(after[l]) : std::span<const int32_t>());
+      for (int dst = 0; dst < kRanks; ++dst) {  // what others need from this rank
+        std::vector<int32_t> asked;
+        for (int row = 0; row < kRows; ++row) {
+          const int32_t e = after[l][dst * kRows + row];
+          if (dst == static_cast<int>(r) || holds(l, dst, e) || holder(l, e) != static_cast<int>(r))
+            continue;
+          if (std::find(asked.begin(), asked.end(), e) != asked.end()) continue;
+          asked.push_back(e);
+          if (s.ok()) s = (*comm)->AddSend(dst, e);
+        }
+      }
+      std::vector<std::pair<int32_t, int>> received;  // expert, buffer row
+      for (int row = 0; row < kRows && s.ok(); ++row) {
+        const int32_t e = after[l][r * kRows + row];
+        if (holds(l, r, e)) continue;
+        bool dup = false;
+        for (auto& [x, at] : received) dup |= x == e;
+        if (dup) continue;
+        Descriptor rows[2];
+        for (int t = 0; t < 2; ++t) {
+          rows[t] = Descriptor::Of(buffer[t].data() + row * kBytes[t], kBytes[t]);
+          if (recv_row) rows[t] = recv_row(r, l, t, rows[t], *ranks[r]);
+        }
+        s = (*comm)->AddRecv(holder(l, e), e, rows);
+        received.push_back({e, row});
+      }
+      if (s.ok()) s = (*comm)->Execute();
+      if (!s.ok()) {
+        errors[r] = s.ToString();
         return;
       }
-      // One layer's buffer, registered once.
-      std::vector<std::vector<uint8_t>> buffer = {std::vector<uint8_t>(kRows * kBytes[0]),
-                                                  std::vector<uint8_t>(kRows * kBytes[1])};
-      auto b0 = ranks[r]->agent->RegisterMemory(buffer[0].data(), buffer[0].size());
-      auto b1 = ranks[r]->agent->RegisterMemory(buffer[1].data(), buffer[1].size());
-      auto holder = [&](int l, int32_t e) {  // the lowest rank holding e before
-        for (int s = 0; s < kRanks * kRows; ++s) {
-          if (before[l][s] == e) return s / kRows;
+      for (auto& [e, row] : received) {
+        bool wrong = false;
+        for (int t = 0; t < 2; ++t) {
+          for (uint64_t i = 0; i < kBytes[t]; ++i)
+            wrong |= buffer[t][row * kBytes[t] + i] != Byte(l, e, t, i);
         }
-        return -1;
-      };
-      auto holds = [&](int l, int rank, int32_t e) {
+        wrong_bytes[r] += wrong;
+      }
+    }
+  }
+};
+
+TEST(EplbCommunicatorTest, DrivenLikeVllm) {
+  for (bool with_new : {false, true}) {
+    VllmDrive d(5);
+    d.pass_new_map = with_new;
+    d.Run();
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      EXPECT_EQ(d.errors[r], "") << "rank " << r;
+      EXPECT_EQ(d.wrong_bytes[r], 0) << "rank " << r;
+    }
+  }
+}
+
+// Rank 2's old map has two of rank 0's rows swapped (issue 17, item 1): before, its
+// execute() succeeded with the wrong experts in its buffer. Now every rank fails the first
+// layer, the error names both ranks and the first differing slot, and no rank reports
+// success with wrong bytes.
+TEST(EplbCommunicatorTest, AStaleMapOnOneRankFailsEveryRankNamingTheSlot) {
+  VllmDrive d(5);
+  d.map_of = [](uint32_t r, int, std::vector<int32_t>& map) {
+    if (r == 2) std::swap(map[0], map[1]);
+  };
+  ASSERT_NE(d.before[0][0], d.before[0][1]);
+  d.Run();
+  bool named = false;
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(d.wrong_bytes[r], 0) << "rank " << r;
+    EXPECT_NE(d.errors[r].find("layer 0"), std::string::npos) << d.errors[r];
+    named |= d.errors[r].find("old map of the layer differs between rank") != std::string::npos &&
+             d.errors[r].find("rank 2") != std::string::npos &&
+             d.errors[r].find("at slot 0 ") != std::string::npos;
+  }
+  EXPECT_TRUE(named) << d.errors[0] << "\n" << d.errors[1] << "\n" << d.errors[2];
+}
+
+// Receive rows shorter than the layout's rows (issue 17, item 2) are refused by name, and
+// the peers fail at once instead of waiting for the deadline.
+TEST(EplbCommunicatorTest, ShortReceiveRowsAreRefusedByName) {
+  VllmDrive d(5);
+  d.recv_row = [](uint32_t r, int, int t, Descriptor row, Rank&) {
+    if (r == 1 && t == 1) row.bytes -= 8;
+    return row;
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  d.Run();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(15));
+  EXPECT_NE(d.errors[1].find("receive row 1 (tensor 'w2') is 32 bytes, the layout's row is 40"),
+            std::string::npos)
+      << d.errors[1];
+  for (uint32_t r : {0u, 2u}) {
+    EXPECT_NE(d.errors[r].find("aborted by rank 1"), std::string::npos) << d.errors[r];
+  }
+}
+
+// A receive row that is a live weight row (issue 17, item 3) is refused before anything
+// moves: the weights are left exactly as they were.
+TEST(EplbCommunicatorTest, ReceiveRowsThatAreLiveWeightsAreRefused) {
+  struct Case {
+    bool with_new;
+    int layer_of_row;  // the weight row given: this layer's, or another layer's
+    const char* says;
+  };
+  for (const Case& c : {Case{false, 0, "a live weight row"}, Case{true, 1, "another layer"},
+                        Case{true, 0, "overlaps weight row"}}) {
+    VllmDrive d(5);
+    d.pass_new_map = c.with_new;
+    d.recv_row = [&](uint32_t r, int l, int t, Descriptor row, Rank& rank) {
+      if (r != 0 || l != 0) return row;
+      // The row of the lowest-numbered expert rank 0 keeps or serves, else its row 0.
+      int pick = 0;
+      for (int k = 0; k < kRows; ++k) {
+        const int32_t e = d.before[0][k];
+        for (int s = 0; s < kRows; ++s) {
+          if (d.after[0][s] == e) pick = k;
+        }
+      }
+      const int layer = c.layer_of_row;
+      return Descriptor::Of(rank.weights[layer][t].data() + pick * kBytes[t], kBytes[t]);
+    };
+    d.Run();
+    EXPECT_NE(d.errors[0].find(c.says), std::string::npos) << d.errors[0];
+    // Nothing moved on rank 0: every row still holds its old expert.
+    for (int l = 0; l < kLayers; ++l) {
+      for (int t = 0; t < 2; ++t) {
         for (int row = 0; row < kRows; ++row) {
-          if (before[l][rank * kRows + row] == e) return true;
-        }
-        return false;
-      };
-      for (int l = 0; l < kLayers; ++l) {
-        Status s = (*comm)->SetTransferContext(before[l], l);
-        for (int dst = 0; dst < kRanks; ++dst) {  // what others need from this rank
-          std::vector<int32_t> asked;
-          for (int row = 0; row < kRows; ++row) {
-            const int32_t e = after[l][dst * kRows + row];
-            if (dst == static_cast<int>(r) || holds(l, dst, e) ||
-                holder(l, e) != static_cast<int>(r))
-              continue;
-            if (std::find(asked.begin(), asked.end(), e) != asked.end()) continue;
-            asked.push_back(e);
-            if (s.ok()) s = (*comm)->AddSend(dst, e);
-          }
-        }
-        std::vector<std::pair<int32_t, int>> received;  // expert, buffer row
-        for (int row = 0; row < kRows && s.ok(); ++row) {
-          const int32_t e = after[l][r * kRows + row];
-          if (holds(l, r, e)) continue;
-          bool dup = false;
-          for (auto& [x, at] : received) dup |= x == e;
-          if (dup) continue;
-          void* rows[2] = {buffer[0].data() + row * kBytes[0], buffer[1].data() + row * kBytes[1]};
-          s = (*comm)->AddRecv(holder(l, e), e, rows);
-          received.push_back({e, row});
-        }
-        if (s.ok()) s = (*comm)->Execute();
-        if (!s.ok()) {
-          errors[r] = s.ToString();
-          return;
-        }
-        for (auto& [e, row] : received) {
-          for (int t = 0; t < 2; ++t) {
-            for (uint64_t i = 0; i < kBytes[t]; ++i) {
-              if (buffer[t][row * kBytes[t] + i] != Byte(l, e, t, i)) {
-                errors[r] = "wrong byte in layer " + std::to_string(l);
-                return;
-              }
-            }
+          for (uint64_t i = 0; i < kBytes[t]; ++i) {
+            ASSERT_EQ(d.ranks[0]->weights[l][t][row * kBytes[t] + i],
+                      Byte(l, d.before[l][row], t, i))
+                << c.says << ": layer " << l << " row " << row;
           }
         }
       }
-    });
+    }
   }
-  for (auto& t : threads) t.join();
-  for (uint32_t r = 0; r < kRanks; ++r) EXPECT_EQ(errors[r], "") << "rank " << r;
 }
 
 TEST(EplbCommunicatorTest, MisuseIsRejectedClearly) {

@@ -106,6 +106,8 @@ class TcpStore {
 
  private:
   TcpStore() = default;
+  // Checks a hello; on success `fd` becomes the member's socket, else it is closed.
+  bool Admit(int fd, const std::string& hello);
   int listen_fd_ = -1;
   std::string token_;
   uint32_t world_ = 0;

@@ -1,5 +1,6 @@
 // The `eplbx` command: a thin layer over the public API. Errors are one line on stderr
 // ("eplbx: error: ...") and a non-zero exit: 2 for bad usage, 1 for everything else.
+#include <csignal>
 #include <exception>
 #include <iostream>
 #include <new>
@@ -7,6 +8,9 @@
 #include "cli/commands.h"
 
 int main(int argc, char** argv) {
+  // A closed pipe or socket makes a write fail with a one-line error, never kills eplbx
+  // silently with SIGPIPE (exit 141; issue 17, item 6).
+  std::signal(SIGPIPE, SIG_IGN);
   CLI::App app{"eplbx: expert-parallel load balancing for Mixture-of-Experts inference"};
   app.require_subcommand(1);
   app.set_version_flag("--version", "eplbx 0.1.0");

@@ -1,6 +1,7 @@
 #include "eplbx/bootstrap.h"
 
 #include <poll.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,9 +21,16 @@ using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kMaxFrame = 64u << 20;
 
+// Never raises SIGPIPE: a peer that closed makes the write fail (EPIPE), not the process
+// die (issue 17, item 6). Frames go over sockets; anything else falls back to write().
 bool WriteAll(int fd, const char* p, size_t n) {
+  bool socket = true;
   while (n > 0) {
-    ssize_t w = write(fd, p, n);
+    ssize_t w = socket ? send(fd, p, n, MSG_NOSIGNAL) : write(fd, p, n);
+    if (w < 0 && errno == ENOTSOCK) {
+      socket = false;
+      continue;
+    }
     if (w < 0 && errno == EINTR) continue;
     if (w <= 0) return false;
     p += w;

@@ -92,6 +92,47 @@ Result<std::unique_ptr<TcpStore>> TcpStore::Listen(const std::string& addr, uint
   return store;
 }
 
+namespace {
+constexpr size_t kMaxPending = 64;                           // connections without a hello yet
+constexpr auto kHelloDeadline = std::chrono::seconds(2);     // from accept to a whole hello
+constexpr auto kFrameWait = std::chrono::milliseconds(500);  // for the rest of a started frame
+}  // namespace
+
+bool TcpStore::Admit(int fd, const std::string& body) {
+  internal::ByteReader r(body, "hello");
+  uint32_t rank = 0, world = 0;
+  std::string token;
+  if (!r.U32("rank", &rank) || !r.U32("world", &world) || !r.Str16("token", 4096, &token)) {
+    internal::WriteFrame(fd, internal::kFailed, r.status().message());
+    close(fd);
+    return false;
+  }
+  std::string refusal;
+  if (!ConstantTimeEqual(token, token_)) {
+    refusal = StrCat("rank ", rank,
+                     " presented a wrong rendezvous token (EPLBX_TOKEN differs across ranks)");
+  } else if (world != world_) {
+    refusal = StrCat("world size mismatch: rank ", rank, " says ", world, ", the store expects ",
+                     world_, " (EPLBX_WORLD_SIZE differs across ranks)");
+  } else if (rank >= world_) {
+    refusal = StrCat("rank ", rank, " is out of range for world size ", world_);
+  } else if (members_[rank] >= 0) {
+    refusal = StrCat("rank ", rank, " joined twice (two processes with the same EPLBX_RANK)");
+  }
+  if (!refusal.empty()) {
+    internal::WriteFrame(fd, internal::kFailed, refusal);  // may fail: the peer may be gone
+    close(fd);
+    refusals_.push_back(refusal);
+    return false;
+  }
+  if (!internal::WriteFrame(fd, internal::kWelcome, {})) {
+    close(fd);  // left right after its hello
+    return false;
+  }
+  members_[rank] = fd;
+  return true;
+}
+
 TcpStore::~TcpStore() {
   if (listen_fd_ >= 0) close(listen_fd_);
   for (int fd : members_) {
@@ -107,6 +148,11 @@ Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
   members_.assign(world_, -1);
   uint32_t joined = 0;
   const auto deadline = Clock::now() + join_timeout;
+  struct Pending {
+    int fd;
+    Clock::time_point since;
+  };
+  std::vector<Pending> pending;
   while (joined < world_) {
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
@@ -115,55 +161,54 @@ Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
       for (uint32_t r = 0; r < world_; ++r) {
         if (members_[r] < 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
       }
+      for (const Pending& c : pending) close(c.fd);
       return Status::Timeout(
           StrCat("rendezvous: ranks ", missing, " did not join within ", join_timeout.count(),
                  " ms (check EPLBX_MASTER_ADDR/PORT and that every rank started)"));
     }
-    pollfd p{listen_fd_, POLLIN, 0};
-    if (poll(&p, 1, static_cast<int>(std::min<long long>(left, 200))) <= 0) continue;
-    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    uint8_t type = 0;
-    std::string body;
-    bool timed_out = false;
-    if (!internal::ReadFrame(fd, Clock::now() + std::chrono::seconds(5), &type, &body,
-                             &timed_out) ||
-        type != internal::kHello) {
-      close(fd);  // not a member (or too slow to say hello)
-      continue;
+    // Hellos are read from every connection at once, each within a short deadline, and at
+    // most kMaxPending connections wait for theirs: silent connections cannot hold up a
+    // member (issue 17, item 5).
+    std::vector<pollfd> p{{listen_fd_, POLLIN, 0}};
+    for (const Pending& c : pending) p.push_back({c.fd, POLLIN, 0});
+    if (poll(p.data(), p.size(), static_cast<int>(std::min<long long>(left, 100))) < 0) continue;
+    std::vector<Pending> still;
+    for (size_t k = 1; k < p.size(); ++k) {
+      const Pending& c = pending[k - 1];
+      if ((p[k].revents & (POLLIN | POLLHUP | POLLERR)) == 0) {
+        if (Clock::now() - c.since < kHelloDeadline) {
+          still.push_back(c);
+        } else {
+          close(c.fd);  // said nothing in time: not a member
+        }
+        continue;
+      }
+      uint8_t type = 0;
+      std::string body;
+      bool timed_out = false;
+      if (!internal::ReadFrame(c.fd, std::min(c.since + kHelloDeadline, Clock::now() + kFrameWait),
+                               &type, &body, &timed_out) ||
+          type != internal::kHello) {
+        close(c.fd);  // not a member (or too slow to say hello)
+        continue;
+      }
+      joined += Admit(c.fd, body) ? 1 : 0;
     }
-    internal::ByteReader r(body, "hello");
-    uint32_t rank = 0, world = 0;
-    std::string token;
-    if (!r.U32("rank", &rank) || !r.U32("world", &world) || !r.Str16("token", 4096, &token)) {
-      internal::WriteFrame(fd, internal::kFailed, r.status().message());
-      close(fd);
-      continue;
+    pending.swap(still);
+    if ((p[0].revents & POLLIN) != 0) {
+      int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd >= 0) {
+        int one = 1;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        if (pending.size() >= kMaxPending) {  // the oldest silent one makes room
+          close(pending.front().fd);
+          pending.erase(pending.begin());
+        }
+        pending.push_back({fd, Clock::now()});
+      }
     }
-    std::string refusal;
-    if (!ConstantTimeEqual(token, token_)) {
-      refusal = StrCat("rank ", rank,
-                       " presented a wrong rendezvous token (EPLBX_TOKEN differs across ranks)");
-    } else if (world != world_) {
-      refusal = StrCat("world size mismatch: rank ", rank, " says ", world, ", the store expects ",
-                       world_, " (EPLBX_WORLD_SIZE differs across ranks)");
-    } else if (rank >= world_) {
-      refusal = StrCat("rank ", rank, " is out of range for world size ", world_);
-    } else if (members_[rank] >= 0) {
-      refusal = StrCat("rank ", rank, " joined twice (two processes with the same EPLBX_RANK)");
-    }
-    if (!refusal.empty()) {
-      internal::WriteFrame(fd, internal::kFailed, refusal);
-      close(fd);
-      refusals_.push_back(refusal);
-      continue;
-    }
-    internal::WriteFrame(fd, internal::kWelcome, {});
-    members_[rank] = fd;
-    ++joined;
   }
+  for (const Pending& c : pending) close(c.fd);
   if (round_timeout.count() > 0) {
     for (int fd : members_) KeepAlive(fd, round_timeout);
   }

@@ -41,13 +41,27 @@ int main(int argc, char** argv) {
   Put(root / "fuzz_layout", "two_layers", EncodeLayout(l));
   using protocol::Record;
   using protocol::RecordKind;
+  auto record = [](RecordKind kind, uint32_t expert, uint32_t source, uint32_t reader) {
+    Record r;
+    r.kind = kind;
+    r.generation = 1;
+    r.expert = expert;
+    r.source = source;
+    r.reader = reader;
+    return r;
+  };
   Put(root / "fuzz_protocol_record", "ready",
-      protocol::EncodeRecord({RecordKind::kReady, 1, 0, 1, 1, 0, ""}));
+      protocol::EncodeRecord(record(RecordKind::kReady, 1, 1, 0)));
   Put(root / "fuzz_protocol_record", "read_done",
-      protocol::EncodeRecord({RecordKind::kReadDone, 1, 0, 3, 0, 1, ""}));
+      protocol::EncodeRecord(record(RecordKind::kReadDone, 3, 0, 1)));
   Put(root / "fuzz_protocol_record", "done",
-      protocol::EncodeRecord({RecordKind::kDone, 1, 0, 0, 2, 0, ""}));
-  Put(root / "fuzz_protocol_record", "abort",
-      protocol::EncodeRecord({RecordKind::kAbort, 1, 0, 0, 1, 0, "rank 1: x"}));
+      protocol::EncodeRecord(record(RecordKind::kDone, 0, 2, 0)));
+  Record abort = record(RecordKind::kAbort, 0, 1, 0);
+  abort.reason = "rank 1: x";
+  Put(root / "fuzz_protocol_record", "abort", protocol::EncodeRecord(abort));
+  Record maps = record(RecordKind::kMaps, 0, 1, 2);
+  maps.map_slots = 4;
+  maps.maps = {0, 1, 2, -1, 3, 2, 1, 0};
+  Put(root / "fuzz_protocol_record", "maps", protocol::EncodeRecord(maps));
   return 0;
 }

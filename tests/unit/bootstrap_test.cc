@@ -6,8 +6,15 @@
 
 #include <gtest/gtest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "common/bytes.h"
 #include "eplbx/bootstrap.h"
 #include "eplbx/rearrange.h"
+#include "rearrange/frames.h"
 
 namespace eplbx {
 namespace {
@@ -60,6 +67,84 @@ TEST(TcpStoreTest, AllGatherAndRefusals) {
   serve.join();
   EXPECT_TRUE(served.ok()) << served.ToString();
   EXPECT_EQ((*store)->refusals().size(), 4u);
+}
+
+int Connect(uint16_t port) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(port);
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  for (int i = 0; i < 100; ++i) {
+    if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0) return fd;
+    usleep(20000);
+  }
+  close(fd);
+  return -1;
+}
+
+// Silent connections (no token needed to open one) do not hold up members: hellos are read
+// concurrently with a short deadline (issue 17, item 5). Before: 5 s per silent connection,
+// in turn, so 8 of them made a join with a 10 s deadline fail.
+TEST(TcpStoreTest, SilentConnectionsDoNotHoldUpAJoin) {
+  const uint16_t port = Port();
+  auto store = TcpStore::Listen("127.0.0.1", port, "secret", 2);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  Status served;
+  std::thread serve([&] {
+    served =
+        (*store)->Serve(milliseconds(20000), milliseconds(10000), [](uint32_t, std::string) {});
+  });
+  std::vector<int> silent;
+  for (int i = 0; i < 8; ++i) silent.push_back(Connect(port));
+  for (int fd : silent) ASSERT_GE(fd, 0);
+  Result<std::unique_ptr<SocketBootstrap>> r1 = Status::Internal("unset");
+  std::thread t([&] { r1 = JoinTcpStore("127.0.0.1", port, "secret", 1, 2, milliseconds(10000)); });
+  auto r0 = JoinTcpStore("127.0.0.1", port, "secret", 0, 2, milliseconds(10000));
+  t.join();
+  ASSERT_TRUE(r0.ok()) << r0.status().ToString();
+  ASSERT_TRUE(r1.ok()) << r1.status().ToString();
+  r0->reset();
+  r1->reset();
+  serve.join();
+  for (int fd : silent) close(fd);
+  EXPECT_TRUE(served.ok()) << served.ToString();
+}
+
+// A wrong-token hello followed by an immediate close: the store's refusal hits a closed
+// socket. Before: SIGPIPE killed the store's process (this test binary) 8 runs in 9 (issue
+// 17, item 6). Now the write fails quietly and members still join.
+TEST(TcpStoreTest, AHelloThenCloseDoesNotKillTheStore) {
+  const uint16_t port = Port();
+  auto store = TcpStore::Listen("127.0.0.1", port, "secret", 2);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  Status served;
+  std::thread serve([&] {
+    served =
+        (*store)->Serve(milliseconds(20000), milliseconds(10000), [](uint32_t, std::string) {});
+  });
+  for (int i = 0; i < 9; ++i) {
+    const int fd = Connect(port);
+    ASSERT_GE(fd, 0);
+    internal::ByteWriter w;
+    w.U32(0);
+    w.U32(2);
+    w.Str16("guess");
+    ASSERT_TRUE(internal::WriteFrame(fd, internal::kHello, w.Take()));
+    linger off{1, 0};  // close with RST: the refusal cannot be delivered
+    setsockopt(fd, SOL_SOCKET, SO_LINGER, &off, sizeof(off));
+    close(fd);
+  }
+  Result<std::unique_ptr<SocketBootstrap>> r1 = Status::Internal("unset");
+  std::thread t([&] { r1 = JoinTcpStore("127.0.0.1", port, "secret", 1, 2, milliseconds(10000)); });
+  auto r0 = JoinTcpStore("127.0.0.1", port, "secret", 0, 2, milliseconds(10000));
+  t.join();
+  ASSERT_TRUE(r0.ok()) << r0.status().ToString();
+  ASSERT_TRUE(r1.ok()) << r1.status().ToString();
+  r0->reset();
+  r1->reset();
+  serve.join();
+  EXPECT_TRUE(served.ok()) << served.ToString();
 }
 
 TEST(TcpStoreTest, MissingRanksTimeOutByName) {

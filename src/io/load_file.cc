@@ -14,12 +14,47 @@ namespace eplbx::io {
 using internal::StrCat;
 using nlohmann::json;
 
+Status CheckJsonText(std::string_view text, std::string_view origin) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c == '\0') {
+      return Status::InvalidArgument(
+          StrCat(origin, ": not valid JSON (a NUL byte at byte ", i, ")"));
+    }
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxJsonDepth) {
+        return Status::InvalidArgument(StrCat(origin, ": JSON nested more than ", kMaxJsonDepth,
+                                              " deep at byte ", i,
+                                              " (the limit; a load is a 2-D array)"));
+      }
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return Status::OK();
+}
+
 namespace {
 
 std::string TypeName(const json& v) { return v.type_name(); }
 
 // Parses text as JSON; the error names the origin and the byte offset.
 Result<json> ParseJson(std::string_view text, std::string_view origin) {
+  EPLBX_RETURN_IF_ERROR(CheckJsonText(text, origin));
   json doc = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) {
     // Re-parse with a SAX handler that records where the error is.

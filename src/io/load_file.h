@@ -19,6 +19,12 @@ inline constexpr size_t kMaxFileBytes = size_t{1} << 30;
 
 Result<std::string> ReadFile(const std::string& path);
 
+// JSON inputs nest at most this deep (a load is a 2-D array inside an object).
+inline constexpr int kMaxJsonDepth = 64;
+// Refuses, before any parsing, JSON text that nests deeper than kMaxJsonDepth or holds a
+// NUL byte (outside strings a parser would stop or wander there); the error names the byte.
+Status CheckJsonText(std::string_view text, std::string_view origin);
+
 // A JSON 2-D array (layers x experts) or an object whose key "load" holds one.
 Result<LoadMatrix> ParseLoadJson(std::string_view text, std::string_view origin);
 // One layer per line, values separated by commas; blank lines and lines starting with '#'

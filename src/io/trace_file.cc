@@ -23,6 +23,7 @@ Result<LoadTrace> ParseTrace(std::string_view text, std::string_view origin) {
     ++line_no;
     if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;
     const std::string where = StrCat(origin, ":", line_no);
+    EPLBX_RETURN_IF_ERROR(CheckJsonText(line, where));
     const json doc = json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (doc.is_discarded() || !doc.is_object()) {
       return Status::InvalidArgument(

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -375,6 +376,29 @@ TEST_F(CliTest, TraceSynthAndSimulate) {
       "gap.jsonl:2: \"step\" is 5 (expected 1");
   ExpectOneLineError(Eplbx("trace synth --layers 0 --experts 4 --steps 5"),
                      "needs --layers, --experts and --steps >= 1");
+}
+
+// JSON nested 100,000 deep crashed every JSON reader (SIGSEGV); JSON followed by a NUL and
+// garbage was accepted (issue 17, items 8 and 16). Now a one-line error naming the byte.
+TEST_F(CliTest, DeepOrGarbageJsonIsRefusedByEveryReader) {
+  const std::string deep = Write("deep.json", std::string(100000, '[') + std::string(100000, ']'));
+  const std::string nul = Write("nul.json", std::string(kReadme) + std::string(1, '\0') + "junk");
+  const std::string load = Write("load.json", kReadme);
+  const std::string plan = (dir_ / "plan.json").string();
+  ASSERT_EQ(Eplbx("plan --load " + load + " --slots 16 --ranks 8 --out " + plan).exit_code, 0);
+  const std::string trace =
+      Write("deep.jsonl",
+            "{\"step\": 0, \"load\": " + std::string(1000, '[') + std::string(1000, ']') + "}\n");
+  for (const std::string& args :
+       {"plan --slots 16 --ranks 8 --load " + deep,
+        "plan --slots 16 --ranks 8 --load " + load + " --policy incremental --previous " + deep,
+        "migrate --ranks 8 --old " + deep + " --new " + plan,
+        "migrate --ranks 8 --old " + plan + " --new " + deep}) {
+    ExpectOneLineError(Eplbx(args), "JSON nested more than 64 deep at byte 64");
+  }
+  ExpectOneLineError(Eplbx("simulate --slots 16 --ranks 8 --trace " + trace),
+                     "deep.jsonl:1: JSON nested more than 64 deep");
+  ExpectOneLineError(Eplbx("plan --slots 16 --ranks 8 --load " + nul), "a NUL byte at byte " + std::to_string(std::strlen(kReadme)));
 }
 
 TEST_F(CliTest, HelpAndVersion) {

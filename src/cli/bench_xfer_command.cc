@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "cli/flags.h"
 #include "common/strings.h"
 #include "eplbx/transfer.h"
 #include "transfer/shm/measure.h"
@@ -377,7 +378,9 @@ void AddBenchCommand(CLI::App& app, Action& run) {
   xfer->add_option("--batches", o->batches, "descriptors per transfer, comma-separated")
       ->capture_default_str();
   xfer->add_option("--ops", o->ops, "read, write or read,write")->capture_default_str();
-  xfer->add_option("--seconds", o->seconds, "time per configuration")->capture_default_str();
+  xfer->add_option("--seconds", o->seconds, "time per configuration")
+      ->capture_default_str()
+      ->check(RealIn(0.001, 3600));
   xfer->add_flag("--json", o->json, "print one JSON document");
   xfer->add_flag("--perftest", o->perftest,
                  "also run ucx_perftest (ucp_get, ucp_put_bw) at the same sizes");

@@ -17,6 +17,7 @@
 
 #include "cli/commands.h"
 #include "cli/demo.h"
+#include "cli/flags.h"
 #include "common/strings.h"
 #include "eplbx/bootstrap.h"
 #include "eplbx/transfer.h"
@@ -40,6 +41,10 @@ Status ParseDemo(DemoOptions& o) {
     return Status::InvalidArgument(StrCat("--steps ", o.steps, ": expected at least 1"));
   if (!(o.deadline_s > 0))
     return Status::InvalidArgument(StrCat("--deadline ", o.deadline_s, ": expected > 0 seconds"));
+  if (o.deadline_s < 0.1) {
+    return Status::InvalidArgument(
+        StrCat("--deadline ", o.deadline_s, ": expected at least 0.1 seconds"));
+  }
   if (Result<Transport> t = ParseTransport(o.transport); !t.ok()) {
     return t.status().WithPrefix("--transport");
   }
@@ -53,13 +58,12 @@ Status ParseDemo(DemoOptions& o) {
   if (!b.empty() && (b.back() == 'K' || b.back() == 'k')) mult = 1ull << 10;
   if (!b.empty() && (b.back() == 'M' || b.back() == 'm')) mult = 1ull << 20;
   if (mult != 1) b.pop_back();
-  char* end = nullptr;
-  const unsigned long long v = std::strtoull(b.c_str(), &end, 10);
-  if (b.empty() || *end != '\0' || v == 0) {
-    return Status::InvalidArgument(
-        StrCat("--expert-bytes '", o.expert_bytes, "': expected bytes like 4096, 64K, 1M"));
+  Result<uint64_t> v = internal::ParseInteger<uint64_t>(b, "--expert-bytes", 1, 256ull << 20);
+  if (!v.ok() || *v > (256ull << 20) / mult) {
+    return Status::InvalidArgument(StrCat("--expert-bytes '", o.expert_bytes,
+                                          "': expected bytes like 4096, 64K, 1M (at most 256M)"));
   }
-  o.expert_bytes_value = v * mult;
+  o.expert_bytes_value = *v * mult;
   if (o.expert_bytes_value < 8ull * o.tensors || o.expert_bytes_value > (256ull << 20)) {
     return Status::InvalidArgument(
         StrCat("--expert-bytes ", o.expert_bytes_value, ": expected ", 8 * o.tensors, " .. 256M"));
@@ -83,8 +87,13 @@ Status ParseDemo(DemoOptions& o) {
                  "': expected KIND:RANK with KIND one of "
                  "stride-mismatch, missing-tensor, kill, stall, bad-notify"));
     }
-    o.fault_rank = std::atoi(o.inject.c_str() + colon + 1);
     const auto at = o.inject.find('@');
+    Result<int> rank = internal::ParseInteger<int>(
+        std::string_view(o.inject).substr(
+            colon + 1, at == std::string::npos ? std::string::npos : at - colon - 1),
+        StrCat("--inject ", o.inject, ": the rank"), 0, o.ranks - 1);
+    if (!rank.ok()) return rank.status();
+    o.fault_rank = *rank;
     o.fault_phase = at == std::string::npos ? "transfer" : o.inject.substr(at + 1);
     if (o.fault == "stride-mismatch" || o.fault == "missing-tensor") o.fault_phase = "exchange";
     if (o.fault_phase != "exchange" && o.fault_phase != "transfer" && o.fault_phase != "commit") {
@@ -302,17 +311,30 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
 }
 
 void AddDemoFlags(CLI::App& cmd, DemoOptions& o) {
-  cmd.add_option("--layers", o.layers, "MoE layers")->capture_default_str();
-  cmd.add_option("--experts", o.experts, "logical experts per layer")->capture_default_str();
+  cmd.add_option("--layers", o.layers, "MoE layers")
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 1 << 20));
+  cmd.add_option("--experts", o.experts, "logical experts per layer")
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 1 << 20));
   cmd.add_option("--slots-per-rank", o.slots_per_rank, "expert slots per rank")
-      ->capture_default_str();
-  cmd.add_option("--tensors", o.tensors, "weight tensors per expert")->capture_default_str();
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 1 << 20));
+  cmd.add_option("--tensors", o.tensors, "weight tensors per expert")
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 1 << 20));
   cmd.add_option("--expert-bytes", o.expert_bytes, "bytes per expert, all tensors (K, M)")
       ->capture_default_str();
-  cmd.add_option("--steps", o.steps, "rebalancing steps")->capture_default_str();
-  cmd.add_option("--deadline", o.deadline_s, "seconds every phase may take")->capture_default_str();
+  cmd.add_option("--steps", o.steps, "rebalancing steps")
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 1 << 30));
+  // Every wait has a deadline (docs/protocol.md): no limit (inf) is not offered.
+  cmd.add_option("--deadline", o.deadline_s, "seconds every phase may take (0.1 .. 86400)")
+      ->capture_default_str()
+      ->check(RealIn(0, 86400));
   cmd.add_option("--seed", o.seed, "load generator seed (same on every rank)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(IntIn<uint64_t>(0, UINT64_MAX));
   cmd.add_option("--transport", o.transport, "auto, shm or tcp")->capture_default_str();
   cmd.add_option("--inject", o.inject,
                  "fault drill KIND:RANK[@exchange|transfer|commit], KIND one of stride-mismatch, "
@@ -324,7 +346,9 @@ void AddDemoCommand(CLI::App& app, Action& run) {
   auto o = std::make_shared<DemoOptions>();
   CLI::App* demo =
       app.add_subcommand("demo", "Rearrange real weights between rank processes on this machine");
-  demo->add_option("--ranks", o->ranks, "rank processes")->capture_default_str();
+  demo->add_option("--ranks", o->ranks, "rank processes")
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 1 << 20));
   AddDemoFlags(*demo, *o);
   demo->callback([&run, o] { run = [o] { return RunDemo(*o); }; });
 }

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "cli/commands.h"
+#include "cli/flags.h"
 #include "common/strings.h"
 #include "eplbx/migration.h"
 #include "io/json_output.h"
@@ -87,14 +88,20 @@ void AddMigrateCommand(CLI::App& app, Action& run) {
       app.add_subcommand("migrate", "Plan the transfers that turn an old placement into a new one");
   cmd->add_option("--old", args->from, "Old placement: JSON with key \"phy2log\"")->required();
   cmd->add_option("--new", args->to, "New placement: JSON with key \"phy2log\"")->required();
-  cmd->add_option("--ranks", args->options.ranks, "Expert-parallel ranks")->required();
-  cmd->add_option("--nodes", args->options.nodes, "Nodes")->capture_default_str();
+  cmd->add_option("--ranks", args->options.ranks, "Expert-parallel ranks")
+      ->required()
+      ->check(IntIn<int>(0, 1 << 20));
+  cmd->add_option("--nodes", args->options.nodes, "Nodes")
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 1 << 20));
   cmd->add_option("--bytes-per-expert", args->options.bytes_per_expert,
                   "Bytes of one expert row (all its tensors)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(IntIn<uint64_t>(0, uint64_t{1} << 48));
   cmd->add_option("--link-gbps", args->options.link_gbps,
                   "Per-rank link bandwidth in Gb/s, for the time lower bound")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(RealIn(1e-3, 1e6));
   cmd->add_option("--out", args->out, "Output file ('-' for stdout)")->capture_default_str();
   cmd->add_option("--format", args->format, "json or table")->capture_default_str();
   cmd->callback([&run, args] { run = [args] { return RunMigrate(*args); }; });

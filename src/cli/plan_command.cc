@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cli/commands.h"
+#include "cli/flags.h"
 #include "common/strings.h"
 #include "eplbx/policy.h"
 #include "io/json_output.h"
@@ -190,10 +191,18 @@ void AddPlanCommand(CLI::App& app, Action& run) {
                   "Load per layer and logical expert: .json (2-D array or {\"load\": ...}), "
                   ".csv (one layer per line) or .npy (2-D)")
       ->required();
-  cmd->add_option("--slots", args->topology.slots, "Physical slots in total (P)")->required();
-  cmd->add_option("--ranks", args->topology.ranks, "Expert-parallel ranks (GPUs)")->required();
-  cmd->add_option("--nodes", args->topology.nodes, "Nodes (hosts)")->capture_default_str();
-  cmd->add_option("--groups", args->topology.groups, "Expert groups")->capture_default_str();
+  cmd->add_option("--slots", args->topology.slots, "Physical slots in total (P)")
+      ->required()
+      ->check(IntIn<int>(0, 1 << 20));
+  cmd->add_option("--ranks", args->topology.ranks, "Expert-parallel ranks (GPUs)")
+      ->required()
+      ->check(IntIn<int>(0, 1 << 20));
+  cmd->add_option("--nodes", args->topology.nodes, "Nodes (hosts)")
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 1 << 20));
+  cmd->add_option("--groups", args->topology.groups, "Expert groups")
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 1 << 20));
   cmd->add_option("--policy", args->policy, "Placement policy: deepseek, balanced or incremental")
       ->capture_default_str();
   cmd->add_option("--previous", args->previous,
@@ -201,7 +210,8 @@ void AddPlanCommand(CLI::App& app, Action& run) {
                   "required by --policy incremental; adds \"moves\" to the output");
   cmd->add_option("--tolerance", args->tolerance,
                   "incremental: allowed balancedness loss per layer against balanced")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(RealIn(0, 1));
   cmd->add_option("--out", args->out, "Output file ('-' for stdout)")->capture_default_str();
   cmd->add_option("--format", args->format,
                   "json, table (a summary: balancedness, replication, the least balanced "

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "cli/flags.h"
 #include "common/strings.h"
 #include "eplbx/simulate.h"
 #include "io/json_output.h"
@@ -79,24 +80,21 @@ Result<std::vector<std::pair<std::string, std::vector<std::string>>>> ParseSweep
 }
 
 Status Apply(SimulateOptions& o, const std::string& key, const std::string& value) {
-  auto number = [&](double& out) -> Status {
-    char* end = nullptr;
-    out = std::strtod(value.c_str(), &end);
-    if (end == value.c_str() || *end != '\0') {
-      return Status::InvalidArgument(StrCat("--sweep: ", key, "=", value, " is not a number"));
-    }
-    return Status::OK();
-  };
-  double v = 0;
+  const std::string what = StrCat("--sweep: ", key);
   if (key == "policy") {
     EPLBX_ASSIGN_OR_RETURN(o.policy, ParsePolicy(value));
     return Status::OK();
   }
-  EPLBX_RETURN_IF_ERROR(number(v));
-  if (key == "window") o.window = static_cast<int>(v);
-  if (key == "interval") o.trigger.interval = static_cast<int>(v);
-  if (key == "min_gain") o.trigger.min_gain = v;
-  if (key == "skip_above") o.trigger.skip_above = v;
+  if (key == "window") {
+    EPLBX_ASSIGN_OR_RETURN(o.window, internal::ParseInteger<int>(value, what, 1, 100000000));
+  } else if (key == "interval") {
+    EPLBX_ASSIGN_OR_RETURN(o.trigger.interval,
+                           internal::ParseInteger<int>(value, what, 1, 100000000));
+  } else if (key == "min_gain") {
+    EPLBX_ASSIGN_OR_RETURN(o.trigger.min_gain, internal::ParseReal(value, what, 0, 1));
+  } else if (key == "skip_above") {
+    EPLBX_ASSIGN_OR_RETURN(o.trigger.skip_above, internal::ParseReal(value, what, 0, 2));
+  }
   return Status::OK();
 }
 
@@ -253,26 +251,43 @@ void AddSimulateCommands(CLI::App& app, Action& run) {
   CLI::App* synth = trace->add_subcommand(
       "synth", "Synthetic trace: Zipf base load, log-normal drift, hot-expert bursts, phases");
   SynthOptions& so = sa->options;
-  synth->add_option("--layers", so.layers, "MoE layers")->required();
-  synth->add_option("--experts", so.experts, "Logical experts per layer")->required();
-  synth->add_option("--steps", so.steps, "Steps")->required();
-  synth->add_option("--seed", so.seed, "Seed (same trace on every machine)")->capture_default_str();
-  synth->add_option("--zipf", so.zipf, "Zipf exponent of the base load")->capture_default_str();
-  synth->add_option("--drift", so.drift, "Per-step log-normal drift sigma")->capture_default_str();
+  synth->add_option("--layers", so.layers, "MoE layers")->required()->check(IntIn<int>(0, 4096));
+  synth->add_option("--experts", so.experts, "Logical experts per layer")
+      ->required()
+      ->check(IntIn<int>(0, 65536));
+  synth->add_option("--steps", so.steps, "Steps")->required()->check(IntIn<int64_t>(0, 100000000));
+  synth->add_option("--seed", so.seed, "Seed (same trace on every machine)")
+      ->capture_default_str()
+      ->check(IntIn<uint64_t>(0, UINT64_MAX));
+  synth->add_option("--zipf", so.zipf, "Zipf exponent of the base load")
+      ->capture_default_str()
+      ->check(RealIn(0, 10));
+  synth->add_option("--drift", so.drift, "Per-step log-normal drift sigma")
+      ->capture_default_str()
+      ->check(RealIn(0, 2));
   synth
       ->add_option("--reversion", so.reversion,
                    "Per-step pull back toward the phase's base load (0: random walk)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(RealIn(0, 1));
   synth->add_option("--burst-prob", so.burst_prob, "Burst probability per layer and step")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(RealIn(0, 1));
   synth->add_option("--burst-factor", so.burst_factor, "How much hotter a bursting expert runs")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(RealIn(1, 1000));
   synth->add_option("--burst-steps", so.burst_steps, "Burst length in steps")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(IntIn<int>(1, 1000000));
   synth->add_option("--phase-steps", so.phase_steps, "New traffic mix every N steps (0: never)")
-      ->capture_default_str();
-  synth->add_option("--tokens", so.tokens, "Tokens per step")->capture_default_str();
-  synth->add_option("--top-k", so.top_k, "Experts per token")->capture_default_str();
+      ->capture_default_str()
+      ->check(IntIn<int64_t>(0, 100000000));
+  synth->add_option("--tokens", so.tokens, "Tokens per step")
+      ->capture_default_str()
+      ->check(IntIn<int>(1, 1 << 30));
+  synth->add_option("--top-k", so.top_k, "Experts per token")
+      ->capture_default_str()
+      ->check(IntIn<int>(1, 65536));
   synth->add_option("--out", sa->out, "Output file ('-' for stdout)")->capture_default_str();
   synth->callback([&run, sa] { run = [sa] { return RunSynth(*sa); }; });
 
@@ -281,28 +296,43 @@ void AddSimulateCommands(CLI::App& app, Action& run) {
   CLI::App* sim = app.add_subcommand("simulate", "Replay EPLB settings on a load trace");
   sim->add_option("--trace", a->trace, "Trace: JSON lines {\"step\": i, \"load\": [[...]]}")
       ->required();
-  sim->add_option("--slots", o.topology.slots, "Physical expert slots per layer")->required();
-  sim->add_option("--ranks", o.topology.ranks, "Expert-parallel ranks")->required();
-  sim->add_option("--nodes", o.topology.nodes, "Nodes")->capture_default_str();
-  sim->add_option("--groups", o.topology.groups, "Expert groups")->capture_default_str();
+  sim->add_option("--slots", o.topology.slots, "Physical expert slots per layer")
+      ->required()
+      ->check(IntIn<int>(0, 1 << 20));
+  sim->add_option("--ranks", o.topology.ranks, "Expert-parallel ranks")
+      ->required()
+      ->check(IntIn<int>(0, 1 << 20));
+  sim->add_option("--nodes", o.topology.nodes, "Nodes")
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 1 << 20));
+  sim->add_option("--groups", o.topology.groups, "Expert groups")
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 1 << 20));
   sim->add_option("--policy", a->policy, "deepseek, balanced or incremental")
       ->capture_default_str();
   sim->add_option("--tolerance", o.tolerance, "incremental: balancedness loss allowed")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(RealIn(0, 1));
   sim->add_option("--window", o.window, "Steps of load each plan is built from")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 100000000));
   sim->add_option("--interval", o.trigger.interval, "Consider a rebalance every N steps")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 100000000));
   sim->add_option("--min-gain", o.trigger.min_gain,
                   "Rebalance only if predicted balancedness gains at least this")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(RealIn(0, 1));
   sim->add_option("--skip-above", o.trigger.skip_above,
                   "Skip when current balancedness on the window is at least this (>1: never)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(RealIn(0, 2));
   sim->add_option("--bytes-per-expert", o.bytes_per_expert, "Bytes of one expert (all tensors)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(IntIn<uint64_t>(0, uint64_t{1} << 48));
   sim->add_option("--link-gbps", o.link_gbps, "Per-rank link bandwidth for the stall estimate")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(RealIn(1e-3, 1e6));
   sim->add_option("--sweep", a->sweep,
                   "Combinations: window=100,1000,interval=50,200,policy=deepseek,balanced");
   sim->add_option("--plot", a->plot, "Draw balancedness over time to FILE.png or FILE.svg");

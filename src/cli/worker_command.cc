@@ -11,6 +11,7 @@
 
 #include "cli/commands.h"
 #include "cli/demo.h"
+#include "cli/flags.h"
 #include "common/strings.h"
 #include "eplbx/bootstrap.h"
 
@@ -135,7 +136,8 @@ void AddWorkerCommand(CLI::App& app, Action& run) {
   CLI::App* worker =
       app.add_subcommand("worker", "One rank of the demo; ranks meet through EPLBX_* variables");
   CLI::Option* ranks =
-      worker->add_option("--ranks", o->ranks, "must equal EPLBX_WORLD_SIZE when given");
+      worker->add_option("--ranks", o->ranks, "must equal EPLBX_WORLD_SIZE when given")
+          ->check(IntIn<int>(0, 1 << 20));
   AddDemoFlags(*worker, *o);
   worker->callback(
       [&run, o, ranks] { run = [o, ranks] { return RunWorker(*o, ranks->count() > 0); }; });
@@ -145,8 +147,10 @@ void AddWorkerCommand(CLI::App& app, Action& run) {
   CLI::App* store =
       app.add_subcommand("store", "A standalone rendezvous store for EPLBX_WORLD_SIZE ranks");
   store->add_option("--listen", *listen, "address to listen on (default: EPLBX_MASTER_ADDR)");
+  // Every wait has a deadline: no limit (inf) is not offered.
   store->add_option("--timeout", *timeout, "seconds to wait for ranks and between frames")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(RealIn(0.1, 86400));
   store->callback(
       [&run, listen, timeout] { run = [listen, timeout] { return RunStore(*listen, *timeout); }; });
 }

@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "common/bytes.h"
+#include "common/numbers.h"
 #include "common/strings.h"
 #include "eplbx/bootstrap.h"
 #include "rearrange/frames.h"
@@ -268,22 +269,21 @@ Result<RendezvousEnv> RendezvousFromEnv() {
         {"EPLBX_RANK", &rank},
         {"EPLBX_WORLD_SIZE", &world},
         {"EPLBX_TOKEN", &e.token}}) {
-    if (value->empty())
-      return Status::InvalidArgument(StrCat("environment variable ", name, " is not set"));
+    if (value->empty()) {
+      return Status::InvalidArgument(
+          StrCat("environment variable ", name,
+                 std::getenv(name) != nullptr ? " is empty" : " is not set"));
+    }
   }
-  char* end = nullptr;
-  const long p = std::strtol(port.c_str(), &end, 10);
-  if (*end != '\0' || p <= 0 || p > 65535)
-    return Status::InvalidArgument(StrCat("EPLBX_MASTER_PORT='", port, "'"));
-  const long r = std::strtol(rank.c_str(), &end, 10);
-  if (*end != '\0' || r < 0) return Status::InvalidArgument(StrCat("EPLBX_RANK='", rank, "'"));
-  const long w = std::strtol(world.c_str(), &end, 10);
-  if (*end != '\0' || w <= 0 || r >= w) {
-    return Status::InvalidArgument(StrCat("EPLBX_WORLD_SIZE='", world, "' (EPLBX_RANK=", r, ")"));
-  }
-  e.port = static_cast<uint16_t>(p);
-  e.rank = static_cast<uint32_t>(r);
-  e.world = static_cast<uint32_t>(w);
+  EPLBX_ASSIGN_OR_RETURN(const uint16_t p,
+                         internal::ParseInteger<uint16_t>(port, "EPLBX_MASTER_PORT", 1, 65535));
+  EPLBX_ASSIGN_OR_RETURN(const uint32_t w,
+                         internal::ParseInteger<uint32_t>(world, "EPLBX_WORLD_SIZE", 1, 1u << 20));
+  EPLBX_ASSIGN_OR_RETURN(const uint32_t r,
+                         internal::ParseInteger<uint32_t>(rank, "EPLBX_RANK", 0, w - 1));
+  e.port = p;
+  e.rank = r;
+  e.world = w;
   return e;
 }
 

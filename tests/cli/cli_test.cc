@@ -364,7 +364,12 @@ TEST_F(CliTest, TraceSynthAndSimulate) {
   const std::string base = "simulate --trace " + trace + " --slots 20 --ranks 4 ";
   ExpectOneLineError(Eplbx(base + "--sweep speed=1,2"), "--sweep: unknown setting 'speed'");
   ExpectOneLineError(Eplbx(base + "--sweep 5,window=1"), "comes before any setting");
-  ExpectOneLineError(Eplbx(base + "--sweep window=x"), "window=x is not a number");
+  ExpectOneLineError(Eplbx(base + "--sweep window=x"),
+                     "--sweep: window is 'x': expected an integer");
+  // Issue 17, item 12: window=1e10 wrapped to -2147483648 and window=2.7 ran as 2.
+  ExpectOneLineError(Eplbx(base + "--sweep window=1e10"), "--sweep: window is '1e10'");
+  ExpectOneLineError(Eplbx(base + "--sweep window=2.7"), "window is '2.7': not an integer");
+  ExpectOneLineError(Eplbx(base + "--sweep min_gain=nan"), "min_gain is 'nan': not a number");
   ExpectOneLineError(Eplbx(base + "--plot out.gif"), "expected a .png or .svg");
   ExpectOneLineError(Eplbx(base + "--window 0"), "window (0) and interval (1000) must be >= 1");
   ExpectOneLineError(Eplbx("simulate --trace " + trace + " --slots 10 --ranks 2"),
@@ -398,7 +403,45 @@ TEST_F(CliTest, DeepOrGarbageJsonIsRefusedByEveryReader) {
   }
   ExpectOneLineError(Eplbx("simulate --slots 16 --ranks 8 --trace " + trace),
                      "deep.jsonl:1: JSON nested more than 64 deep");
-  ExpectOneLineError(Eplbx("plan --slots 16 --ranks 8 --load " + nul), "a NUL byte at byte " + std::to_string(std::strlen(kReadme)));
+  ExpectOneLineError(Eplbx("plan --slots 16 --ranks 8 --load " + nul),
+                     "a NUL byte at byte " + std::to_string(std::strlen(kReadme)));
+}
+
+// Numbers that do not fit, are negative, fractional or not finite are usage errors naming
+// the flag and the range, never wraps (issue 17, item 12: --bytes-per-expert -1 was read as
+// 2^64-1 and reported as bytes_moved 18446744073709551612; items 13, 15).
+TEST_F(CliTest, NumbersThatDoNotFitAreErrorsNotWraps) {
+  const std::string load = Write("load.json", kReadme);
+  const std::string plan = (dir_ / "plan.json").string();
+  ASSERT_EQ(Eplbx("plan --load " + load + " --slots 16 --ranks 8 --out " + plan).exit_code, 0);
+  const std::string trace = (dir_ / "t.jsonl").string();
+  ASSERT_EQ(Eplbx("trace synth --layers 2 --experts 12 --steps 20 --out " + trace).exit_code, 0);
+  const std::string migrate = "migrate --old " + plan + " --new " + plan + " --ranks 8 ";
+  const std::string sim = "simulate --trace " + trace + " --slots 16 --ranks 8 ";
+  const std::pair<std::string, std::string> cases[] = {
+      {migrate + "--bytes-per-expert -1", "--bytes-per-expert: the value is '-1': negative"},
+      {migrate + "--bytes-per-expert 18446744073709551616", "out of range"},
+      {migrate + "--link-gbps nan", "--link-gbps: the value is 'nan': not a number"},
+      {migrate + "--link-gbps inf", "not finite"},
+      {"plan --load " + load + " --slots 16.5 --ranks 8", "--slots: the value is '16.5'"},
+      {"plan --load " + load + " --slots 16 --ranks 4294967304", "--ranks: the value is"},
+      {"plan --load " + load + " --slots 16 --ranks 8 --tolerance -0.1", "--tolerance"},
+      {sim + "--min-gain nan", "--min-gain: the value is 'nan': not a number (NaN)"},
+      {sim + "--skip-above nan", "--skip-above"},
+      {sim + "--window 1e10", "--window: the value is '1e10'"},
+      {sim + "--window 2.7", "not an integer"},
+      {"trace synth --layers 1 --experts 4 --steps 3 --drift 50", "--drift: the value is '50'"},
+      {"trace synth --layers 1 --experts 4 --steps 3 --zipf nan", "--zipf"},
+      {"trace synth --layers 1 --experts 4 --steps -3", "--steps: the value is '-3'"},
+      {"bench xfer --seconds -1", "--seconds: the value is '-1': out of range"},
+      {"bench xfer --seconds nan", "--seconds"},
+      {"store --timeout inf", "--timeout: the value is 'inf': not finite"},
+  };
+  for (const auto& [args, needle] : cases) {
+    CliRun r = Eplbx(args);
+    EXPECT_EQ(r.exit_code, 2) << args << ": " << r.err;
+    ExpectOneLineError(r, needle);
+  }
 }
 
 TEST_F(CliTest, HelpAndVersion) {

@@ -130,7 +130,12 @@ TEST(DemoTest, SoakMemoryStaysFlat) {
 TEST(DemoTest, BadFlagsAreRejectedBeforeAnythingStarts) {
   const std::pair<const char*, const char*> cases[] = {
       {"--inject explode:1", "--inject 'explode:1': expected KIND:RANK with KIND one of"},
-      {"--inject kill:9", "--inject kill:9: rank must be 0..3"},
+      {"--inject kill:9", "--inject kill:9: the rank is '9': out of range (expected 0 .. 3)"},
+      // Issue 17, items 12, 13 and 16: no wraps, no silent defaults.
+      {"--inject kill:abc", "the rank is 'abc': expected an integer (expected 0 .. 3)"},
+      {"--expert-bytes 18014398509481985K", "--expert-bytes '18014398509481985K': expected bytes"},
+      {"--expert-bytes 300M", "(at most 256M)"},
+      {"--deadline 0.01", "--deadline 0.01: expected at least 0.1 seconds"},
       {"--inject kill:1@never", "the phase after @ must be exchange, transfer or commit"},
       {"--ranks 2 --slots-per-rank 4 --experts 64",
        "--ranks 2 x --slots-per-rank 4 slots cannot hold --experts 64"},
@@ -142,6 +147,26 @@ TEST(DemoTest, BadFlagsAreRejectedBeforeAnythingStarts) {
       {"--expert-bytes 12Q", "--expert-bytes '12Q': expected bytes like 4096, 64K, 1M"},
       {"--transport ib", "--transport: unknown transport 'ib' (expected auto, shm or tcp)"},
   };
+  // Numbers that are not numbers of the flag's kind: usage errors (exit 2), before anything.
+  const std::pair<const char*, const char*> usage[] = {
+      {"--deadline inf", "--deadline: the value is 'inf': not finite"},
+      {"--deadline nan", "not a number (NaN)"},
+      {"--deadline -1", "out of range (expected 0 .. 86400)"},
+      {"--layers 2.7", "--layers: the value is '2.7': not an integer"},
+      {"--steps 4294967298", "--steps: the value is '4294967298': out of range"},
+      {"--seed -1", "--seed: the value is '-1': negative"},
+  };
+  for (const auto& [args, needle] : usage) {
+    const std::string cmd = std::string(EPLBX_CLI) + " demo " + args + " 2>&1 >/dev/null";
+    FILE* p = popen(cmd.c_str(), "r");
+    std::string err;
+    char buf[4096];
+    while (size_t n = fread(buf, 1, sizeof(buf), p)) err.append(buf, n);
+    const int rc = pclose(p);
+    EXPECT_EQ(WIFEXITED(rc) ? WEXITSTATUS(rc) : 128, 2) << args;
+    EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << args << ": " << err;
+    EXPECT_NE(err.find(needle), std::string::npos) << args << ": " << err;
+  }
   for (const auto& [args, needle] : cases) {
     const std::string cmd = std::string(EPLBX_CLI) + " demo " + args + " 2>&1 >/dev/null";
     FILE* p = popen(cmd.c_str(), "r");

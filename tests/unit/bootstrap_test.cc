@@ -233,6 +233,19 @@ TEST(RendezvousEnvTest, NamesTheMissingVariable) {
   ASSERT_TRUE(env.ok());
   EXPECT_EQ(env->port, 29500);
   EXPECT_EQ(env->world, 2u);
+  // Issue 17, items 12 and 16: 4294967298 wrapped to 2; an empty token was "not set".
+  setenv("EPLBX_WORLD_SIZE", "4294967298", 1);
+  EXPECT_NE(
+      RendezvousFromEnv().status().message().find("EPLBX_WORLD_SIZE is '4294967298': out of range"),
+      std::string::npos)
+      << RendezvousFromEnv().status().ToString();
+  setenv("EPLBX_WORLD_SIZE", "2", 1);
+  setenv("EPLBX_RANK", "2", 1);
+  EXPECT_NE(RendezvousFromEnv().status().message().find("EPLBX_RANK is '2': out of range"),
+            std::string::npos);
+  setenv("EPLBX_RANK", "0", 1);
+  setenv("EPLBX_TOKEN", "", 1);
+  EXPECT_NE(RendezvousFromEnv().status().message().find("EPLBX_TOKEN is empty"), std::string::npos);
   for (const char* v : {"EPLBX_MASTER_ADDR", "EPLBX_MASTER_PORT", "EPLBX_RANK", "EPLBX_WORLD_SIZE",
                         "EPLBX_TOKEN"}) {
     unsetenv(v);

@@ -58,8 +58,40 @@ Result<LoadMatrix> ToLoad(const py::array_t<double, py::array::c_style | py::arr
                             std::move(v));
 }
 
-Result<Placement> ToPlacement(
-    const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& a, int experts) {
+// A phy2log array of integers in [-1, 2^31 - 1]: a float, bool or wider id is an error,
+// never truncated or wrapped (pybind11's forcecast would do both).
+py::array_t<int32_t, py::array::c_style> IdArray(const py::object& obj, const char* what) {
+  py::array a = py::array::ensure(obj);
+  if (!a) throw py::value_error(std::string(what) + " is not an array");
+  const char kind = a.dtype().kind();
+  if (kind != 'i' && kind != 'u') {
+    Check(Status::InvalidArgument(std::string(what) + " has dtype " +
+                                  std::string(py::str(a.dtype())) +
+                                  "; expert ids must be integers"));
+  }
+  py::array_t<int32_t, py::array::c_style> out(
+      std::vector<py::ssize_t>(a.shape(), a.shape() + a.ndim()));
+  auto put = [&](auto wide) {
+    const auto* d = wide.data();
+    for (py::ssize_t i = 0; i < wide.size(); ++i) {
+      bool bad = d[i] > INT32_MAX;
+      if constexpr (std::is_signed_v<std::remove_cvref_t<decltype(*d)>>) bad = bad || d[i] < -1;
+      if (bad) {
+        Check(Status::InvalidArgument(std::string(what) + " holds expert id " +
+                                      std::to_string(d[i]) + " at flat index " + std::to_string(i) +
+                                      ", outside [-1, 2147483647]"));
+      }
+      out.mutable_data()[i] = static_cast<int32_t>(d[i]);
+    }
+  };
+  if (kind == 'u')
+    put(py::array_t<uint64_t, py::array::c_style | py::array::forcecast>(a));
+  else
+    put(py::array_t<int64_t, py::array::c_style | py::array::forcecast>(a));
+  return out;
+}
+
+Result<Placement> ToPlacement(const py::array_t<int32_t, py::array::c_style>& a, int experts) {
   if (a.ndim() != 2)
     return Status::InvalidArgument("a placement must be a 2-D phy2log array (layers x slots)");
   std::vector<int32_t> v(a.data(), a.data() + a.size());
@@ -94,9 +126,7 @@ PlanResult DoPlan(const py::array_t<double, py::array::c_style | py::array::forc
   options.tolerance = tolerance;
   std::optional<Placement> prev;
   if (!previous.is_none()) {
-    prev = Take(ToPlacement(
-        previous.cast<py::array_t<int32_t, py::array::c_style | py::array::forcecast>>(),
-        lm.experts()));
+    prev = Take(ToPlacement(IdArray(previous, "previous"), lm.experts()));
     options.previous = &*prev;
   }
   Result<Placement> plan = [&] {
@@ -124,9 +154,10 @@ PlanResult DoPlan(const py::array_t<double, py::array::c_style | py::array::forc
   return out;
 }
 
-py::dict DoMigrate(const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& old_map,
-                   const py::array_t<int32_t, py::array::c_style | py::array::forcecast>& new_map,
-                   int ranks, int nodes, uint64_t bytes_per_expert, double link_gbps) {
+py::dict DoMigrate(const py::object& old_obj, const py::object& new_obj, int ranks, int nodes,
+                   uint64_t bytes_per_expert, double link_gbps) {
+  const auto old_map = IdArray(old_obj, "old");
+  const auto new_map = IdArray(new_obj, "new");
   int experts = 0;
   for (const auto* a : {&old_map, &new_map}) {
     for (py::ssize_t i = 0; i < a->size(); ++i) experts = std::max(experts, a->data()[i] + 1);

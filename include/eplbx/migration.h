@@ -80,10 +80,14 @@ struct MigrationPlan {
   MigrationSummary summary;
 };
 
+// The largest bytes_per_expert PlanMigration takes (1 TiB): byte totals (at most 2^24 rows
+// moved) stay exact in uint64.
+inline constexpr uint64_t kMaxBytesPerExpert = uint64_t{1} << 40;
+
 struct MigrationOptions {
   int ranks = 1;
   int nodes = 1;                  // rank r is on node r / (ranks / nodes)
-  uint64_t bytes_per_expert = 1;  // bytes of one expert row (all its tensors)
+  uint64_t bytes_per_expert = 1;  // bytes of one expert row (all its tensors); <= 2^40
   double link_gbps = 100.0;       // per-rank link bandwidth, gigabits per second
 };
 

@@ -131,6 +131,11 @@ Result<MigrationPlan> PlanMigration(const Placement& from, const Placement& to,
   if (options.bytes_per_expert == 0) {
     return Status::InvalidArgument("bytes per expert is 0 (expected the size of one expert row)");
   }
+  // Byte totals are counts x bytes per expert in uint64: this bound keeps every product exact.
+  if (options.bytes_per_expert > kMaxBytesPerExpert) {
+    return Status::InvalidArgument(StrCat("bytes per expert is ", options.bytes_per_expert,
+                                          "; the limit is ", kMaxBytesPerExpert, " (2^40)"));
+  }
   if (!(options.link_gbps > 0) || !std::isfinite(options.link_gbps)) {
     return Status::InvalidArgument(
         StrCat("link bandwidth is ", options.link_gbps, " Gb/s (expected a positive number)"));

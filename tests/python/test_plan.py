@@ -51,6 +51,23 @@ class PlanTest(unittest.TestCase):
         with self.assertRaises(eplbx.InvalidArgumentError):
             eplbx.plan(-WEIGHT, slots=16, ranks=8)
 
+    def test_ids_and_sizes_that_do_not_fit_are_errors_not_casts(self):
+        # Issue 17, item 12: float maps were truncated, ids + 2**32 wrapped, and
+        # bytes_per_expert=2**63 made byte totals 0.
+        old = np.array([[0, 1, 2, 3]])
+        for bad, says in ((old.astype(np.float32), "dtype float32"), (old + 0.9, "dtype float64"),
+                          (old + 2**32, "expert id 4294967296"), (old.astype(bool), "dtype bool"),
+                          (old.astype(np.uint64) + 2**63, "expert id 9223372036854775808")):
+            with self.assertRaises(eplbx.InvalidArgumentError) as ctx:
+                eplbx.migrate(bad, old, ranks=2)
+            self.assertIn(says, str(ctx.exception))
+        with self.assertRaises(eplbx.InvalidArgumentError) as ctx:
+            eplbx.migrate(old, old, ranks=2, bytes_per_expert=2**63)
+        self.assertIn("the limit is 1099511627776", str(ctx.exception))
+        load = np.ones((1, 4))
+        with self.assertRaises(eplbx.InvalidArgumentError):
+            eplbx.plan(load, slots=4, ranks=2, policy="incremental", previous=old + 0.5)
+
     def test_migrate(self):
         old = np.array([[0, 1, 2, 3]], dtype=np.int32)
         new = np.array([[3, 1, 2, 0]], dtype=np.int32)

@@ -78,8 +78,9 @@ struct RendezvousEnv {
   uint32_t world = 0;
   std::string token;  // never printed
 };
-// Reads the EPLBX_* variables; names the missing or malformed one.
-Result<RendezvousEnv> RendezvousFromEnv();
+// Reads the EPLBX_* variables; names the missing or malformed one. `need_rank` false (the
+// standalone store): EPLBX_RANK is neither needed nor read.
+Result<RendezvousEnv> RendezvousFromEnv(bool need_rank = true);
 
 // The store, served by rank 0 (`eplbx worker`) or by `eplbx store`. Members join with
 // (rank, world size, token); the token is compared in constant time. A wrong token, a

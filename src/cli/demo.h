@@ -49,6 +49,12 @@ Status ParseDemo(DemoOptions& o);
 
 // Prints the report built from the ranks' reports (JSON or text); the Status says whether
 // every step verified, or names the failure.
+// A member's message (a report or a progress line) as the coordinator may use it: the JSON
+// is parsed and every field the coordinator reads is type-checked. A message that fails is
+// replaced by a report whose error names the rank and the field (a progress line by a note),
+// so nothing a peer sends can throw in the coordinator. Empty for unparsable bytes.
+nlohmann::json CheckMemberMessage(uint32_t rank, std::string_view bytes);
+
 Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& reports,
                   double memcpy_gbps, double wall_seconds, const Status& coordinator);
 

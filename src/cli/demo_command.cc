@@ -10,6 +10,7 @@
 #include <cstring>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -148,8 +149,8 @@ Status RunDemo(DemoOptions o) {
   Status served = ServeSocketBootstrap(
       fds, std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000) + 10000),
       [&](uint32_t rank, std::string bytes) {
-        nlohmann::json j = nlohmann::json::parse(bytes, nullptr, false);
-        if (j.is_discarded()) return;
+        nlohmann::json j = CheckMemberMessage(rank, bytes);
+        if (j.is_null()) return;
         if (j.contains("progress")) {
           if (!o.json) std::cerr << "  " << j["progress"].get<std::string>() << "\n";
           return;
@@ -195,6 +196,56 @@ Status RunDemo(DemoOptions o) {
 }
 
 }  // namespace
+
+nlohmann::json CheckMemberMessage(uint32_t rank, std::string_view bytes) {
+  using nlohmann::json;
+  json j = json::parse(bytes, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return json();
+  auto bad = [&](const std::string& field, const json& v, const char* want) {
+    return json{{"error", StrCat("rank ", rank, " sent a malformed report: '", field, "' is a ",
+                                 v.type_name(), " (expected ", want, ")")},
+                {"verified", false},
+                {"weights_intact", false}};
+  };
+  if (!j.is_object()) return bad("report", j, "an object");
+  if (j.contains("progress")) {
+    if (!j["progress"].is_string())
+      return json{{"progress", StrCat("rank ", rank, " sent a malformed progress line")}};
+    return j;
+  }
+  auto check = [&](const json& obj, const std::string& prefix, const char* key,
+                   bool (json::*is)() const, const char* want) -> std::optional<json> {
+    auto it = obj.find(key);
+    if (it == obj.end() || ((*it).*is)()) return std::nullopt;
+    return bad(prefix + key, *it, want);
+  };
+  const std::pair<const char*, bool (json::*)() const> bools[] = {
+      {"verified", &json::is_boolean}, {"weights_intact", &json::is_boolean}};
+  for (const auto& [key, is] : bools) {
+    if (auto e = check(j, "", key, is, "true or false")) return *e;
+  }
+  if (auto e = check(j, "", "error", &json::is_string, "a string")) return *e;
+  if (auto e = check(j, "", "failed_at_us", &json::is_number_integer, "an integer")) return *e;
+  for (const char* key :
+       {"rss_mib_after_first_step", "rss_mib_end", "heap_kib_warm", "heap_kib_end"}) {
+    if (auto e = check(j, "", key, &json::is_number, "a number")) return *e;
+  }
+  if (auto e = check(j, "", "steps", &json::is_array, "an array")) return *e;
+  if (j.contains("steps")) {
+    for (size_t s = 0; s < j["steps"].size(); ++s) {
+      const json& st = j["steps"][s];
+      const std::string at = StrCat("steps[", s, "].");
+      if (!st.is_object()) return bad(at, st, "an object");
+      for (const char* key : {"bytes_read", "experts_read", "bytes_cross_node"}) {
+        if (auto e = check(st, at, key, &json::is_number_unsigned, "a count")) return *e;
+      }
+      for (const char* key : {"seconds", "balancedness_before", "balancedness_after"}) {
+        if (auto e = check(st, at, key, &json::is_number, "a number")) return *e;
+      }
+    }
+  }
+  return j;
+}
 
 Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& reports,
                   double memcpy_gbps, double wall, const Status& served) {

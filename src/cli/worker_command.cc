@@ -31,8 +31,8 @@ class StoreThread {
       status_ = store_->Serve(
           deadline, deadline + std::chrono::seconds(10),
           [&](uint32_t rank, std::string bytes) {
-            nlohmann::json j = nlohmann::json::parse(bytes, nullptr, false);
-            if (j.is_discarded()) return;
+            nlohmann::json j = CheckMemberMessage(rank, bytes);
+            if (j.is_null()) return;
             std::lock_guard<std::mutex> lock(mu_);
             if (j.contains("progress")) {
               if (print_progress) std::cerr << "  " << j["progress"].get<std::string>() << "\n";
@@ -117,7 +117,7 @@ Status RunWorker(DemoOptions o, bool ranks_given) {
 }
 
 Status RunStore(const std::string& listen, double timeout_s) {
-  Result<RendezvousEnv> env = RendezvousFromEnv();
+  Result<RendezvousEnv> env = RendezvousFromEnv(/*need_rank=*/false);
   if (!env.ok()) return env.status().WithPrefix("eplbx store");
   Result<std::unique_ptr<TcpStore>> s =
       TcpStore::Listen(listen.empty() ? env->addr : listen, env->port, env->token, env->world);

@@ -253,15 +253,15 @@ Result<std::unique_ptr<SocketBootstrap>> JoinTcpStore(const std::string& addr, u
                                 port, " within ", timeout.count(), " ms"));
 }
 
-Result<RendezvousEnv> RendezvousFromEnv() {
+Result<RendezvousEnv> RendezvousFromEnv(bool need_rank) {
   auto get = [](const char* name) -> std::string {
     const char* v = std::getenv(name);
     return v != nullptr ? v : "";
   };
   RendezvousEnv e;
   e.addr = get("EPLBX_MASTER_ADDR");
-  const std::string port = get("EPLBX_MASTER_PORT"), rank = get("EPLBX_RANK"),
-                    world = get("EPLBX_WORLD_SIZE");
+  const std::string port = get("EPLBX_MASTER_PORT"), world = get("EPLBX_WORLD_SIZE");
+  const std::string rank = need_rank ? get("EPLBX_RANK") : "0";
   e.token = get("EPLBX_TOKEN");
   for (const auto& [name, value] :
        {std::pair<const char*, const std::string*>{"EPLBX_MASTER_ADDR", &e.addr},

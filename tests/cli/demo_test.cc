@@ -8,6 +8,9 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
+
+#include "eplbx/bootstrap.h"
 
 namespace {
 
@@ -179,6 +182,39 @@ TEST(DemoTest, BadFlagsAreRejectedBeforeAnythingStarts) {
     EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << args << ": " << err;
     EXPECT_NE(err.find(needle), std::string::npos) << args << ": " << err;
   }
+}
+
+// A member that sends malformed messages ({"progress": 5}, a report whose fields have the
+// wrong types) to rank 0's embedded store. Before: rank 0 aborted (std::terminate, exit 134;
+// issue 17, item 9). Now every field from a peer is type-checked: rank 0 ends with a
+// one-line error naming rank 1 and the field, exit 1.
+TEST(DemoTest, AMalformedReportFromAMemberIsANamedError) {
+  const int port = 32000 + getpid() % 1000;
+  const std::string env = "EPLBX_MASTER_ADDR=127.0.0.1 EPLBX_MASTER_PORT=" + std::to_string(port) +
+                          " EPLBX_RANK=0 EPLBX_WORLD_SIZE=2 EPLBX_TOKEN=t ";
+  const std::string cmd = env + EPLBX_CLI +
+                          " worker --layers 1 --experts 4 --slots-per-rank 2 --expert-bytes 4K "
+                          "--deadline 3 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  auto member = eplbx::JoinTcpStore("127.0.0.1", static_cast<uint16_t>(port), "t", 1, 2,
+                                    std::chrono::milliseconds(10000));
+  ASSERT_TRUE(member.ok()) << member.status().ToString();
+  EXPECT_TRUE((*member)->SendMessage(R"({"progress": 5})").ok());
+  EXPECT_TRUE(
+      (*member)->SendMessage(R"({"verified": "yes", "steps": [{"seconds": "fast"}]})").ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  member->reset();  // and leave
+  std::string out;
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
+  const int rc = pclose(p);
+  ASSERT_TRUE(WIFEXITED(rc)) << out;
+  EXPECT_EQ(WEXITSTATUS(rc), 1) << out;
+  EXPECT_NE(out.find("rank 1 sent a malformed report: 'verified' is a string (expected true or "
+                     "false)"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("terminate"), std::string::npos) << out;
 }
 
 }  // namespace

@@ -244,6 +244,11 @@ TEST(RendezvousEnvTest, NamesTheMissingVariable) {
   EXPECT_NE(RendezvousFromEnv().status().message().find("EPLBX_RANK is '2': out of range"),
             std::string::npos);
   setenv("EPLBX_RANK", "0", 1);
+  unsetenv("EPLBX_RANK");  // the store does not use it (issue 17, item 16)
+  EXPECT_TRUE(RendezvousFromEnv(/*need_rank=*/false).ok());
+  EXPECT_NE(RendezvousFromEnv().status().message().find("EPLBX_RANK is not set"),
+            std::string::npos);
+  setenv("EPLBX_RANK", "0", 1);
   setenv("EPLBX_TOKEN", "", 1);
   EXPECT_NE(RendezvousFromEnv().status().message().find("EPLBX_TOKEN is empty"), std::string::npos);
   for (const char* v : {"EPLBX_MASTER_ADDR", "EPLBX_MASTER_PORT", "EPLBX_RANK", "EPLBX_WORLD_SIZE",

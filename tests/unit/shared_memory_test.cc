@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <future>
 #include <random>
 #include <vector>
 
@@ -156,6 +157,44 @@ TEST(CopyBytesTest, EverySizeAndAlignmentCopiesExactly) {
       }
     }
   }
+}
+
+// A peer that shrinks a shared file it registered: reading (or writing) the mapping past the
+// new end raises SIGBUS. Before, that killed the reading rank in the copy thread (issue 17,
+// item 7); now the copy fails with a named error and the process goes on.
+TEST(CopyBytesTest, AShrunkSharedFileFailsTheCopyInsteadOfKillingTheProcess) {
+  const int fd = memfd_create("eplbx_shrink_test", MFD_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  const size_t bytes = 1 << 20;
+  ASSERT_EQ(ftruncate(fd, bytes), 0);
+  auto* m = static_cast<uint8_t*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+  ASSERT_NE(m, MAP_FAILED);
+  std::memset(m, 7, bytes);
+  std::vector<uint8_t> local(bytes, 0);
+  EXPECT_TRUE(internal::GuardedCopyBytes(local.data(), m, bytes));
+  ASSERT_EQ(ftruncate(fd, 4096), 0);  // the "peer" shrinks it
+  EXPECT_FALSE(internal::GuardedCopyBytes(local.data(), m + 8192, 65536));
+  EXPECT_FALSE(internal::GuardedCopyBytes(m + 8192, local.data(), 65536));  // a WRITE
+  EXPECT_FALSE(internal::GuardedTouchPagesForRead(m, bytes));
+  EXPECT_TRUE(internal::GuardedCopyBytes(local.data(), m, 4096));  // what is left still reads
+  // Through the copier, as a READ of a mapped peer region runs: the job fails by name.
+  internal::ShmCopier copier(2);
+  std::promise<Status> result;
+  internal::CopyJob job;
+  job.id = 1;
+  job.pid = getpid();
+  job.describe = "READ from 'peer'";
+  job.pieces.push_back({local.data(), 0, m + (512 << 10), 256 << 10});
+  job.done = [&](Status s) { result.set_value(std::move(s)); };
+  copier.Submit(std::move(job));
+  const Status s = result.get_future().get();
+  EXPECT_EQ(s.code(), Code::kIoError) << s.ToString();
+  EXPECT_NE(s.message().find("READ from 'peer': the peer's shared file ends before the registered "
+                             "region does (SIGBUS"),
+            std::string::npos)
+      << s.ToString();
+  munmap(m, bytes);
+  close(fd);
 }
 
 }  // namespace

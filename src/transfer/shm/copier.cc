@@ -1,5 +1,7 @@
 #include "transfer/shm/copier.h"
 
+#include <setjmp.h>
+#include <signal.h>
 #include <sys/uio.h>
 
 #if defined(__x86_64__)
@@ -7,8 +9,10 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <mutex>
 
 #include "common/strings.h"
 
@@ -52,6 +56,67 @@ void CopyBytes(void* dst, const void* src, size_t n) {
   }
 #endif
   std::memcpy(dst, src, n);
+}
+
+namespace {
+
+// SIGBUS inside a guarded copy (a peer shrank the file behind a mapping) jumps back to the
+// guard; any other SIGBUS goes to the handler that was there before (UCX's, the default).
+// volatile, and signal fences around the guarded work: the stores to the guard must not be
+// moved across the accesses that may fault, nor merged away.
+thread_local sigjmp_buf* volatile t_guard = nullptr;
+struct sigaction g_previous_bus {};
+
+void OnSigbus(int sig, siginfo_t* info, void* context) {
+  if (t_guard != nullptr) siglongjmp(*t_guard, 1);
+  if ((g_previous_bus.sa_flags & SA_SIGINFO) != 0 && g_previous_bus.sa_sigaction != nullptr) {
+    g_previous_bus.sa_sigaction(sig, info, context);
+    return;
+  }
+  if (g_previous_bus.sa_handler == SIG_IGN) return;
+  if (g_previous_bus.sa_handler == SIG_DFL || g_previous_bus.sa_handler == nullptr) {
+    signal(SIGBUS, SIG_DFL);
+    raise(SIGBUS);
+    return;
+  }
+  g_previous_bus.sa_handler(sig);
+}
+
+void InstallSigbusGuard() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction sa {};
+    sa.sa_sigaction = OnSigbus;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGBUS, &sa, &g_previous_bus);
+  });
+}
+
+template <class F>
+bool Guarded(F&& f) {
+  InstallSigbusGuard();
+  sigjmp_buf here;
+  if (sigsetjmp(here, 1) != 0) {
+    t_guard = nullptr;
+    return false;
+  }
+  t_guard = &here;
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  f();
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+  t_guard = nullptr;
+  return true;
+}
+
+}  // namespace
+
+bool GuardedCopyBytes(void* dst, const void* src, size_t n) {
+  return Guarded([&] { CopyBytes(dst, src, n); });
+}
+
+bool GuardedTouchPagesForRead(const void* p, size_t n) {
+  return Guarded([&] { TouchPagesForRead(p, n); });
 }
 
 void TouchPagesForWrite(void* p, size_t n) { std::memset(p, 0, n); }
@@ -170,10 +235,19 @@ void ShmCopier::RunChunk(Running& r, const Chunk& c) {
     const uint64_t off = (c.first + 1 == c.last) ? c.offset : 0;
     const uint64_t n = (c.first + 1 == c.last) ? c.bytes : p.bytes;
     if (p.mapped != nullptr) {
-      if (job.read) {
-        CopyBytes(p.local + off, p.mapped + off, n);
-      } else {
-        CopyBytes(p.mapped + off, p.local + off, n);
+      const bool copied = job.read ? GuardedCopyBytes(p.local + off, p.mapped + off, n)
+                                   : GuardedCopyBytes(p.mapped + off, p.local + off, n);
+      if (!copied) {
+        std::lock_guard<std::mutex> lock(r.mu);
+        if (r.error.ok()) {
+          r.error = Status::IoError(
+              StrCat(job.describe,
+                     ": the peer's shared file ends before the registered region does "
+                     "(SIGBUS at byte ",
+                     off, " of a ", p.bytes,
+                     "-byte row: the peer shrank or truncated memory it registered)"));
+        }
+        return;
       }
       continue;
     }

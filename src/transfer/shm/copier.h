@@ -38,6 +38,11 @@ void TouchPagesForRead(const void* p, size_t n);
 // memcpy with two threads on these VMs; docs/perf.md).
 inline constexpr size_t kStreamMinBytes = 256u << 10;
 void CopyBytes(void* dst, const void* src, size_t n);
+// CopyBytes / TouchPagesForRead that survive SIGBUS (a mapping whose file the peer shrank):
+// false, and the bytes before the fault copied, instead of the process dying. A SIGBUS
+// outside these calls goes to the handler installed before the first call.
+bool GuardedCopyBytes(void* dst, const void* src, size_t n);
+bool GuardedTouchPagesForRead(const void* p, size_t n);
 
 struct CopyPiece {
   uint8_t* local = nullptr;

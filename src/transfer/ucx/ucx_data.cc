@@ -115,7 +115,12 @@ void UcxBackend::MapSharedRegions(PeerState& p) {
     // First-access cost now, not inside the first transfers. Not for large regions (a CPU
     // model's weights): every peer would build page tables for all of them, while only the
     // rows actually read ever need them.
-    if (r.bytes <= kTouchAtConnectBytes) TouchPagesForRead(m.ptr, r.bytes);
+    // A file the peer shrank after registering faults here (SIGBUS): not mapped then, so its
+    // rows go through CMA, which reports the short region as an error.
+    if (r.bytes <= kTouchAtConnectBytes && !GuardedTouchPagesForRead(m.ptr, r.bytes)) {
+      munmap(m.base, m.map_bytes);
+      continue;
+    }
     p.mapped[i] = m;
   }
 }

@@ -31,7 +31,10 @@ class LoadRecorder {
   // One step's counts per logical expert (layers x experts, row-major). Same errors.
   Status Record(std::span<const double> expert_counts);
 
-  LoadMatrix Window() const;  // sum over the last min(window, steps) steps
+  // Sum over the last min(window, steps) steps. Kept incrementally and re-summed from the
+  // ring every `window` steps, so rounding never drifts (a sum is never below 0). Fails when
+  // a sum passes what a LoadMatrix holds (float32's range).
+  Result<LoadMatrix> Window() const;
   int64_t steps() const { return steps_; }
   int window() const { return window_; }
 

@@ -1,5 +1,6 @@
 #include "eplbx/load.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "common/strings.h"
@@ -40,10 +41,19 @@ Status LoadRecorder::Record(std::span<const double> counts) {
   }
   std::vector<double>& old = ring_[slot];
   for (size_t i = 0; i < sum_.size(); ++i) {
-    sum_[i] += counts[i] - old[i];
+    // Both terms are >= 0 and the true sum is too: rounding (a 1e16 spike leaving the
+    // window, fractional loads going idle) must not make it negative.
+    sum_[i] = std::max(0.0, sum_[i] + (counts[i] - old[i]));
     old[i] = counts[i];
   }
   ++steps_;
+  if (slot + 1 == static_cast<size_t>(window_)) {
+    // Once per window: re-sum exactly what is in the ring (O(1) amortized per step).
+    std::fill(sum_.begin(), sum_.end(), 0.0);
+    for (const std::vector<double>& step : ring_) {
+      for (size_t i = 0; i < sum_.size(); ++i) sum_[i] += step[i];
+    }
+  }
   return Status::OK();
 }
 
@@ -68,7 +78,11 @@ Status LoadRecorder::RecordSlots(const Placement& placement, std::span<const dou
   return Record(logical);
 }
 
-LoadMatrix LoadRecorder::Window() const { return *LoadMatrix::Create(layers_, experts_, sum_); }
+Result<LoadMatrix> LoadRecorder::Window() const {
+  Result<LoadMatrix> m = LoadMatrix::Create(layers_, experts_, sum_);
+  if (!m.ok()) return m.status().WithPrefix(StrCat("load window of ", window_, " steps"));
+  return m;
+}
 
 std::string_view TriggerDecisionName(TriggerDecision decision) {
   switch (decision) {

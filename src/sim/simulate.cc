@@ -135,8 +135,9 @@ Result<SimulateResult> Simulate(const LoadTrace& trace, const SimulateOptions& o
     EPLBX_RETURN_IF_ERROR(recorder.Record(counts));
     if (!Due(o.trigger, step + 1)) continue;
     ++r.considered;
-    const LoadMatrix window = recorder.Window();
-    const double before = ComputeBalance(current, window, t.ranks)->total;
+    EPLBX_ASSIGN_OR_RETURN(const LoadMatrix window, recorder.Window());
+    EPLBX_ASSIGN_OR_RETURN(const Balance on_window, ComputeBalance(current, window, t.ranks));
+    const double before = on_window.total;
     if (Decide(o.trigger, before, 0) == TriggerDecision::kSkipBalanced) {
       ++r.skipped_balanced;
       continue;
@@ -144,14 +145,16 @@ Result<SimulateResult> Simulate(const LoadTrace& trace, const SimulateOptions& o
     EPLBX_ASSIGN_OR_RETURN(
         Placement next,
         Plan(window, t, {.policy = o.policy, .previous = &current, .tolerance = o.tolerance}));
-    const double after = ComputeBalance(next, window, t.ranks)->total;
+    EPLBX_ASSIGN_OR_RETURN(const Balance planned, ComputeBalance(next, window, t.ranks));
+    const double after = planned.total;
     if (Decide(o.trigger, before, after) != TriggerDecision::kRebalance) {
       ++r.skipped_small_gain;
       continue;
     }
     EPLBX_ASSIGN_OR_RETURN(MigrationPlan m, PlanMigration(current, next, mig));
     RebalanceEvent ev{step, before, after, 0, m.summary.bytes_moved, m.summary.time_lower_bound_s};
-    ev.copies = CountMoves(current, next, t.ranks)->total.remote_copies;
+    EPLBX_ASSIGN_OR_RETURN(const Moves moves, CountMoves(current, next, t.ranks));
+    ev.copies = moves.total.remote_copies;
     r.copies += ev.copies;
     r.bytes_moved += ev.bytes;
     r.stall_seconds_est += ev.stall_s;

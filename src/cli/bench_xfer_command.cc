@@ -20,6 +20,7 @@
 
 #include "cli/commands.h"
 #include "cli/flags.h"
+#include "common/numbers.h"
 #include "common/strings.h"
 #include "eplbx/transfer.h"
 #include "transfer/shm/measure.h"
@@ -68,10 +69,14 @@ Result<std::vector<uint64_t>> ParseList(const std::string& csv, bool sizes) {
   std::stringstream in(csv);
   std::string item;
   while (std::getline(in, item, ',')) {
+    if (!sizes) {  // plain counts: 0, 2.5 or 1K are not batch sizes
+      EPLBX_ASSIGN_OR_RETURN(const uint64_t n,
+                             internal::ParseInteger<uint64_t>(item, "batch", 1, 1024));
+      out.push_back(n);
+      continue;
+    }
     Result<uint64_t> v = ParseSize(item);
     if (!v.ok()) return v.status();
-    if (!sizes && *v > 1024)
-      return Status::InvalidArgument(StrCat("batch ", *v, " out of range (1..1024)"));
     out.push_back(*v);
   }
   if (out.empty()) return Status::InvalidArgument(StrCat("empty list '", csv, "'"));

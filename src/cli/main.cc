@@ -21,6 +21,39 @@ int main(int argc, char** argv) {
   eplbx::cli::AddDemoCommand(app, run);
   eplbx::cli::AddWorkerCommand(app, run);
   eplbx::cli::AddSimulateCommands(app, run);
+  // Name what is wrong before CLI11 would say only "A subcommand is required": an unknown
+  // option in place of the command, or an unknown subcommand of a command that needs one.
+  if (argc > 1 && argv[1][0] == '-') {
+    const std::string a = argv[1];
+    if (a != "-h" && a != "--help" && a != "--version") {
+      std::cerr << "eplbx: error: unknown option '" << a
+                << "' before a command (expected one of: plan, migrate, bench, demo, worker, "
+                   "store, trace, simulate; see eplbx --help)\n";
+      return 2;
+    }
+  }
+  {
+    const CLI::App* cur = &app;
+    std::string path;
+    for (int i = 1; i < argc && argv[i][0] != '-'; ++i) {
+      const CLI::App* next = nullptr;
+      std::string names;
+      for (const CLI::App* sub : cur->get_subcommands({})) {
+        names += (names.empty() ? "" : ", ") + sub->get_name();
+        if (sub->get_name() == argv[i]) next = sub;
+      }
+      if (next == nullptr) {
+        if (cur != &app && cur->get_require_subcommand_min() > 0) {
+          std::cerr << "eplbx: error: unknown command '" << path << " " << argv[i]
+                    << "' (expected one of: " << names << ")\n";
+          return 2;
+        }
+        break;
+      }
+      path += (path.empty() ? "" : " ") + next->get_name();
+      cur = next;
+    }
+  }
   if (argc > 1 && argv[1][0] != '-') {
     bool known = false;
     for (const CLI::App* sub : app.get_subcommands({})) known |= sub->get_name() == argv[1];

@@ -169,12 +169,26 @@ std::string PlotScript() {
   return EPLBX_SOURCE_PLOT_SCRIPT;
 }
 
-// Draws the runs with Debian's matplotlib (scripts/plot_simulation.py).
-Status Plot(const json& runs, const std::string& path) {
-  const std::string ext = std::filesystem::path(path).extension().string();
+// Checked before anything runs: the extension, and a directory that exists.
+Status CheckPlotPath(const std::string& path) {
+  const std::filesystem::path p(path);
+  const std::string ext = p.extension().string();
   if (ext != ".png" && ext != ".svg") {
     return Status::InvalidArgument(StrCat("--plot ", path, ": expected a .png or .svg file name"));
   }
+  const std::filesystem::path dir = p.has_parent_path() ? p.parent_path() : ".";
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) {
+    return Status::InvalidArgument(
+        StrCat("--plot ", path, ": directory ", dir.string(), " does not exist"));
+  }
+  return Status::OK();
+}
+
+// Draws the runs with Debian's matplotlib (scripts/plot_simulation.py). The script's
+// stderr is kept; its last line goes into the error, not a traceback onto the terminal.
+Status Plot(const json& runs, const std::string& path) {
+  EPLBX_RETURN_IF_ERROR(CheckPlotPath(path));
   char tmpl[] = "/tmp/eplbx-simulate-XXXXXX";
   const int fd = mkstemp(tmpl);
   if (fd < 0) return Status::Internal("cannot create a temporary file for --plot");
@@ -184,8 +198,11 @@ Status Plot(const json& runs, const std::string& path) {
     out << runs.dump();
   }
   const std::string script = PlotScript();
+  char err_tmpl[] = "/tmp/eplbx-plot-err-XXXXXX";
+  const int err_fd = mkstemp(err_tmpl);
   const pid_t pid = fork();
   if (pid == 0) {
+    if (err_fd >= 0) dup2(err_fd, STDERR_FILENO);
     execl("/usr/bin/python3", "python3", script.c_str(), tmpl, path.c_str(),
           static_cast<char*>(nullptr));
     _exit(127);
@@ -193,16 +210,31 @@ Status Plot(const json& runs, const std::string& path) {
   int status = 0;
   waitpid(pid, &status, 0);
   std::remove(tmpl);
+  std::string last;
+  if (err_fd >= 0) {
+    close(err_fd);
+    std::ifstream in(err_tmpl);
+    for (std::string line; std::getline(in, line);) {
+      if (!line.empty()) last = line.substr(0, 200);
+    }
+    std::remove(err_tmpl);
+  }
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    return Status::Unavailable(
-        StrCat("--plot: ", script, " failed (exit ", WIFEXITED(status) ? WEXITSTATUS(status) : -1,
-               "); it needs /usr/bin/python3 with matplotlib: apt-get install python3-matplotlib"));
+    const bool no_matplotlib = last.find("matplotlib") != std::string::npos ||
+                               (WIFEXITED(status) && WEXITSTATUS(status) == 127);
+    return Status::Unavailable(StrCat(
+        "--plot: ", script, " failed (exit ", WIFEXITED(status) ? WEXITSTATUS(status) : -1,
+        last.empty() ? "" : ": " + last, ")",
+        no_matplotlib
+            ? "; it needs /usr/bin/python3 with matplotlib: apt-get install python3-matplotlib"
+            : ""));
   }
   return Status::OK();
 }
 
 Status RunSimulate(SimulateArgs args) {
   EPLBX_ASSIGN_OR_RETURN(args.options.policy, ParsePolicy(args.policy));
+  if (!args.plot.empty()) EPLBX_RETURN_IF_ERROR(CheckPlotPath(args.plot));
   EPLBX_ASSIGN_OR_RETURN(LoadTrace trace, io::ReadTraceFile(args.trace));
   // The combinations to run: one, or the cross product of --sweep's values.
   std::vector<SimulateOptions> runs{args.options};

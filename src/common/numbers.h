@@ -34,7 +34,7 @@ Result<T> ParseInteger(std::string_view text, std::string_view what, T lo, T hi)
     why = "negative";
   }
   return Status::InvalidArgument(
-      StrCat(what, " is '", text, "': ", why, " (expected ", +lo, " .. ", +hi, ")"));
+      StrCat(what, " is ", Printable(text), ": ", why, " (expected ", +lo, " .. ", +hi, ")"));
 }
 
 inline Result<double> ParseReal(std::string_view text, std::string_view what, double lo,
@@ -54,7 +54,7 @@ inline Result<double> ParseReal(std::string_view text, std::string_view what, do
     return v;
   }
   return Status::InvalidArgument(
-      StrCat(what, " is '", text, "': ", why, " (expected ", lo, " .. ", hi, ")"));
+      StrCat(what, " is ", Printable(text), ": ", why, " (expected ", lo, " .. ", hi, ")"));
 }
 
 }  // namespace eplbx::internal

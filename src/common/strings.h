@@ -4,6 +4,7 @@
 
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <utility>
 
 namespace eplbx::internal {
@@ -15,6 +16,25 @@ std::string StrCat(Args&&... args) {
   out.precision(10);
   (out << ... << std::forward<Args>(args));
   return out.str();
+}
+
+// User input quoted for a one-line message: in single quotes, control bytes, quotes,
+// backslashes and bytes >= 0x80 escaped as \xNN, cut to `max` bytes of input ("..." after).
+inline std::string Printable(std::string_view text, size_t max = 64) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out = "'";
+  for (size_t i = 0; i < text.size() && i < max; ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c < 0x20 || c >= 0x7f || c == '\'' || c == '\\') {
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 15];
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  out += text.size() > max ? "'..." : "'";
+  return out;
 }
 
 }  // namespace eplbx::internal

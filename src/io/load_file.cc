@@ -195,10 +195,22 @@ Result<LoadMatrix> ParseLoadCsv(std::string_view text, std::string_view origin) 
       double v = 0;
       const char* end = cell.data() + cell.size();
       auto [ptr, ec] = std::from_chars(cell.data(), end, v);
+      if (ec == std::errc::result_out_of_range && ptr == end) {
+        // from_chars leaves v unset: tell overflow (1e999) from underflow (1e-400, read as 0).
+        const std::string text(cell);
+        const double d = std::strtod(text.c_str(), nullptr);
+        if (std::isinf(d)) {
+          return Status::InvalidArgument(StrCat(origin, ": line ", line_no, ", column ", column,
+                                                ": ", internal::Printable(cell),
+                                                " is beyond a double's range"));
+        }
+        v = 0;
+        ec = std::errc();
+      }
       if (cell.empty() || ec != std::errc() || ptr != end) {
         return Status::InvalidArgument(
-            StrCat(origin, ": line ", line_no, ", column ", column, ": '", cell,
-                   "' is not a number (expected one layer per line, loads separated by commas)"));
+            StrCat(origin, ": line ", line_no, ", column ", column, ": ", internal::Printable(cell),
+                   " is not a number (expected one layer per line, loads separated by commas)"));
       }
       row.push_back(v);
       if (comma == std::string_view::npos) break;

@@ -444,6 +444,30 @@ TEST_F(CliTest, NumbersThatDoNotFitAreErrorsNotWraps) {
   }
 }
 
+// Issue 17, items 15 and 16: each bad input gets its own clear line.
+TEST_F(CliTest, UnclearErrorsNowSayWhatIsWrong) {
+  ExpectOneLineError(Eplbx("--bogus"), "unknown option '--bogus' before a command");
+  ExpectOneLineError(Eplbx("bench frob"), "unknown command 'bench frob' (expected one of: xfer)");
+  ExpectOneLineError(Eplbx("bench xfer --batches 0"), "--batches: batch is '0': out of range");
+  ExpectOneLineError(Eplbx("plan --slots 2 --ranks 1 --load " + Write("big.csv", "1,2\n1e999,3\n")),
+                     "line 2, column 1: '1e999' is beyond a double's range");
+  CliRun tiny = Eplbx("plan --slots 2 --ranks 1 --load " + Write("tiny.csv", "1,2\n1e-400,3\n"));
+  EXPECT_EQ(tiny.exit_code, 0) << tiny.err;  // underflow reads as 0, as numpy does
+  ExpectOneLineError(
+      Eplbx("plan --slots 2 --ranks 1 --load " + Write("raw.csv", "1,2\n\xff\x01x,3\n")),
+      "'\\xff\\x01x' is not a number");
+  ExpectOneLineError(Eplbx("plan --slots 2 --ranks 1 --load " +
+                           Write("long.csv", "1,2\n" + std::string(1 << 20, 'z') + "\n")),
+                     "'zzzzzzzz");
+  CliRun longline = Eplbx("plan --slots 2 --ranks 1 --load " + (dir_ / "long.csv").string());
+  EXPECT_LT(longline.err.size(), 400u);  // a 1 MB cell no longer makes a 1 MB line
+  const std::string trace = (dir_ / "t.jsonl").string();
+  ASSERT_EQ(Eplbx("trace synth --layers 1 --experts 4 --steps 5 --out " + trace).exit_code, 0);
+  CliRun plot = Eplbx("simulate --slots 4 --ranks 2 --trace " + trace + " --plot " +
+                      (dir_ / "missing/p.png").string());
+  ExpectOneLineError(plot, "/missing does not exist");
+}
+
 TEST_F(CliTest, HelpAndVersion) {
   CliRun h = Eplbx("plan --help");
   EXPECT_EQ(h.exit_code, 0);

@@ -137,6 +137,16 @@ PlanResult DoPlan(const py::array_t<double, py::array::c_style | py::array::forc
   PlanResult out;
   out.phy2log = Array2(p.phy2log(), p.layers(), p.slots());
   out.logcnt = Array2(p.logcnt(), p.layers(), p.experts());
+  // log2phy is padded to the most replicas of any expert (a hot expert with thousands of
+  // replicas multiplies it by the experts): refused past 2^26 entries (256 MiB).
+  const int64_t padded_entries = int64_t{p.layers()} * p.experts() * std::max(p.max_replicas(), 1);
+  if (padded_entries > (int64_t{1} << 26)) {
+    Check(Status::InvalidArgument("log2phy padded to " + std::to_string(p.max_replicas()) +
+                                  " replicas for each of " + std::to_string(p.experts()) +
+                                  " experts in " + std::to_string(p.layers()) +
+                                  " layers would hold " + std::to_string(padded_entries) +
+                                  " entries; the limit is 67108864 (fewer slots)"));
+  }
   std::vector<int32_t> padded = p.Log2PhyPadded();
   py::array_t<int32_t> l2p({static_cast<size_t>(p.layers()), static_cast<size_t>(p.experts()),
                             static_cast<size_t>(std::max(p.max_replicas(), 1))});

@@ -36,6 +36,13 @@ struct Topology {
   // (pass experts <= 0 to skip the expert rules). The message names the field, its value
   // and what was expected.
   Status Validate(int experts) const;
+  // The work a plan or migration of `layers` x `experts` on this topology implies must fit
+  // the documented limits (docs/placement.md): slots and experts per layer <= kMaxSlots,
+  // ranks x experts, layers x slots and layers x experts <= kMaxWorkEntries. Beyond them a
+  // plan would take gigabytes or minutes; the error names the product and the limit.
+  Status CheckWork(int layers, int experts) const;
+  static constexpr int kMaxSlots = 1 << 16;
+  static constexpr int64_t kMaxWorkEntries = int64_t{1} << 24;
 };
 
 // Load per (layer, logical expert): tokens routed, or any non-negative finite weight.

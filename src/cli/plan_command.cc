@@ -26,6 +26,10 @@ struct PlanArgs {
   Topology topology;
 };
 
+// Numbers a plan's JSON may hold (phy2log, logcnt and the padded log2phy): about 1 GiB of
+// memory while it is built.
+constexpr int64_t kMaxJsonEntries = int64_t{1} << 24;
+
 std::string Fixed(double v, int digits) {
   char buf[64];
   std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
@@ -164,12 +168,28 @@ Status RunPlan(const PlanArgs& args) {
   if (!placement.ok()) return placement.status();
   Result<Balance> balance = ComputeBalance(*placement, *load, args.topology.ranks);
   if (!balance.ok()) return balance.status();
-  nlohmann::json json = io::PlanToJson(args.policy, *placement, *balance, plan_ms);
+  const bool as_json = args.format == "json";
+  if (as_json) {
+    // log2phy is padded to the most replicas of any expert: a hot expert with thousands of
+    // replicas multiplies it by the experts (issue 17, item 11).
+    const int64_t entries =
+        int64_t{placement->layers()} *
+        (placement->slots() + int64_t{placement->experts()} * (1 + placement->max_replicas()));
+    if (entries > kMaxJsonEntries) {
+      return Status::InvalidArgument(internal::StrCat(
+          "the plan's JSON would hold ", entries, " numbers (log2phy padded to ",
+          placement->max_replicas(), " replicas for each of ", placement->experts(), " experts in ",
+          placement->layers(), " layers); the limit is ", kMaxJsonEntries,
+          ": use --format table, or fewer slots"));
+    }
+  }
+  nlohmann::json json =
+      as_json ? io::PlanToJson(args.policy, *placement, *balance, plan_ms) : nlohmann::json();
   std::string moves_line;
   if (options.previous != nullptr) {
     Result<Moves> moves = CountMoves(*options.previous, *placement, args.topology.ranks);
     if (!moves.ok()) return moves.status();
-    json["moves"] = io::MovesToJson(*moves);
+    if (as_json) json["moves"] = io::MovesToJson(*moves);
     moves_line = internal::StrCat("\nmoves from --previous: ", moves->total.remote_copies,
                                   " remote copies, ", moves->total.local_copies, " local copies, ",
                                   moves->total.unchanged_slots, " unchanged slots\n");

@@ -128,6 +128,7 @@ Result<MigrationPlan> PlanMigration(const Placement& from, const Placement& to,
   }
   Topology topology{.ranks = options.ranks, .nodes = options.nodes, .slots = from.slots()};
   EPLBX_RETURN_IF_ERROR(topology.Validate(/*experts=*/0));
+  EPLBX_RETURN_IF_ERROR(topology.CheckWork(from.layers(), std::max(from.experts(), to.experts())));
   if (options.bytes_per_expert == 0) {
     return Status::InvalidArgument("bytes per expert is 0 (expected the size of one expert row)");
   }

@@ -25,6 +25,26 @@ Status CheckPositive(const char* field, int value) {
 
 }  // namespace
 
+Status Topology::CheckWork(int layers, int experts) const {
+  if (slots > kMaxSlots || experts > kMaxSlots) {
+    return Status::InvalidArgument(StrCat("slots (", slots, ") and experts (", experts,
+                                          ") per layer must be at most ", kMaxSlots,
+                                          " (the planning limit)"));
+  }
+  const std::pair<const char*, int64_t> products[] = {
+      {"ranks x experts", int64_t{ranks} * experts},
+      {"layers x slots", int64_t{layers} * slots},
+      {"layers x experts", int64_t{layers} * experts}};
+  for (const auto& [what, value] : products) {
+    if (value > kMaxWorkEntries) {
+      return Status::InvalidArgument(StrCat(what, " is ", value, "; the planning limit is ",
+                                            kMaxWorkEntries, " (", layers, " layers, ", experts,
+                                            " experts, ", ranks, " ranks, ", slots, " slots)"));
+    }
+  }
+  return Status::OK();
+}
+
 Status Topology::Validate(int experts) const {
   EPLBX_RETURN_IF_ERROR(CheckPositive("ranks", ranks));
   EPLBX_RETURN_IF_ERROR(CheckPositive("nodes", nodes));

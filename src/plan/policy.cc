@@ -189,6 +189,7 @@ Result<Placement> Plan(const LoadMatrix& load, const Topology& topology,
     return Status::InvalidArgument("load is empty; expected at least one layer of one expert");
   }
   EPLBX_RETURN_IF_ERROR(topology.Validate(load.experts()));
+  EPLBX_RETURN_IF_ERROR(topology.CheckWork(load.layers(), load.experts()));
   if (options.policy == Policy::kIncremental && options.previous == nullptr) {
     return Status::InvalidArgument(
         "the incremental policy needs the previous placement (--previous FILE)");

@@ -39,7 +39,9 @@ struct DemoOptions {
 
 // One rank's life, in its own process; reports to the coordinator through `boot`. Returns
 // the process exit code.
-int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot);
+// `report` (optional) receives the report this rank sent.
+int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot,
+                nlohmann::json* report = nullptr);
 
 // Registers the flags `eplbx demo` and `eplbx worker` share (all but --ranks).
 void AddDemoFlags(CLI::App& cmd, DemoOptions& o);

@@ -134,9 +134,12 @@ std::string NodeName() {
 
 }  // namespace
 
-int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
-  nlohmann::json report = {
-      {"rank", rank}, {"verified", false}, {"weights_intact", false}, {"error", ""}};
+int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann::json* sent) {
+  nlohmann::json report = {{"rank", rank},
+                           {"verified", false},
+                           {"weights_intact", false},
+                           {"weights_created", false},
+                           {"error", ""}};
   auto finish = [&](int code) {
     // When it failed (wall clock, microseconds): the report names the first failure, which
     // is the cause; later ones (peers that saw the first failing rank leave) are effects.
@@ -146,6 +149,7 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
                                    .count();
     }
     (void)boot.SendMessage(report.dump());
+    if (sent != nullptr) *sent = report;
     return code;
   };
   const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
@@ -177,6 +181,7 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
     return finish(1);
   }
   w.region = std::move(*region);
+  report["weights_created"] = true;
   w.layout.rank = static_cast<uint32_t>(rank);
   uint64_t cursor = w.region.addr();
   static const char* kNames[] = {"w13", "w2", "w13_scale", "w2_scale"};

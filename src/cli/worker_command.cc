@@ -99,15 +99,21 @@ Status RunWorker(DemoOptions o, bool ranks_given) {
   Result<std::unique_ptr<SocketBootstrap>> boot =
       JoinTcpStore(env->addr, env->port, env->token, env->rank, env->world, deadline);
   int code = 1;
+  nlohmann::json mine;
   if (boot.ok()) {
-    code = RunDemoRank(o, static_cast<int>(env->rank), **boot);
+    code = RunDemoRank(o, static_cast<int>(env->rank), **boot, &mine);
     boot->reset();  // closes the socket: the store sees this rank leave
   }
   if (env->rank != 0) {
     if (!boot.ok()) return boot.status();
-    return code == 0
-               ? Status::OK()
-               : Status::Aborted(StrCat("rank ", env->rank, " failed (rank 0 prints the report)"));
+    return code == 0 ? Status::OK()
+                     : Status::Aborted(StrCat("rank ", env->rank, ": ",
+                                              mine.is_object() && mine.contains("error") &&
+                                                      mine["error"].is_string() &&
+                                                      !mine["error"].get<std::string>().empty()
+                                                  ? mine["error"].get<std::string>()
+                                                  : std::string("failed"),
+                                              " (rank 0 prints the whole report while it runs)"));
   }
   Status served;
   std::map<int, nlohmann::json> reports = store->Finish(&served);

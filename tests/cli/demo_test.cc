@@ -184,6 +184,27 @@ TEST(DemoTest, BadFlagsAreRejectedBeforeAnythingStarts) {
   }
 }
 
+// A bad EPLBX_TRANSPORT: before, half the runs lost the ranks' error ("rank 0 exited without
+// a report": its report was read after its exit was counted) and the others said "weights
+// intact: NO" though no rank had created weights (issue 17, item 14). Now it is refused
+// before any rank starts, and a failure before the weights exist says so.
+TEST(DemoTest, ABadTransportVariableIsOneErrorBeforeAnyRankStarts) {
+  for (int run = 0; run < 5; ++run) {
+    const std::string cmd = std::string("EPLBX_TRANSPORT=ib ") + EPLBX_CLI +
+                            " demo --ranks 2 --layers 1 --experts 4 --slots-per-rank 2 "
+                            "--expert-bytes 4K --steps 1 2>&1";
+    FILE* p = popen(cmd.c_str(), "r");
+    std::string out;
+    char buf[4096];
+    while (size_t n = fread(buf, 1, sizeof(buf), p)) out.append(buf, n);
+    const int rc = pclose(p);
+    EXPECT_EQ(WIFEXITED(rc) ? WEXITSTATUS(rc) : 128, 1) << out;
+    EXPECT_EQ(out,
+              "eplbx: error: environment variable EPLBX_TRANSPORT: unknown transport 'ib' "
+              "(expected auto, shm or tcp)\n");
+  }
+}
+
 // A member that sends malformed messages ({"progress": 5}, a report whose fields have the
 // wrong types) to rank 0's embedded store. Before: rank 0 aborted (std::terminate, exit 134;
 // issue 17, item 9). Now every field from a peer is type-checked: rank 0 ends with a

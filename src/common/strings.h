@@ -18,14 +18,14 @@ std::string StrCat(Args&&... args) {
   return out.str();
 }
 
-// User input quoted for a one-line message: in single quotes, control bytes, quotes,
+// User input quoted for a one-line message: in single quotes, control bytes,
 // backslashes and bytes >= 0x80 escaped as \xNN, cut to `max` bytes of input ("..." after).
 inline std::string Printable(std::string_view text, size_t max = 64) {
   static constexpr char kHex[] = "0123456789abcdef";
   std::string out = "'";
   for (size_t i = 0; i < text.size() && i < max; ++i) {
     const auto c = static_cast<unsigned char>(text[i]);
-    if (c < 0x20 || c >= 0x7f || c == '\'' || c == '\\') {
+    if (c < 0x20 || c >= 0x7f || c == '\\') {
       out += "\\x";
       out += kHex[c >> 4];
       out += kHex[c & 15];

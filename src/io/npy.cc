@@ -17,73 +17,115 @@ namespace {
 constexpr std::string_view kMagic = "\x93NUMPY";
 constexpr int64_t kMaxElements = int64_t{1} << 32;
 
-// Finds `'key':` in the header dict and returns the text after it, trimmed on the left.
-Result<std::string_view> ValueOf(std::string_view header, std::string_view key) {
-  for (char quote : {'\'', '"'}) {
-    const std::string pattern = StrCat(quote, key, quote);
-    size_t at = header.find(pattern);
-    if (at == std::string_view::npos) continue;
-    at += pattern.size();
-    while (at < header.size() && std::isspace(static_cast<unsigned char>(header[at]))) ++at;
-    if (at >= header.size() || header[at] != ':') break;
-    ++at;
-    while (at < header.size() && std::isspace(static_cast<unsigned char>(header[at]))) ++at;
-    return header.substr(at);
-  }
-  return Status::Corruption(StrCat("header has no '", key, "' entry: ", header));
-}
-
-Result<std::string> ParseDescr(std::string_view header) {
-  Result<std::string_view> v = ValueOf(header, "descr");
-  if (!v.ok()) return v.status();
-  std::string_view s = *v;
-  if (s.empty() || (s[0] != '\'' && s[0] != '"')) {
-    return Status::Corruption("header 'descr' is not a quoted string");
-  }
-  const size_t end = s.find(s[0], 1);
-  if (end == std::string_view::npos) return Status::Corruption("header 'descr' is unterminated");
-  return std::string(s.substr(1, end - 1));
-}
-
-Result<bool> ParseFortranOrder(std::string_view header) {
-  Result<std::string_view> v = ValueOf(header, "fortran_order");
-  if (!v.ok()) return v.status();
-  if (v->starts_with("False")) return false;
-  if (v->starts_with("True")) return true;
-  return Status::Corruption("header 'fortran_order' is neither True nor False");
-}
-
-Result<std::vector<int64_t>> ParseShape(std::string_view header) {
-  Result<std::string_view> v = ValueOf(header, "shape");
-  if (!v.ok()) return v.status();
-  std::string_view s = *v;
-  if (s.empty() || s[0] != '(') return Status::Corruption("header 'shape' is not a tuple");
-  const size_t close = s.find(')');
-  if (close == std::string_view::npos) return Status::Corruption("header 'shape' is unterminated");
+// The header is a Python dict literal: {'descr': '<f4', 'fortran_order': False,
+// 'shape': (3, 4), } padded with spaces and a newline. Parsed as such: exactly these three
+// keys, each once, with a value of its kind; anything else is an error naming the header.
+struct Header {
+  std::string descr;
+  bool fortran = false;
   std::vector<int64_t> shape;
-  size_t i = 1;
-  while (i < close) {
-    while (i < close && (std::isspace(static_cast<unsigned char>(s[i])) || s[i] == ',')) ++i;
-    if (i >= close) break;
-    int64_t dim = 0;
-    size_t digits = 0;
-    while (i < close && std::isdigit(static_cast<unsigned char>(s[i]))) {
-      if (dim > (std::numeric_limits<int64_t>::max() - 9) / 10) {
-        return Status::Corruption("header 'shape' has a dimension too large");
+};
+
+class HeaderParser {
+ public:
+  explicit HeaderParser(std::string_view h) : h_(h) {}
+
+  Result<Header> Parse() {
+    Header out;
+    bool seen[3] = {false, false, false};
+    Space();
+    if (!Eat('{')) return Bad("is not a dict");
+    while (true) {
+      Space();
+      if (Eat('}')) break;
+      std::string key;
+      if (!String(&key)) return Bad("has a key that is not a quoted string");
+      Space();
+      if (!Eat(':')) return Bad(StrCat("has no ':' after '", key, "'"));
+      Space();
+      int k = key == "descr" ? 0 : key == "fortran_order" ? 1 : key == "shape" ? 2 : -1;
+      if (k < 0) return Bad(StrCat("has an unknown key ", internal::Printable(key)));
+      if (seen[k]) return Bad(StrCat("has '", key, "' twice"));
+      seen[k] = true;
+      if (k == 0 && !String(&out.descr)) return Bad("has a 'descr' that is not a quoted string");
+      if (k == 1 && !Bool(&out.fortran)) return Bad("has a 'fortran_order' that is not True/False");
+      if (k == 2 && !Tuple(&out.shape)) return Bad("has a 'shape' that is not a tuple of integers");
+      Space();
+      if (Eat(',')) continue;
+      Space();
+      if (Eat('}')) break;
+      return Bad(StrCat("has no ',' or '}' after '", key, "'"));
+    }
+    Space();
+    if (at_ != h_.size()) return Bad("has text after the dict");
+    for (int k = 0; k < 3; ++k) {
+      if (!seen[k]) {
+        static const char* kKeys[] = {"descr", "fortran_order", "shape"};
+        return Bad(StrCat("has no '", kKeys[k], "' entry"));
       }
-      dim = dim * 10 + (s[i] - '0');
-      ++i;
-      ++digits;
     }
-    while (i < close && (s[i] == 'L' || std::isspace(static_cast<unsigned char>(s[i])))) ++i;
-    if (digits == 0 || (i < close && s[i] != ',')) {
-      return Status::Corruption(
-          StrCat("header 'shape' is not a tuple of integers: ", s.substr(0, close + 1)));
-    }
-    shape.push_back(dim);
+    return out;
   }
-  return shape;
-}
+
+ private:
+  Status Bad(const std::string& why) const {
+    return Status::Corruption(StrCat("header ", why, ": ", internal::Printable(h_, 80)));
+  }
+  void Space() {
+    while (at_ < h_.size() && std::isspace(static_cast<unsigned char>(h_[at_]))) ++at_;
+  }
+  bool Eat(char c) {
+    if (at_ < h_.size() && h_[at_] == c) {
+      ++at_;
+      return true;
+    }
+    return false;
+  }
+  bool String(std::string* out) {
+    if (at_ >= h_.size() || (h_[at_] != '\'' && h_[at_] != '"')) return false;
+    const char q = h_[at_];
+    const size_t end = h_.find(q, at_ + 1);
+    if (end == std::string_view::npos) return false;
+    *out = std::string(h_.substr(at_ + 1, end - at_ - 1));
+    at_ = end + 1;
+    return out->find('\\') == std::string::npos;
+  }
+  bool Bool(bool* out) {
+    for (const auto& [word, v] :
+         {std::pair<std::string_view, bool>{"True", true}, {"False", false}}) {
+      if (h_.substr(at_, word.size()) == word) {
+        at_ += word.size();
+        *out = v;
+        return true;
+      }
+    }
+    return false;
+  }
+  bool Tuple(std::vector<int64_t>* out) {
+    if (!Eat('(')) return false;
+    while (true) {
+      Space();
+      if (Eat(')')) return true;
+      int64_t dim = 0;
+      size_t digits = 0;
+      while (at_ < h_.size() && std::isdigit(static_cast<unsigned char>(h_[at_]))) {
+        if (dim > (std::numeric_limits<int64_t>::max() - 9) / 10) return false;
+        dim = dim * 10 + (h_[at_++] - '0');
+        ++digits;
+      }
+      if (digits == 0) return false;
+      out->push_back(dim);
+      Space();
+      if (Eat(',')) continue;
+      Space();
+      if (Eat(')')) return true;
+      return false;
+    }
+  }
+
+  std::string_view h_;
+  size_t at_ = 0;
+};
 
 template <typename T>
 T Load(const char* p, bool swap) {
@@ -130,15 +172,10 @@ Result<NpyArray> ParseNpy(std::string_view bytes) {
   const std::string_view data = bytes.substr(offset + header_len);
 
   NpyArray out;
-  Result<std::string> descr = ParseDescr(header);
-  if (!descr.ok()) return descr.status();
-  Result<bool> fortran = ParseFortranOrder(header);
-  if (!fortran.ok()) return fortran.status();
-  Result<std::vector<int64_t>> shape = ParseShape(header);
-  if (!shape.ok()) return shape.status();
-  out.descr = *descr;
-  out.shape = *shape;
-  if (*fortran) {
+  EPLBX_ASSIGN_OR_RETURN(Header parsed, HeaderParser(header).Parse());
+  out.descr = parsed.descr;
+  out.shape = parsed.shape;
+  if (parsed.fortran) {
     return Status::InvalidArgument(
         "array is in Fortran order; save it in C order (numpy.ascontiguousarray)");
   }

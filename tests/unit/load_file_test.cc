@@ -62,11 +62,16 @@ TEST(LoadCsvTest, Errors) {
 }
 
 // Hand-built .npy bytes for any dtype.
+std::string RawNpy(std::string header, const std::string& data, int major = 1);
+
 std::string Npy(const std::string& descr, const std::string& shape, const std::string& data,
                 bool fortran = false, int major = 1) {
-  std::string header = "{'descr': '" + descr +
-                       "', 'fortran_order': " + (fortran ? "True" : "False") +
-                       ", 'shape': " + shape + ", }";
+  return RawNpy("{'descr': '" + descr + "', 'fortran_order': " + (fortran ? "True" : "False") +
+                    ", 'shape': " + shape + ", }",
+                data, major);
+}
+
+std::string RawNpy(std::string header, const std::string& data, int major) {
   header += '\n';
   std::string out = "\x93NUMPY";
   out += static_cast<char>(major);
@@ -140,7 +145,24 @@ TEST(LoadNpyTest, Errors) {
   ExpectError(ParseLoadNpy(Npy("<f8", "(2, 4)", d), "x.npy").status(), "(truncated file)");
   ExpectError(ParseLoadNpy(Npy("<f8", "(2, 2)", d), "x.npy").status(), "(trailing bytes)");
   ExpectError(ParseLoadNpy(Npy("<f8", "(2, x)", d), "x.npy").status(),
-              "'shape' is not a tuple of integers");
+              "header has a 'shape' that is not a tuple of integers");
+  // Issue 17, item 16: the header was searched by substring, so garbage and non-dict
+  // headers were accepted and a duplicate key was read unlike numpy.
+  const std::string ok = "'descr': '<f8', 'fortran_order': False, 'shape': (2, 3)";
+  ExpectError(ParseLoadNpy(RawNpy("garbage " + ok, d), "x.npy").status(), "header is not a dict");
+  ExpectError(ParseLoadNpy(RawNpy("[" + ok + "]", d), "x.npy").status(), "header is not a dict");
+  ExpectError(ParseLoadNpy(RawNpy("{" + ok + ", 'shape': (3, 2)}", d), "x.npy").status(),
+              "header has 'shape' twice");
+  ExpectError(ParseLoadNpy(RawNpy("{'descr': '<f8', 'shape': (2, 3)}", d), "x.npy").status(),
+              "header has no 'fortran_order' entry");
+  ExpectError(ParseLoadNpy(RawNpy("{" + ok + ", 'extra': 1}", d), "x.npy").status(),
+              "header has an unknown key 'extra'");
+  ExpectError(ParseLoadNpy(RawNpy("{" + ok + "} junk", d), "x.npy").status(),
+              "header has text after the dict");
+  EXPECT_TRUE(ParseLoadNpy(RawNpy("{" + ok + ",}", d), "x.npy").ok());
+  const Status missing =
+      ParseLoadNpy(RawNpy("{'descr': '<f8', 'fortran_order': False}", d), "x.npy").status();
+  EXPECT_EQ(missing.message().find('\n'), std::string::npos) << missing.message();
   std::string truncated = Npy("<f8", "(2, 3)", d).substr(0, 20);
   ExpectError(ParseLoadNpy(truncated, "x.npy").status(), "truncated .npy header");
   ExpectError(

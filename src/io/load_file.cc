@@ -284,11 +284,15 @@ Result<Placement> ParsePlacementJson(std::string_view text, std::string_view ori
     }
     for (size_t s = 0; s < slots; ++s) {
       const json& v = rows[l][s];
-      if (!v.is_number_integer() || v.get<int64_t>() < -1 || v.get<int64_t>() > (1 << 20)) {
-        return Status::InvalidArgument(StrCat(origin, ": phy2log layer ", l, ", slot ", s, ": ",
-                                              v.dump(),
-                                              " is not an expert id (expected an integer >= 0, "
-                                              "or -1 for an empty slot)"));
+      // Unsigned first: 18446744073709551615 read as int64 is -1, an empty slot.
+      const bool id = v.is_number_unsigned() ? v.get<uint64_t>() < uint64_t{Topology::kMaxSlots}
+                                             : v.is_number_integer() && v.get<int64_t>() >= -1 &&
+                                                   v.get<int64_t>() < Topology::kMaxSlots;
+      if (!id) {
+        return Status::InvalidArgument(
+            StrCat(origin, ": phy2log layer ", l, ", slot ", s, ": ", v.dump(),
+                   " is not an expert id (expected an integer in [0, ", Topology::kMaxSlots - 1,
+                   "], or -1 for an empty slot)"));
       }
       flat.push_back(static_cast<int32_t>(v.get<int64_t>()));
       experts = std::max(experts, flat.back() + 1);

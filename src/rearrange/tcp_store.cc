@@ -94,6 +94,7 @@ Result<std::unique_ptr<TcpStore>> TcpStore::Listen(const std::string& addr, uint
 }
 
 namespace {
+constexpr size_t kMaxTokenBytes = 4096;
 constexpr size_t kMaxPending = 64;                           // connections without a hello yet
 constexpr auto kHelloDeadline = std::chrono::seconds(2);     // from accept to a whole hello
 constexpr auto kFrameWait = std::chrono::milliseconds(500);  // for the rest of a started frame
@@ -103,7 +104,8 @@ bool TcpStore::Admit(int fd, const std::string& body) {
   internal::ByteReader r(body, "hello");
   uint32_t rank = 0, world = 0;
   std::string token;
-  if (!r.U32("rank", &rank) || !r.U32("world", &world) || !r.Str16("token", 4096, &token)) {
+  if (!r.U32("rank", &rank) || !r.U32("world", &world) ||
+      !r.Str16("token", kMaxTokenBytes, &token)) {
     internal::WriteFrame(fd, internal::kFailed, r.status().message());
     close(fd);
     return false;
@@ -274,6 +276,10 @@ Result<RendezvousEnv> RendezvousFromEnv(bool need_rank) {
           StrCat("environment variable ", name,
                  std::getenv(name) != nullptr ? " is empty" : " is not set"));
     }
+  }
+  if (e.token.size() > kMaxTokenBytes) {  // the hello carries it; the store reads at most this
+    return Status::InvalidArgument(
+        StrCat("EPLBX_TOKEN is ", e.token.size(), " bytes; the limit is ", kMaxTokenBytes));
   }
   EPLBX_ASSIGN_OR_RETURN(const uint16_t p,
                          internal::ParseInteger<uint16_t>(port, "EPLBX_MASTER_PORT", 1, 65535));

@@ -437,6 +437,10 @@ TEST_F(CliTest, NumbersThatDoNotFitAreErrorsNotWraps) {
       {"bench xfer --seconds nan", "--seconds"},
       {"store --timeout inf", "--timeout: the value is 'inf': not finite"},
   };
+  // Expert ids in a placement file: 2^64-1 was read as -1, an empty slot.
+  const std::string huge = Write("huge.json", "{\"phy2log\": [[0, 1, 18446744073709551615, 2]]}");
+  ExpectOneLineError(Eplbx("migrate --ranks 2 --old " + huge + " --new " + huge),
+                     "slot 2: 18446744073709551615 is not an expert id");
   for (const auto& [args, needle] : cases) {
     CliRun r = Eplbx(args);
     EXPECT_EQ(r.exit_code, 2) << args << ": " << r.err;

@@ -249,6 +249,10 @@ TEST(RendezvousEnvTest, NamesTheMissingVariable) {
   EXPECT_NE(RendezvousFromEnv().status().message().find("EPLBX_RANK is not set"),
             std::string::npos);
   setenv("EPLBX_RANK", "0", 1);
+  setenv("EPLBX_TOKEN", std::string(5000, 'a').c_str(), 1);  // it showed as "did not join"
+  EXPECT_NE(
+      RendezvousFromEnv().status().message().find("EPLBX_TOKEN is 5000 bytes; the limit is 4096"),
+      std::string::npos);
   setenv("EPLBX_TOKEN", "", 1);
   EXPECT_NE(RendezvousFromEnv().status().message().find("EPLBX_TOKEN is empty"), std::string::npos);
   for (const char* v : {"EPLBX_MASTER_ADDR", "EPLBX_MASTER_PORT", "EPLBX_RANK", "EPLBX_WORLD_SIZE",

@@ -21,6 +21,7 @@
 
 #include "eplbx/bootstrap.h"
 #include "eplbx/layout.h"
+#include "eplbx/migration.h"
 #include "eplbx/placement.h"
 #include "eplbx/status.h"
 #include "eplbx/transfer.h"
@@ -71,6 +72,12 @@ class Rearranger {
   // Moves the weights from placement `from` to `to` (same layers and slots; slots =
   // ranks x rows). Stops at the first failed layer; layers after it are not started.
   RearrangeReport Rearrange(const Placement& from, const Placement& to);
+  // Runs `plan` as given (from PlanMigration(from, to, ...), possibly edited: the plan a user
+  // computes is the plan executed). Before any byte moves every layer of it is checked to
+  // turn `from` into `to` (ApplyMigration): a plan that does not fails with kInvalidArgument
+  // naming the layer and the first slot that would hold the wrong expert. REQUIRES: every
+  // rank passes the same plan (a rank with another plan fails its peers' layer, by name).
+  RearrangeReport Rearrange(const Placement& from, const Placement& to, const MigrationPlan& plan);
 
   // After a failure the Rearranger refuses Rearrange() with this error until rebuilt.
   bool failed() const;

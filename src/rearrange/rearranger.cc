@@ -47,6 +47,9 @@ class RearrangerImpl {
   uint32_t world() const { return static_cast<uint32_t>(all.size()); }
 
   Status Setup();
+  // The placements' shape against the layout; the plan against the placements.
+  Status CheckShapes(const Placement& from, const Placement& to) const;
+  Status CheckPlan(const Placement& from, const Placement& to, const MigrationPlan& plan) const;
   // One layer of reads (from a migration plan, or from a communicator's add_recv calls).
   struct JobRead {
     ReadTask task;
@@ -91,6 +94,53 @@ class RearrangerImpl {
            static_cast<uint64_t>(row) * s.bytes_per_expert;
   }
 };
+
+Status RearrangerImpl::CheckShapes(const Placement& from, const Placement& to) const {
+  const int layers = static_cast<int>(layout.layers.size());
+  if (from.layers() != layers || to.layers() != layers || from.slots() != to.slots()) {
+    return Status::InvalidArgument(StrCat(
+        "rank ", self(), ": placements have ", from.layers(), " and ", to.layers(), " layers, ",
+        from.slots(), " and ", to.slots(), " slots; the layout has ", layers, " layers"));
+  }
+  for (int l = 0; l < layers; ++l) {
+    const uint64_t rows = layout.layers[l].empty() ? 0 : layout.layers[l][0].rows;
+    if (rows * world() != static_cast<uint64_t>(from.slots())) {
+      return Status::InvalidArgument(StrCat("rank ", self(), ": layer ", l, " has ", rows,
+                                            " rows x ", world(), " ranks, the placements have ",
+                                            from.slots(), " slots"));
+    }
+  }
+  return Status::OK();
+}
+
+Status RearrangerImpl::CheckPlan(const Placement& from, const Placement& to,
+                                 const MigrationPlan& plan) const {
+  const int layers = from.layers(), slots = from.slots();
+  if (static_cast<int>(plan.layers.size()) != layers) {
+    return Status::InvalidArgument(StrCat("rank ", self(), ": the migration plan has ",
+                                          plan.layers.size(), " layers, the placements ", layers));
+  }
+  for (int l = 0; l < layers; ++l) {
+    const std::vector<int32_t> before(from.phy2log().begin() + static_cast<long>(l) * slots,
+                                      from.phy2log().begin() + static_cast<long>(l + 1) * slots);
+    Result<std::vector<int32_t>> after =
+        ApplyMigration(before, plan.layers[l], static_cast<int>(world()));
+    if (!after.ok()) {
+      return after.status().WithPrefix(StrCat("rank ", self(), ": the migration plan of layer ", l,
+                                              " does not fit the old placement"));
+    }
+    const int rows = slots / static_cast<int>(world());
+    for (int s = 0; s < slots; ++s) {
+      if ((*after)[s] == to.phy2log(l, s)) continue;
+      return Status::InvalidArgument(StrCat("rank ", self(), ": the migration plan of layer ", l,
+                                            " leaves slot ", s, " (rank ", s / rows, ", row ",
+                                            s % rows, ") holding expert ", (*after)[s],
+                                            " but the new placement has expert ", to.phy2log(l, s),
+                                            " there; plan with PlanMigration(from, to)"));
+    }
+  }
+  return Status::OK();
+}
 
 Status RearrangerImpl::Setup() {
   ByteWriter w;
@@ -354,28 +404,13 @@ Result<std::unique_ptr<Rearranger>> Rearranger::Create(Agent* agent, Bootstrap* 
 RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to) {
   internal::RearrangerImpl& d = *impl_;
   RearrangeReport report;
-  const auto t0 = std::chrono::steady_clock::now();
   if (d.failed) {
     report.status = Status::Aborted(StrCat("rank ", d.self(), ": this Rearranger failed earlier (",
                                            d.failure, "); build a new one"));
     return report;
   }
-  const int layers = static_cast<int>(d.layout.layers.size());
-  if (from.layers() != layers || to.layers() != layers || from.slots() != to.slots()) {
-    report.status = Status::InvalidArgument(StrCat(
-        "rank ", d.self(), ": placements have ", from.layers(), " and ", to.layers(), " layers, ",
-        from.slots(), " and ", to.slots(), " slots; the layout has ", layers, " layers"));
-    return report;
-  }
-  for (int l = 0; l < layers; ++l) {
-    const uint64_t rows = d.layout.layers[l].empty() ? 0 : d.layout.layers[l][0].rows;
-    if (rows * d.world() != static_cast<uint64_t>(from.slots())) {
-      report.status = Status::InvalidArgument(
-          StrCat("rank ", d.self(), ": layer ", l, " has ", rows, " rows x ", d.world(),
-                 " ranks, the placements have ", from.slots(), " slots"));
-      return report;
-    }
-  }
+  report.status = d.CheckShapes(from, to);
+  if (!report.status.ok()) return report;
   MigrationOptions mo;
   mo.ranks = static_cast<int>(d.world());
   mo.nodes = d.options.nodes;
@@ -384,8 +419,26 @@ RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to
     report.status = plan.status().WithPrefix(StrCat("rank ", d.self(), ": planning the migration"));
     return report;
   }
+  return Rearrange(from, to, *plan);
+}
+
+RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to,
+                                      const MigrationPlan& plan) {
+  internal::RearrangerImpl& d = *impl_;
+  RearrangeReport report;
+  const auto t0 = std::chrono::steady_clock::now();
+  if (d.failed) {
+    report.status = Status::Aborted(StrCat("rank ", d.self(), ": this Rearranger failed earlier (",
+                                           d.failure, "); build a new one"));
+    return report;
+  }
+  report.status = d.CheckShapes(from, to);
+  if (!report.status.ok()) return report;
+  const int layers = static_cast<int>(d.layout.layers.size());
+  report.status = d.CheckPlan(from, to, plan);
+  if (!report.status.ok()) return report;
   for (int l = 0; l < layers; ++l) {
-    LayerOutcome o = d.RunLayer(static_cast<uint32_t>(l), plan->layers[l], from, to);
+    LayerOutcome o = d.RunLayer(static_cast<uint32_t>(l), plan.layers[l], from, to);
     report.bytes_read += o.bytes_read;
     report.experts_read += o.experts_read;
     report.bytes_cross_node += o.bytes_cross_node;

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "eplbx/layout.h"
+#include "eplbx/migration.h"
 #include "eplbx/rearrange.h"
 #include "transfer/loopback/loopback_backend.h"
 
@@ -182,6 +183,78 @@ TEST(RearrangerTest, RandomPlacementsEveryByteLands) {
                         Byte(l, after[l][r * kRows + row], t, i))
                   << "trial " << trial << " rank " << r << " layer " << l << " row " << row;
             }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The plan a user computes is the plan executed (issue 18, item 1): Rearrange(from, to,
+// plan) runs a given MigrationPlan; one that does not turn `from` into `to` is refused on
+// every rank before any byte moves, naming the layer and the slot.
+TEST(RearrangerTest, RunsTheGivenPlanAndRefusesOneThatDoesNotMatch) {
+  std::mt19937 rng(21);
+  std::vector<std::vector<int32_t>> before, after;
+  std::vector<int32_t> flat_before, flat_after;
+  for (int l = 0; l < kLayers; ++l) {
+    before.push_back(RandomMap(rng));
+    after.push_back(RandomMap(rng));
+    flat_before.insert(flat_before.end(), before[l].begin(), before[l].end());
+    flat_after.insert(flat_after.end(), after[l].begin(), after[l].end());
+  }
+  auto from = Placement::FromPhy2Log(kLayers, kRanks * kRows, kExperts, flat_before);
+  auto to = Placement::FromPhy2Log(kLayers, kRanks * kRows, kExperts, flat_after);
+  ASSERT_TRUE(from.ok() && to.ok());
+  MigrationOptions mo;
+  mo.ranks = kRanks;
+  auto good = PlanMigration(*from, *to, mo);
+  ASSERT_TRUE(good.ok());
+  MigrationPlan bad = *good;
+  // Layer 1's first transfer now brings another expert than the new placement wants.
+  ASSERT_FALSE(bad.layers[1].transfers.empty());
+  RemoteRead& t = bad.layers[1].transfers.front();
+  for (int s = 0; s < kRanks * kRows; ++s) {
+    if (before[1][s] != t.expert && s / kRows != t.dst) {
+      t.src = s / kRows;
+      t.src_row = s % kRows;
+      t.expert = before[1][s];
+      break;
+    }
+  }
+  for (const MigrationPlan* plan : {&bad, &*good}) {
+    InMemoryGroup group(kRanks);
+    std::vector<std::unique_ptr<Rank>> ranks;
+    for (uint32_t r = 0; r < kRanks; ++r) ranks.push_back(MakeRank(r, before));
+    std::vector<RearrangeReport> reports(kRanks);
+    std::vector<std::thread> threads;
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      threads.emplace_back([&, r] {
+        auto boot = group.Member(r);
+        RearrangeOptions o;
+        o.deadline = std::chrono::seconds(10);
+        auto re = Rearranger::Create(ranks[r]->agent.get(), boot.get(), ranks[r]->layout, o);
+        if (re.ok()) reports[r] = (*re)->Rearrange(*from, *to, *plan);
+      });
+    }
+    for (auto& th : threads) th.join();
+    const auto& want = plan == &bad ? before : after;
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      if (plan == &bad) {
+        EXPECT_EQ(reports[r].status.code(), Code::kInvalidArgument) << reports[r].status.ToString();
+        EXPECT_NE(reports[r].status.message().find("the migration plan of layer 1 leaves slot"),
+                  std::string::npos)
+            << reports[r].status.ToString();
+        EXPECT_TRUE(reports[r].layers.empty());  // nothing ran, not even layer 0
+      } else {
+        EXPECT_TRUE(reports[r].status.ok()) << reports[r].status.ToString();
+      }
+      for (int l = 0; l < kLayers; ++l) {
+        for (int tt = 0; tt < 2; ++tt) {
+          for (int row = 0; row < kRows; ++row) {
+            ASSERT_EQ(ranks[r]->weights[l][tt][row * kBytes[tt]],
+                      Byte(l, want[l][r * kRows + row], tt, 0))
+                << "rank " << r << " layer " << l << " row " << row;
           }
         }
       }

@@ -400,6 +400,10 @@ void CheckDeathOf(TransferMultiProcTest* test, int signal) {
   EXPECT_LE(f.after.count(), kPeerTimeoutMs + 3000) << f.status.ToString();
   auto info = (*agent)->Peer(*v);
   ASSERT_TRUE(info.ok());
+  // The victim is reported unreachable, with the reason; the healthy peer is not.
+  EXPECT_FALSE(info->reachable) << "signal " << signal;
+  EXPECT_FALSE(info->failure.empty()) << "signal " << signal;
+  EXPECT_TRUE((*agent)->Peer(*h)->reachable);
   // The healthy peer keeps working, bytes and all.
   Descriptor l = Descriptor::Of(local.data(), kBytes), r{healthy.base, kBytes};
   auto id = (*agent)->Read(*h, {&l, 1}, {&r, 1});

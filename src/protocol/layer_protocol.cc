@@ -72,6 +72,11 @@ std::vector<Action> LayerProtocol::Start() {
   std::vector<Action> out;
   if (started_ || state_ != LayerState::kRunning) return out;
   started_ = true;
+  if (!step_.new_map.empty() && step_.new_map.size() != step_.old_map.size()) {
+    return Abort(StrCat("this rank's new map has ", step_.new_map.size(), " slots and its old map ",
+                        step_.old_map.size()),
+                 true);
+  }
   const size_t slots = step_.old_map.size(), per = chunk_slots();
   for (size_t c = 0; c < chunks(); ++c) {
     Record m = Make(RecordKind::kMaps, static_cast<uint32_t>(c * per), step_.self, map_count());
@@ -243,7 +248,7 @@ std::vector<Action> LayerProtocol::OnMaps(uint32_t from, const Record& r) {
                  true);
   }
   const size_t first = r.expert, n = r.maps.size() / map_count();
-  if (first % per != 0 || (slots > 0 && first >= slots) ||
+  if (first % per != 0 || first / per >= chunks() ||
       n != std::min(per, slots - std::min(slots, first))) {
     return Abort(StrCat("rank ", from, " sent MAPS for slots ", first, "..", first + n,
                         " of a layer of ", slots, " slots (malformed chunk)"),

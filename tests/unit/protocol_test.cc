@@ -291,6 +291,16 @@ TEST(LayerProtocolTest, MapsOfDifferentShapeAreRefusedByName) {
         << p.error();
   }
   {
+    // A chunk past the end of the map is malformed, not an out-of-bounds write (an empty
+    // map has one chunk, of zero slots).
+    LayerProtocol p(TwoRankReader(), Clock::time_point{}, seconds(10));
+    p.Start();
+    Record far = MapsOf(1, 5, 2);
+    far.expert = 4096;
+    p.OnRecord(1, far, {}, &d);
+    EXPECT_NE(p.error().find("(malformed chunk)"), std::string::npos) << p.error();
+  }
+  {
     // A READY before the source's maps: the READ waits for them, then goes out.
     LayerProtocol p(mine, Clock::time_point{}, seconds(10));
     p.Start();

@@ -194,6 +194,7 @@ class EplbxCommunicator:
         self._comm.add_recv(src, expert, rows)
 
     def execute(self) -> None:
+        self._layer = None  # the layer's context ends here, whatever execute() raises
         self._comm.execute()
 
     @property

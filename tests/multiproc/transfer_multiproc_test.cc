@@ -249,6 +249,43 @@ TEST(SharedFileMultiProcTest, LargeRegionIsMappedLazilyAndReadRight) {
   peer.child->Send("QUIT");
 }
 
+// A peer shrinks the shared file it registered after we mapped it (issue 17, item 7).
+// Before: the reader died of SIGBUS in its copy thread. Now the READ of the part past the
+// new end fails naming the peer, the part before it still reads right, and we live on.
+TEST(SharedFileMultiProcTest, APeerThatShrinksItsFileFailsTheReadNotTheReader) {
+  constexpr uint64_t kBytes = 8ull << 20;
+  constexpr uint64_t kSeed = 41;
+  RemotePeer peer = RemotePeer::Start("peer", kBytes, kSeed, "file");
+  ASSERT_FALSE(peer.blob.empty());
+  AgentConfig config;
+  config.transport = Transport::kShm;
+  auto agent = Agent::Create("tester", config);
+  ASSERT_TRUE(agent.ok()) << agent.status().ToString();
+  std::vector<uint8_t> local(2 << 20);
+  auto region = (*agent)->RegisterMemory(local.data(), local.size());
+  ASSERT_TRUE(region.ok());
+  auto pid = (*agent)->Connect(peer.blob);  // maps the peer's file (and touches it)
+  ASSERT_TRUE(pid.ok()) << pid.status().ToString();
+  peer.child->Send("SHRINK " + std::to_string(1 << 20));
+  ASSERT_EQ(peer.child->Expect("SHRU"), "NK") << "the peer could not shrink its file";
+  auto read = [&](uint64_t at) {
+    Descriptor l = Descriptor::Of(local.data(), 1 << 20), r{peer.base + at, 1 << 20};
+    auto id = (*agent)->Read(*pid, {&l, 1}, {&r, 1});
+    EXPECT_TRUE(id.ok()) << id.status().ToString();
+    return id.ok() ? (*agent)->Wait(*id, std::chrono::seconds(30)) : TransferStatus{};
+  };
+  TransferStatus past = read(4 << 20);
+  ASSERT_EQ(past.state, TransferState::kError) << "a READ past the peer's new end succeeded";
+  EXPECT_NE(past.error.message().find("the peer's shared file ends before the registered region"),
+            std::string::npos)
+      << past.error.ToString();
+  EXPECT_NE(past.error.message().find("'peer'"), std::string::npos) << past.error.ToString();
+  TransferStatus before = read(0);
+  ASSERT_EQ(before.state, TransferState::kDone) << before.error.ToString();
+  for (uint64_t k = 0; k < (1 << 20); k += 4093) ASSERT_EQ(local[k], PatternByte(kSeed, k));
+  peer.child->Send("QUIT");
+}
+
 TEST_P(TransferMultiProcTest, OutOfBoundsDescriptorsAreRejectedAndNothingMoves) {
   constexpr uint64_t kBytes = 1 << 20;
   RemotePeer peer = RemotePeer::Start("peer", kBytes, 8, GetParam().memory);

@@ -6,6 +6,8 @@
 //                                  and prints NOTIFY <payload> OK|BAD for each (the bytes
 //                                  must be in place when the notification arrives), or
 //                                  TIMEOUT
+//   SHRINK <bytes>              -> (--memory file) truncates its file to the region's first
+//                                  <bytes>, under the registered region: SHRUNK | ERR
 //   QUIT
 // Output on start: META <hex blob>, BASE <buffer address>, SIZE <bytes>.
 // --memory plain (new[]), allocate (Agent::AllocateShared) or file: a MAP_SHARED mapping
@@ -60,11 +62,12 @@ int main(int argc, char** argv) {
   }
   eplbx::RegisteredRegion region;
   std::unique_ptr<uint8_t[]> owned;
+  int file_fd = -1;
+  constexpr size_t kLead = 4096 + 100;  // --memory file: file offset of the region
   eplbx::Result<eplbx::RegisteredRegion> r = eplbx::Status::InvalidArgument("--memory " + memory);
   if (memory == "allocate") {
     r = (*agent)->AllocateShared(bytes);
   } else if (memory == "file") {
-    constexpr size_t kLead = 4096 + 100;  // file offset of the region: not page-aligned
     const std::string path = "/eplbx-xfer-peer-" + std::to_string(getpid());
     const int fd = shm_open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
     if (fd < 0 || shm_unlink(path.c_str()) != 0 ||
@@ -78,6 +81,7 @@ int main(int argc, char** argv) {
       return 1;
     }
     r = (*agent)->RegisterMemory(static_cast<uint8_t*>(m) + 100, bytes);  // fd stays open
+    file_fd = fd;
     if (r.ok() && !r->shared()) r = eplbx::Status::Internal("file memory not seen as shared");
   } else if (memory == "plain") {
     owned.reset(new uint8_t[bytes]);
@@ -132,6 +136,15 @@ int main(int argc, char** argv) {
         }
       }
       if (seen < count) std::cout << "TIMEOUT " << seen << std::endl;
+    } else if (cmd == "SHRINK") {
+      uint64_t keep = 0;
+      in >> keep;
+      if (file_fd >= 0 && ftruncate(file_fd, static_cast<off_t>(kLead + keep)) == 0) {
+        std::cout << "SHRUNK" << std::endl;
+      } else {
+        std::cout << "ERR shrink: " << (file_fd < 0 ? "not --memory file" : std::strerror(errno))
+                  << std::endl;
+      }
     } else if (cmd == "QUIT") {
       break;
     }

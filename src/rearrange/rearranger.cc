@@ -403,23 +403,22 @@ Result<std::unique_ptr<Rearranger>> Rearranger::Create(Agent* agent, Bootstrap* 
 
 RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to) {
   internal::RearrangerImpl& d = *impl_;
-  RearrangeReport report;
-  if (d.failed) {
-    report.status = Status::Aborted(StrCat("rank ", d.self(), ": this Rearranger failed earlier (",
-                                           d.failure, "); build a new one"));
-    return report;
+  MigrationPlan plan;
+  // A failed Rearranger or placements that do not fit are reported by the call below.
+  if (!d.failed && d.CheckShapes(from, to).ok()) {
+    MigrationOptions mo;
+    mo.ranks = static_cast<int>(d.world());
+    mo.nodes = d.options.nodes;
+    Result<MigrationPlan> planned = PlanMigration(from, to, mo);
+    if (!planned.ok()) {
+      RearrangeReport report;
+      report.status =
+          planned.status().WithPrefix(StrCat("rank ", d.self(), ": planning the migration"));
+      return report;
+    }
+    plan = std::move(*planned);
   }
-  report.status = d.CheckShapes(from, to);
-  if (!report.status.ok()) return report;
-  MigrationOptions mo;
-  mo.ranks = static_cast<int>(d.world());
-  mo.nodes = d.options.nodes;
-  Result<MigrationPlan> plan = PlanMigration(from, to, mo);
-  if (!plan.ok()) {
-    report.status = plan.status().WithPrefix(StrCat("rank ", d.self(), ": planning the migration"));
-    return report;
-  }
-  return Rearrange(from, to, *plan);
+  return Rearrange(from, to, plan);
 }
 
 RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to,

@@ -199,31 +199,53 @@ TEST_P(TransferMultiProcTest, NotificationsArriveAfterTheData) {
   }
 }
 
+// A peer process with --memory file and a same-host agent connected to it (its file
+// mapped here), with `local_bytes` of registered memory to read into.
+struct ShmReader {
+  RemotePeer peer;
+  std::unique_ptr<Agent> agent;
+  std::vector<uint8_t> local;
+  RegisteredRegion region;
+  PeerId pid = 0;
+
+  void Start(uint64_t peer_bytes, uint64_t seed, size_t local_bytes) {
+    peer = RemotePeer::Start("peer", peer_bytes, seed, "file");
+    ASSERT_FALSE(peer.blob.empty());
+    AgentConfig config;
+    config.transport = Transport::kShm;
+    auto a = Agent::Create("tester", config);
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    agent = std::move(*a);
+    local.assign(local_bytes, 0);
+    auto r = agent->RegisterMemory(local.data(), local.size());
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    region = std::move(*r);
+    auto p = agent->Connect(peer.blob);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    pid = *p;
+  }
+};
+
 // A peer's shared region above 256 MiB is mapped without touching its pages at connect;
 // reads fault them in and still move the right bytes, from the start, middle and end.
 TEST(SharedFileMultiProcTest, LargeRegionIsMappedLazilyAndReadRight) {
   constexpr uint64_t kBytes = 300ull << 20;
   constexpr uint64_t kSeed = 31;
-  RemotePeer peer = RemotePeer::Start("peer", kBytes, kSeed, "file");
-  ASSERT_FALSE(peer.blob.empty());
-  AgentConfig config;
-  config.transport = Transport::kShm;
-  auto agent = Agent::Create("tester", config);
-  ASSERT_TRUE(agent.ok()) << agent.status().ToString();
-  std::vector<uint8_t> local(3 << 20);
-  auto region = (*agent)->RegisterMemory(local.data(), local.size());
-  ASSERT_TRUE(region.ok());
-  auto pid = (*agent)->Connect(peer.blob);
-  ASSERT_TRUE(pid.ok()) << pid.status().ToString();
+  ShmReader t;
+  ASSERT_NO_FATAL_FAILURE(t.Start(kBytes, kSeed, 3 << 20));
+  RemotePeer& peer = t.peer;
+  Agent* agent = t.agent.get();
+  std::vector<uint8_t>& local = t.local;
+  const PeerId pid = t.pid;
   const uint64_t at[] = {0, kBytes / 2 + 12345, kBytes - (1 << 20)};
   std::vector<Descriptor> l, r;
   for (int i = 0; i < 3; ++i) {
     l.push_back(Descriptor::Of(local.data() + (static_cast<size_t>(i) << 20), 1 << 20));
     r.push_back({peer.base + at[i], 1 << 20});
   }
-  auto id = (*agent)->Read(*pid, l, r);
+  auto id = agent->Read(pid, l, r);
   ASSERT_TRUE(id.ok()) << id.status().ToString();
-  TransferStatus s = (*agent)->Wait(*id, std::chrono::seconds(30));
+  TransferStatus s = agent->Wait(*id, std::chrono::seconds(30));
   ASSERT_EQ(s.state, TransferState::kDone) << s.error.ToString();
   for (int i = 0; i < 3; ++i) {
     for (uint64_t k = 0; k < (1 << 20); ++k) {
@@ -255,24 +277,19 @@ TEST(SharedFileMultiProcTest, LargeRegionIsMappedLazilyAndReadRight) {
 TEST(SharedFileMultiProcTest, APeerThatShrinksItsFileFailsTheReadNotTheReader) {
   constexpr uint64_t kBytes = 8ull << 20;
   constexpr uint64_t kSeed = 41;
-  RemotePeer peer = RemotePeer::Start("peer", kBytes, kSeed, "file");
-  ASSERT_FALSE(peer.blob.empty());
-  AgentConfig config;
-  config.transport = Transport::kShm;
-  auto agent = Agent::Create("tester", config);
-  ASSERT_TRUE(agent.ok()) << agent.status().ToString();
-  std::vector<uint8_t> local(2 << 20);
-  auto region = (*agent)->RegisterMemory(local.data(), local.size());
-  ASSERT_TRUE(region.ok());
-  auto pid = (*agent)->Connect(peer.blob);  // maps the peer's file (and touches it)
-  ASSERT_TRUE(pid.ok()) << pid.status().ToString();
+  ShmReader t;
+  ASSERT_NO_FATAL_FAILURE(t.Start(kBytes, kSeed, 2 << 20));  // maps the peer's file, touches it
+  RemotePeer& peer = t.peer;
+  Agent* agent = t.agent.get();
+  std::vector<uint8_t>& local = t.local;
+  const PeerId pid = t.pid;
   peer.child->Send("SHRINK " + std::to_string(1 << 20));
   ASSERT_EQ(peer.child->Expect("SHRU"), "NK") << "the peer could not shrink its file";
   auto read = [&](uint64_t at) {
     Descriptor l = Descriptor::Of(local.data(), 1 << 20), r{peer.base + at, 1 << 20};
-    auto id = (*agent)->Read(*pid, {&l, 1}, {&r, 1});
+    auto id = agent->Read(pid, {&l, 1}, {&r, 1});
     EXPECT_TRUE(id.ok()) << id.status().ToString();
-    return id.ok() ? (*agent)->Wait(*id, std::chrono::seconds(30)) : TransferStatus{};
+    return id.ok() ? agent->Wait(*id, std::chrono::seconds(30)) : TransferStatus{};
   };
   TransferStatus past = read(4 << 20);
   ASSERT_EQ(past.state, TransferState::kError) << "a READ past the peer's new end succeeded";

@@ -140,10 +140,11 @@ std::unique_ptr<Rank> MakeRank(uint32_t r, const std::vector<std::vector<int32_t
   return rank;
 }
 
-TEST(RearrangerTest, RandomPlacementsEveryByteLands) {
-  std::mt19937 rng(11);
-  for (int trial = 0; trial < 20; ++trial) {
-    std::vector<std::vector<int32_t>> before, after;
+// Random old and new maps of every layer, and their placements.
+struct RandomMoves {
+  std::vector<std::vector<int32_t>> before, after;
+  Result<Placement> from = Status::Internal("unset"), to = Status::Internal("unset");
+  explicit RandomMoves(std::mt19937& rng) {
     std::vector<int32_t> flat_before, flat_after;
     for (int l = 0; l < kLayers; ++l) {
       before.push_back(RandomMap(rng));
@@ -151,30 +152,48 @@ TEST(RearrangerTest, RandomPlacementsEveryByteLands) {
       flat_before.insert(flat_before.end(), before[l].begin(), before[l].end());
       flat_after.insert(flat_after.end(), after[l].begin(), after[l].end());
     }
-    auto from = Placement::FromPhy2Log(kLayers, kRanks * kRows, kExperts, flat_before);
-    auto to = Placement::FromPhy2Log(kLayers, kRanks * kRows, kExperts, flat_after);
-    ASSERT_TRUE(from.ok() && to.ok());
-    InMemoryGroup group(kRanks);
-    std::vector<std::unique_ptr<Rank>> ranks;
-    for (uint32_t r = 0; r < kRanks; ++r) ranks.push_back(MakeRank(r, before));
-    std::vector<std::thread> threads;
-    std::vector<Status> results(kRanks);
+    from = Placement::FromPhy2Log(kLayers, kRanks * kRows, kExperts, flat_before);
+    to = Placement::FromPhy2Log(kLayers, kRanks * kRows, kExperts, flat_after);
+  }
+};
+
+// kRanks ranks as threads, each with weights under `before`, a Rearranger, and `run` on it.
+std::vector<std::unique_ptr<Rank>> RearrangeOnThreads(
+    const std::vector<std::vector<int32_t>>& before,
+    const std::function<RearrangeReport(Rearranger&)>& run, std::vector<RearrangeReport>* out) {
+  InMemoryGroup group(kRanks);
+  std::vector<std::unique_ptr<Rank>> ranks;
+  for (uint32_t r = 0; r < kRanks; ++r) ranks.push_back(MakeRank(r, before));
+  out->assign(kRanks, RearrangeReport{});
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      auto boot = group.Member(r);
+      RearrangeOptions o;
+      o.deadline = std::chrono::seconds(10);
+      auto re = Rearranger::Create(ranks[r]->agent.get(), boot.get(), ranks[r]->layout, o);
+      if (re.ok()) {
+        (*out)[r] = run(**re);
+      } else {
+        (*out)[r].status = re.status();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return ranks;
+}
+
+TEST(RearrangerTest, RandomPlacementsEveryByteLands) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 20; ++trial) {
+    const RandomMoves m(rng);
+    ASSERT_TRUE(m.from.ok() && m.to.ok());
+    const auto& after = m.after;
+    std::vector<RearrangeReport> reports;
+    auto ranks = RearrangeOnThreads(
+        m.before, [&](Rearranger& re) { return re.Rearrange(*m.from, *m.to); }, &reports);
     for (uint32_t r = 0; r < kRanks; ++r) {
-      threads.emplace_back([&, r] {
-        auto boot = group.Member(r);
-        RearrangeOptions o;
-        o.deadline = std::chrono::seconds(10);
-        auto re = Rearranger::Create(ranks[r]->agent.get(), boot.get(), ranks[r]->layout, o);
-        if (!re.ok()) {
-          results[r] = re.status();
-          return;
-        }
-        results[r] = (*re)->Rearrange(*from, *to).status;
-      });
-    }
-    for (auto& t : threads) t.join();
-    for (uint32_t r = 0; r < kRanks; ++r) {
-      ASSERT_TRUE(results[r].ok()) << results[r].ToString();
+      ASSERT_TRUE(reports[r].status.ok()) << reports[r].status.ToString();
       for (int l = 0; l < kLayers; ++l) {
         for (int t = 0; t < 2; ++t) {
           for (int row = 0; row < kRows; ++row) {
@@ -195,17 +214,10 @@ TEST(RearrangerTest, RandomPlacementsEveryByteLands) {
 // every rank before any byte moves, naming the layer and the slot.
 TEST(RearrangerTest, RunsTheGivenPlanAndRefusesOneThatDoesNotMatch) {
   std::mt19937 rng(21);
-  std::vector<std::vector<int32_t>> before, after;
-  std::vector<int32_t> flat_before, flat_after;
-  for (int l = 0; l < kLayers; ++l) {
-    before.push_back(RandomMap(rng));
-    after.push_back(RandomMap(rng));
-    flat_before.insert(flat_before.end(), before[l].begin(), before[l].end());
-    flat_after.insert(flat_after.end(), after[l].begin(), after[l].end());
-  }
-  auto from = Placement::FromPhy2Log(kLayers, kRanks * kRows, kExperts, flat_before);
-  auto to = Placement::FromPhy2Log(kLayers, kRanks * kRows, kExperts, flat_after);
-  ASSERT_TRUE(from.ok() && to.ok());
+  const RandomMoves m(rng);
+  ASSERT_TRUE(m.from.ok() && m.to.ok());
+  const auto &before = m.before, &after = m.after;
+  const Result<Placement>&from = m.from, &to = m.to;
   MigrationOptions mo;
   mo.ranks = kRanks;
   auto good = PlanMigration(*from, *to, mo);
@@ -223,21 +235,9 @@ TEST(RearrangerTest, RunsTheGivenPlanAndRefusesOneThatDoesNotMatch) {
     }
   }
   for (const MigrationPlan* plan : {&bad, &*good}) {
-    InMemoryGroup group(kRanks);
-    std::vector<std::unique_ptr<Rank>> ranks;
-    for (uint32_t r = 0; r < kRanks; ++r) ranks.push_back(MakeRank(r, before));
-    std::vector<RearrangeReport> reports(kRanks);
-    std::vector<std::thread> threads;
-    for (uint32_t r = 0; r < kRanks; ++r) {
-      threads.emplace_back([&, r] {
-        auto boot = group.Member(r);
-        RearrangeOptions o;
-        o.deadline = std::chrono::seconds(10);
-        auto re = Rearranger::Create(ranks[r]->agent.get(), boot.get(), ranks[r]->layout, o);
-        if (re.ok()) reports[r] = (*re)->Rearrange(*from, *to, *plan);
-      });
-    }
-    for (auto& th : threads) th.join();
+    std::vector<RearrangeReport> reports;
+    auto ranks = RearrangeOnThreads(
+        before, [&](Rearranger& re) { return re.Rearrange(*from, *to, *plan); }, &reports);
     const auto& want = plan == &bad ? before : after;
     for (uint32_t r = 0; r < kRanks; ++r) {
       if (plan == &bad) {

@@ -31,14 +31,27 @@ namespace eplbx {
 
 namespace internal {
 class AgentCore;
+struct AgentFactory;
 }  // namespace internal
 
-// How bytes move to one peer.
-//   kShm: same host (same kernel, network and pid namespace): the initiator copies directly
-//         (a peer region eplbx allocated in shared memory is mapped and memcpy'd; any other
-//         region is read with process_vm_readv / written with process_vm_writev).
-//   kTcp: UCX RMA over its tcp transport (or RDMA where UCX finds it).
-//   kAuto: kShm for same-host peers where the kernel allows it, kTcp otherwise.
+// What kind of memory a registered region is; data paths are chosen per peer and kind.
+//   kHost: plain host memory of the process.
+//   kHostFile: host memory in a writable shared file mapping (memfd, /dev/shm, torch's
+//              share_memory_()): same-host peers can map it.
+//   kCuda: GPU device memory (not registered by this build yet).
+enum class MemoryKind : uint8_t { kHost = 0, kHostFile = 1, kCuda = 2 };
+std::string_view MemoryKindName(MemoryKind kind);  // "host", "host_file", "cuda"
+
+// The data paths (docs/transfer.md, "Data paths"), tried in a preference order per peer and
+// memory kind; the first that accepts moves the bytes:
+//   "shm": same host; the peer's region lies in a shared file, which we map and copy with
+//          streaming stores.
+//   "cma": same host; process_vm_readv / process_vm_writev on any host memory of the peer
+//          (needs ptrace permission over it).
+//   "ucx": UCX RMA over whatever UCX picks (tcp here, RDMA where present); any peer.
+//   "loopback": agents in one process (unit tests of the layers above).
+// Transport is the short form of a preference list:
+//   kShm: shm, cma (same host only);  kTcp: ucx;  kAuto: shm, cma, ucx.
 enum class Transport { kAuto, kShm, kTcp };
 std::string_view TransportName(Transport transport);  // "auto", "shm", "tcp"
 Result<Transport> ParseTransport(std::string_view name);
@@ -47,9 +60,14 @@ struct AgentConfig {
   // "ucx" (real transfers between processes and hosts) or "loopback" (agents in one
   // process; for unit tests of the layers above).
   std::string backend = "ucx";
-  // kAuto defers to the environment variable EPLBX_TRANSPORT (auto|shm|tcp) if set, then
-  // chooses per peer. A forced transport that cannot reach a peer fails Connect().
+  // kAuto defers to the environment variables EPLBX_PATHS (a list, as `paths`) or
+  // EPLBX_TRANSPORT (auto|shm|tcp) if set, then uses every path of the backend. A forced
+  // transport that cannot reach a peer fails Connect().
   Transport transport = Transport::kAuto;
+  // Data paths in order of preference ("shm", "cma", "ucx"; "loopback" with that backend).
+  // Non-empty: used as given instead of `transport`. A peer region that no listed path
+  // reaches fails Connect() with every path's reason.
+  std::vector<std::string> paths;
   // A peer silent for this long (no answer to the agent's heartbeats, or a broken
   // connection) is unreachable: its in-flight transfers fail with kUnavailable naming it,
   // and later calls to it fail at once until it is connected again.
@@ -117,12 +135,31 @@ struct Notification {
   std::string payload;  // opaque bytes
 };
 
+// The data path chosen for one memory kind of a peer's regions.
+struct PathChoice {
+  MemoryKind kind = MemoryKind::kHost;
+  std::string path;  // "shm", "cma", "ucx", "loopback"
+};
+
 struct PeerInfo {
   std::string name;
   std::string host_id;
-  Transport transport = Transport::kAuto;  // the one in use (never kAuto)
+  // kShm when every region of the peer moves over a same-host path, else kTcp (never kAuto).
+  Transport transport = Transport::kAuto;
   bool reachable = true;
   std::string failure;  // why not, when !reachable
+  // Per memory kind the peer registered, the path in use (several when regions of one kind
+  // differ, e.g. a shared file shorter than its region: that region moves over cma).
+  std::vector<PathChoice> paths;
+  // Each preferred path that was refused for this peer, once: "shm: <reason>".
+  std::vector<std::string> refused;
+};
+
+// Bytes that completed transfers moved, per data path (PathBytes()).
+struct PathTotals {
+  std::string path;
+  uint64_t bytes = 0;
+  uint64_t transfers = 0;  // transfers with at least one byte on this path
 };
 
 class Agent {
@@ -140,8 +177,12 @@ class Agent {
   Agent& operator=(const Agent&) = delete;
 
   const std::string& name() const;
-  // Backend name and host identity, as peers see them.
+  // Backend (control channel) name and host identity, as peers see them.
   const std::string& backend() const;
+  // The data paths this agent uses, in preference order.
+  std::vector<std::string> paths() const;
+  // Bytes moved per data path by transfers that completed, since the agent was created.
+  std::vector<PathTotals> PathBytes() const;
   const std::string& host_id() const;
 
   // Registers [ptr, ptr + bytes) for local and remote access. Regions may not overlap.
@@ -205,6 +246,7 @@ class Agent {
   std::vector<Notification> WaitEvents(std::chrono::milliseconds timeout);
 
  private:
+  friend struct internal::AgentFactory;
   explicit Agent(std::shared_ptr<internal::AgentCore> core);
   std::shared_ptr<internal::AgentCore> core_;
 };

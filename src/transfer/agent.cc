@@ -35,6 +35,18 @@ Result<Transport> ParseTransport(std::string_view name) {
       StrCat("unknown transport '", name, "' (expected auto, shm or tcp)"));
 }
 
+std::string_view MemoryKindName(MemoryKind kind) {
+  switch (kind) {
+    case MemoryKind::kHost:
+      return "host";
+    case MemoryKind::kHostFile:
+      return "host_file";
+    case MemoryKind::kCuda:
+      return "cuda";
+  }
+  return "?";
+}
+
 RegisteredRegion::RegisteredRegion(RegisteredRegion&& other) noexcept { *this = std::move(other); }
 
 RegisteredRegion& RegisteredRegion::operator=(RegisteredRegion&& other) noexcept {
@@ -79,6 +91,8 @@ Result<std::unique_ptr<Agent>> Agent::Create(std::string name, AgentConfig confi
 const std::string& Agent::name() const { return core_->name(); }
 const std::string& Agent::backend() const { return core_->backend_name(); }
 const std::string& Agent::host_id() const { return core_->host_id(); }
+std::vector<std::string> Agent::paths() const { return core_->path_names(); }
+std::vector<PathTotals> Agent::PathBytes() const { return core_->PathBytes(); }
 
 Result<RegisteredRegion> Agent::RegisterMemory(void* ptr, size_t bytes) {
   // Memory in a writable shared file mapping (memfd, /dev/shm: torch's share_memory_()) is

@@ -5,15 +5,13 @@
 #include <algorithm>
 #include <cstdlib>
 #include <fstream>
+#include <iostream>
 #include <thread>
 
 #include "common/strings.h"
 
 namespace eplbx::internal {
 namespace {
-
-// The probe peers read to prove they can reach our memory directly (same-host check).
-const volatile uint64_t g_probe = kProbeValue;
 
 std::string ReadLink(const char* path) {
   char buf[256];
@@ -34,11 +32,56 @@ std::string DetectHostId() {
 
 std::string Hex(uint64_t v) { return StrCat("0x", std::hex, v); }
 
+std::vector<std::string> SplitList(std::string_view text) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= text.size()) {
+    size_t comma = text.find(',', start);
+    if (comma == std::string_view::npos) comma = text.size();
+    out.emplace_back(text.substr(start, comma - start));
+    start = comma + 1;
+  }
+  return out;
+}
+
+std::string JoinList(const std::vector<std::string>& items) {
+  std::string out;
+  for (const std::string& s : items) out += (out.empty() ? "" : ",") + s;
+  return out;
+}
+
+// The data paths an agent uses, in order; *explicit_list when the user named them.
+Result<std::vector<std::string>> ResolvePaths(const AgentConfig& config, bool* explicit_list) {
+  *explicit_list = false;
+  if (!config.paths.empty()) {
+    *explicit_list = true;
+    return config.paths;
+  }
+  Transport transport = config.transport;
+  if (transport == Transport::kAuto) {
+    if (const char* env = std::getenv("EPLBX_PATHS"); env != nullptr && *env != '\0') {
+      *explicit_list = true;
+      return SplitList(env);
+    }
+    if (const char* env = std::getenv("EPLBX_TRANSPORT"); env != nullptr && *env != '\0') {
+      Result<Transport> t = ParseTransport(env);
+      if (!t.ok()) return t.status().WithPrefix("environment variable EPLBX_TRANSPORT");
+      transport = *t;
+    }
+  }
+  if (config.backend == "loopback" || transport == Transport::kAuto) {
+    return DefaultPaths(config.backend);
+  }
+  if (transport == Transport::kShm) return std::vector<std::string>{"shm", "cma"};
+  return std::vector<std::string>{"ucx"};
+}
+
 }  // namespace
 
 std::string_view OpName(XferOp op) { return op == XferOp::kRead ? "READ" : "WRITE"; }
 
-Result<std::shared_ptr<AgentCore>> AgentCore::Create(std::string name, AgentConfig config) {
+Result<std::shared_ptr<AgentCore>> AgentCore::Create(std::string name, AgentConfig config,
+                                                     PartsDecorator decorate) {
   if (name.empty() || name.size() > Agent::kMaxNameBytes) {
     return Status::InvalidArgument(
         StrCat("agent name must be 1..", Agent::kMaxNameBytes, " bytes, got ", name.size()));
@@ -47,12 +90,17 @@ Result<std::shared_ptr<AgentCore>> AgentCore::Create(std::string name, AgentConf
     return Status::InvalidArgument(StrCat("agent '", name, "': peer_timeout must be positive, got ",
                                           config.peer_timeout.count(), " ms"));
   }
-  if (config.transport == Transport::kAuto) {
-    if (const char* env = std::getenv("EPLBX_TRANSPORT"); env != nullptr && *env != '\0') {
-      Result<Transport> t = ParseTransport(env);
-      if (!t.ok()) return t.status().WithPrefix("environment variable EPLBX_TRANSPORT");
-      config.transport = *t;
-    }
+  if (config.backend != "ucx" && config.backend != "loopback") {
+    return Status::InvalidArgument(StrCat("agent '", name, "': unknown backend ",
+                                          Printable(config.backend),
+                                          " (expected ucx or loopback)"));
+  }
+  bool explicit_list = false;
+  Result<std::vector<std::string>> paths = ResolvePaths(config, &explicit_list);
+  if (!paths.ok()) return paths.status();
+  if (paths->size() > kMaxPaths) {
+    return Status::InvalidArgument(
+        StrCat("agent '", name, "': ", paths->size(), " data paths, at most ", kMaxPaths));
   }
   if (config.copy_threads <= 0) {
     config.copy_threads = static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 2u));
@@ -64,14 +112,31 @@ Result<std::shared_ptr<AgentCore>> AgentCore::Create(std::string name, AgentConf
   }
   if (host.size() > kMaxHostIdBytes) host.resize(kMaxHostIdBytes);
   std::shared_ptr<AgentCore> core(new AgentCore(std::move(name), config, std::move(host)));
-  BackendOptions options;
+  core->paths_explicit_ = explicit_list;
+  PartOptions options;
   options.agent_name = core->name_;
   options.peer_timeout = config.peer_timeout;
   options.copy_threads = config.copy_threads;
-  Result<std::unique_ptr<Backend>> backend = CreateBackend(config.backend, options, core.get());
-  if (!backend.ok()) return backend.status().WithPrefix(StrCat("agent '", core->name_, "'"));
-  core->backend_ = std::move(*backend);
-  core->backend_name_ = std::string(core->backend_->name());
+  core->control_slot_ = std::make_unique<ListenerSlot>(core.get());
+  std::vector<CoreListener*> listeners;
+  std::vector<ListenerSlot*> slots;
+  for (size_t i = 0; i < paths->size(); ++i) {
+    core->sinks_.push_back(std::make_unique<PathSink>(core.get(), i));
+    core->path_slots_.push_back(std::make_unique<ListenerSlot>(core->sinks_.back().get()));
+    slots.push_back(core->path_slots_.back().get());
+    listeners.push_back(slots.back());
+  }
+  Result<AgentParts> parts =
+      CreateParts(config.backend, *paths, options, core->control_slot_.get(), listeners);
+  if (!parts.ok()) return parts.status();
+  if (decorate) EPLBX_RETURN_IF_ERROR(decorate(*parts, core->control_slot_.get(), slots));
+  core->parts_ = std::move(*parts);
+  core->backend_name_ = std::string(core->parts_.control->name());
+  for (auto& p : core->parts_.paths) {
+    core->paths_.push_back(p.get());
+    core->path_names_.emplace_back(p->name());
+    core->totals_.push_back(PathTotals{std::string(p->name()), 0, 0});
+  }
   return core;
 }
 
@@ -79,8 +144,17 @@ AgentCore::AgentCore(std::string name, AgentConfig config, std::string host_id)
     : name_(std::move(name)), config_(std::move(config)), host_id_(std::move(host_id)) {}
 
 AgentCore::~AgentCore() {
-  // The backend stops its threads before the tables it reports into go away.
-  backend_.reset();
+  // The parts stop their threads before the tables they report into go away: data paths
+  // first, then the control channel they may use.
+  parts_.paths.clear();
+  parts_.control.reset();
+}
+
+std::vector<std::string> AgentCore::path_names() const { return path_names_; }
+
+std::vector<PathTotals> AgentCore::PathBytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return totals_;
 }
 
 Result<uint64_t> AgentCore::Register(void* ptr, size_t bytes, SharedFile file) {
@@ -89,7 +163,7 @@ Result<uint64_t> AgentCore::Register(void* ptr, size_t bytes, SharedFile file) {
     return Status::InvalidArgument(StrCat("agent '", name_, "': cannot register [", Hex(addr),
                                           ", +", bytes, "): null, empty or wrapping"));
   }
-  uint64_t id = 0;
+  LocalRegionView view;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto next = regions_.lower_bound(addr);
@@ -109,13 +183,22 @@ Result<uint64_t> AgentCore::Register(void* ptr, size_t bytes, SharedFile file) {
       return Status::OutOfRange(StrCat("agent '", name_, "': at most ", kMaxRegions,
                                        " regions; register fewer, larger regions"));
     }
-    id = next_region_id_++;
+    view.id = next_region_id_++;
   }
-  Result<std::string> rkey = backend_->RegisterMemory(id, ptr, bytes);
-  if (!rkey.ok()) return rkey.status();
+  view.addr = addr;
+  view.bytes = bytes;
+  view.kind = file.fd >= 0 ? MemoryKind::kHostFile : MemoryKind::kHost;
+  view.file = file;
+  for (size_t i = 0; i < paths_.size(); ++i) {
+    Status s = paths_[i]->RegisterMemory(view);
+    if (!s.ok()) {
+      for (size_t j = 0; j < i; ++j) paths_[j]->DeregisterMemory(view.id);
+      return s;
+    }
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  regions_[addr] = LocalRegion{id, addr, bytes, file, std::move(*rkey)};
-  return id;
+  regions_[addr] = LocalRegion{view.id, addr, bytes, view.kind, file};
+  return view.id;
 }
 
 void AgentCore::Deregister(uint64_t id) {
@@ -126,32 +209,147 @@ void AgentCore::Deregister(uint64_t id) {
     if (it == regions_.end()) return;
     regions_.erase(it);
   }
-  backend_->DeregisterMemory(id);
+  for (DataPath* p : paths_) p->DeregisterMemory(id);
+}
+
+std::vector<LocalRegionView> AgentCore::RegionViews() const {
+  std::vector<LocalRegionView> views;
+  for (const auto& [addr, r] : regions_) {
+    views.push_back(LocalRegionView{r.id, r.addr, r.bytes, r.kind, r.file});
+  }
+  return views;
 }
 
 std::string AgentCore::Metadata() const {
   AgentMetadata m;
   m.name = name_;
   m.host_id = host_id_;
-  m.backend = backend_name_;
   m.pid = static_cast<uint32_t>(getpid());
-  m.probe_addr = reinterpret_cast<uintptr_t>(&g_probe);
-  m.conn_info = backend_->ConnectionInfo();
-  std::lock_guard<std::mutex> lock(mu_);
-  for (const auto& [addr, r] : regions_) {
-    m.regions.push_back(RegionInfo{r.addr, r.bytes, r.file.fd >= 0 ? kRegionShared : 0u, r.file.fd,
-                                   r.file.offset, r.rkey});
+  m.control = backend_name_;
+  m.conn_info = parts_.control->ConnectionInfo();
+  std::vector<LocalRegionView> views;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    views = RegionViews();
+  }
+  for (const LocalRegionView& r : views) m.regions.push_back(RegionInfo{r.addr, r.bytes, r.kind});
+  for (DataPath* p : paths_) {
+    m.sections.push_back(PathSection{std::string(p->name()), p->Section(views)});
   }
   return EncodeAgentMetadata(m);
+}
+
+Status AgentCore::ChoosePaths(PeerId id, bool same_host, PeerRecord* rec) {
+  // Connect every path; a refusal is kept as the path's reason.
+  std::vector<std::string> why(paths_.size());
+  for (size_t i = 0; i < paths_.size(); ++i) {
+    const PathCaps caps = paths_[i]->caps();
+    if (same_host ? !caps.same_host : !caps.other_hosts) {
+      why[i] = same_host ? "moves data only between hosts"
+                         : StrCat("the peer is on another host ('", rec->meta.host_id,
+                                  "'; this agent is on '", host_id_, "')");
+      continue;
+    }
+    PeerView view;
+    view.id = id;
+    view.name = rec->meta.name;
+    view.pid = rec->meta.pid;
+    view.same_host = same_host;
+    view.regions = &rec->meta.regions;
+    if (const PathSection* s = rec->meta.Section(paths_[i]->name()); s != nullptr) {
+      view.section = s->body;
+      view.has_section = true;
+    }
+    Status s = paths_[i]->Connect(view);
+    if (s.ok()) {
+      rec->connected_paths |= 1u << i;
+    } else {
+      why[i] = s.message();
+    }
+  }
+  // Per region, the first connected path that moves its kind and reaches it.
+  std::vector<bool> refused(paths_.size(), false);
+  auto refuse = [&](size_t i, std::string reason) {
+    if (refused[i]) return;
+    refused[i] = true;
+    rec->refused.push_back(StrCat(paths_[i]->name(), ": ", reason));
+  };
+  bool any_connected = rec->connected_paths != 0;
+  rec->region_path.assign(rec->meta.regions.size(), 0);
+  for (uint32_t r = 0; r < rec->meta.regions.size(); ++r) {
+    const MemoryKind kind = rec->meta.regions[r].kind;
+    bool chosen = false;
+    std::vector<std::string> reasons;
+    for (size_t i = 0; i < paths_.size() && !chosen; ++i) {
+      std::string reason;
+      if ((rec->connected_paths & (1u << i)) == 0) {
+        reason = why[i];
+      } else if (!paths_[i]->caps().Moves(kind)) {
+        // The path may say it better ("region 3 is not in a shared file").
+        if (paths_[i]->Reaches(id, r, &reason) || reason.empty()) {
+          reason = StrCat("moves no ", MemoryKindName(kind), " memory");
+        }
+      } else if (!paths_[i]->Reaches(id, r, &reason)) {
+      } else {
+        chosen = true;
+        rec->region_path[r] = static_cast<uint8_t>(i);
+        const std::string name(paths_[i]->name());
+        if (std::none_of(rec->choices.begin(), rec->choices.end(),
+                         [&](const PathChoice& c) { return c.kind == kind && c.path == name; })) {
+          rec->choices.push_back(PathChoice{kind, name});
+        }
+        break;
+      }
+      reasons.push_back(StrCat(paths_[i]->name(), ": ", reason));
+      refuse(i, reason);
+    }
+    if (!chosen) {
+      std::string all;
+      for (const std::string& s : reasons) all += (all.empty() ? "" : "; ") + s;
+      return Status::Unavailable(StrCat(
+          "agent '", name_, "': no data path of [", JoinList(path_names_), "] reaches region ", r,
+          " (", MemoryKindName(kind), ") of peer '", rec->meta.name, "': ", all));
+    }
+  }
+  if (!any_connected) {
+    std::string all;
+    for (size_t i = 0; i < paths_.size(); ++i) {
+      all += StrCat(all.empty() ? "" : "; ", paths_[i]->name(), ": ", why[i]);
+    }
+    return Status::Unavailable(StrCat("agent '", name_, "': no data path of [",
+                                      JoinList(path_names_), "] accepts peer '", rec->meta.name,
+                                      "': ", all));
+  }
+  // Connected paths before the chosen ones that refused the whole peer are reported too.
+  for (size_t i = 0; i < paths_.size(); ++i) {
+    if ((rec->connected_paths & (1u << i)) != 0 || refused[i]) continue;
+    bool before_a_choice = false;
+    for (uint8_t p : rec->region_path) before_a_choice |= p > i;
+    if (before_a_choice || rec->meta.regions.empty()) refuse(i, why[i]);
+  }
+  // Same-host paths only: the peer's bytes never cross the network stack.
+  bool local = true;
+  for (const PathChoice& c : rec->choices) local &= c.path != "ucx";
+  if (rec->meta.regions.empty()) {
+    local = false;
+    for (size_t i = 0; i < paths_.size(); ++i) {
+      if ((rec->connected_paths & (1u << i)) != 0) {
+        local = paths_[i]->name() != "ucx";
+        break;
+      }
+    }
+  }
+  rec->transport = local ? Transport::kShm : Transport::kTcp;
+  return Status::OK();
 }
 
 Result<PeerId> AgentCore::Connect(std::string_view blob) {
   Result<AgentMetadata> meta = DecodeAgentMetadata(blob);
   if (!meta.ok()) return meta.status().WithPrefix(StrCat("agent '", name_, "': connect"));
-  const std::string& peer = meta->name;
-  if (meta->backend != backend_name_) {
+  const std::string peer = meta->name;
+  if (meta->control != backend_name_) {
     return Status::Mismatch(StrCat("agent '", name_, "': peer '", peer, "' uses backend '",
-                                   meta->backend, "', this agent uses '", backend_name_,
+                                   meta->control, "', this agent uses '", backend_name_,
                                    "'; configure every rank with the same backend"));
   }
   if (peer == name_) {
@@ -171,16 +369,31 @@ Result<PeerId> AgentCore::Connect(std::string_view blob) {
     id = next_peer_++;
   }
   const bool same_host = meta->host_id == host_id_;
-  if (config_.transport == Transport::kShm && !same_host) {
-    return Status::InvalidArgument(
-        StrCat("agent '", name_, "': transport shm is forced but peer '", peer, "' is on host '",
-               meta->host_id, "', this agent on '", host_id_, "'; use transport auto or tcp"));
-  }
-  Result<Transport> transport = backend_->Connect(id, *meta, config_.transport, same_host);
-  if (!transport.ok()) return transport.status();
+  EPLBX_RETURN_IF_ERROR(parts_.control->Connect(id, peer, meta->conn_info));
   PeerRecord rec;
-  rec.transport = *transport;
   rec.meta = std::move(*meta);
+  Status chosen = ChoosePaths(id, same_host, &rec);
+  if (!chosen.ok()) {
+    for (size_t i = 0; i < paths_.size(); ++i) {
+      if ((rec.connected_paths & (1u << i)) != 0) paths_[i]->Disconnect(id);
+    }
+    parts_.control->Disconnect(id);
+    return chosen;
+  }
+  // Never a silent fallback: a path the user listed, or a same-host peer that ends up on
+  // the network path, is reported once per peer.
+  const bool network_for_local =
+      same_host && rec.transport == Transport::kTcp &&
+      std::find(path_names_.begin(), path_names_.end(), "cma") != path_names_.end();
+  if (!rec.refused.empty() && (paths_explicit_ || network_for_local)) {
+    std::string line = StrCat("eplbx: agent '", name_, "': peer '", peer, "' uses");
+    for (const PathChoice& c : rec.choices) {
+      line += StrCat(" ", c.path, " for ", MemoryKindName(c.kind), ";");
+    }
+    line += " refused:";
+    for (const std::string& r : rec.refused) line += " [" + r + "]";
+    std::cerr << line << "\n";
+  }
   rec.by_addr.resize(rec.meta.regions.size());
   for (uint32_t i = 0; i < rec.by_addr.size(); ++i) rec.by_addr[i] = i;
   std::sort(rec.by_addr.begin(), rec.by_addr.end(), [&](uint32_t a, uint32_t b) {
@@ -192,13 +405,18 @@ Result<PeerId> AgentCore::Connect(std::string_view blob) {
 }
 
 Status AgentCore::Disconnect(PeerId peer) {
+  uint32_t connected = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (peers_.erase(peer) == 0) {
-      return Status::NotFound(StrCat("agent '", name_, "': no peer ", peer));
-    }
+    auto it = peers_.find(peer);
+    if (it == peers_.end()) return Status::NotFound(StrCat("agent '", name_, "': no peer ", peer));
+    connected = it->second.connected_paths;
+    peers_.erase(it);
   }
-  backend_->Disconnect(peer);
+  for (size_t i = 0; i < paths_.size(); ++i) {
+    if ((connected & (1u << i)) != 0) paths_[i]->Disconnect(peer);
+  }
+  parts_.control->Disconnect(peer);
   return Status::OK();
 }
 
@@ -207,7 +425,8 @@ Result<PeerInfo> AgentCore::Peer(PeerId peer) const {
   auto it = peers_.find(peer);
   if (it == peers_.end()) return Status::NotFound(StrCat("agent '", name_, "': no peer ", peer));
   const PeerRecord& p = it->second;
-  return PeerInfo{p.meta.name, p.meta.host_id, p.transport, p.reachable, p.failure};
+  return PeerInfo{p.meta.name, p.meta.host_id, p.transport, p.reachable,
+                  p.failure,   p.choices,      p.refused};
 }
 
 Status AgentCore::CheckLocal(XferOp op, const PeerRecord& p, size_t i, const Descriptor& d,
@@ -249,15 +468,14 @@ Status AgentCore::CheckRemote(XferOp op, const PeerRecord& p, size_t i, const De
 Result<TransferId> AgentCore::Post(XferOp op, PeerId peer, std::span<const Descriptor> local,
                                    std::span<const Descriptor> remote,
                                    std::optional<std::string> notify) {
-  PostRequest req;
-  req.op = op;
-  req.peer = peer;
+  std::array<PathRequest, kMaxPaths> parts;
+  TransferId id = 0;
+  uint32_t mask = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = peers_.find(peer);
     if (it == peers_.end()) return Status::NotFound(StrCat("agent '", name_, "': no peer ", peer));
     const PeerRecord& p = it->second;
-    req.peer_name = p.meta.name;
     if (!p.reachable) {
       return Status::Unavailable(
           StrCat("agent '", name_, "': peer unreachable: '", p.meta.name, "' (", p.failure, ")"));
@@ -271,7 +489,6 @@ Result<TransferId> AgentCore::Post(XferOp op, PeerId peer, std::span<const Descr
       return Status::InvalidArgument(StrCat("agent '", name_, "': notification of ", notify->size(),
                                             " bytes, the limit is ", Agent::kMaxNotificationBytes));
     }
-    req.segments.reserve(local.size());
     for (size_t i = 0; i < local.size(); ++i) {
       if (local[i].bytes != remote[i].bytes) {
         return Status::InvalidArgument(
@@ -283,19 +500,51 @@ Result<TransferId> AgentCore::Post(XferOp op, PeerId peer, std::span<const Descr
       uint64_t local_region = 0;
       EPLBX_RETURN_IF_ERROR(CheckLocal(op, p, i, local[i], &local_region));
       EPLBX_RETURN_IF_ERROR(CheckRemote(op, p, i, remote[i], &region));
-      req.segments.push_back(
+      const uint8_t path = p.region_path[region];
+      const PathCaps caps = paths_[path]->caps();
+      if (op == XferOp::kRead ? !caps.read : !caps.write) {
+        return Status::NotSupported(StrCat("agent '", name_, "': ", OpName(op), " with '",
+                                           p.meta.name, "': data path '", paths_[path]->name(),
+                                           "' cannot ", OpName(op)));
+      }
+      parts[path].segments.push_back(
           Segment{local[i].addr, remote[i].addr, local[i].bytes, region, local_region});
+      mask |= 1u << path;
     }
-    req.id = next_transfer_++;
-    transfers_[req.id] = TransferStatus{};
+    id = next_transfer_++;
+    Xfer& x = transfers_[id];
+    x.peer = peer;
+    x.parts = mask;
+    x.notify = std::move(notify);
+    for (size_t i = 0; i < paths_.size(); ++i) {
+      if ((mask & (1u << i)) == 0) continue;
+      parts[i].id = id;
+      parts[i].peer = peer;
+      parts[i].peer_name = p.meta.name;
+      parts[i].op = op;
+      for (const Segment& s : parts[i].segments) x.part_bytes[i] += s.bytes;
+    }
   }
-  const TransferId id = req.id;
-  req.notify = std::move(notify);
-  Status posted = backend_->Post(std::move(req));
-  if (!posted.ok()) {
-    std::lock_guard<std::mutex> lock(mu_);
-    transfers_.erase(id);
-    return posted;
+  if (mask == 0) {  // nothing to move: only the notification
+    FinishParts(id);
+    return id;
+  }
+  bool posted_any = false;
+  for (size_t i = 0; i < paths_.size(); ++i) {
+    if ((mask & (1u << i)) == 0) continue;
+    Status posted = paths_[i]->Post(std::move(parts[i]));
+    if (posted.ok()) {
+      posted_any = true;
+      continue;
+    }
+    if (!posted_any) {
+      // Nothing moves yet: fail the call, as if nothing had been asked. A part done
+      // synchronously before this one cannot exist: it would have been posted.
+      std::lock_guard<std::mutex> lock(mu_);
+      transfers_.erase(id);
+      return posted;
+    }
+    OnPartDone(i, id, std::move(posted));
   }
   return id;
 }
@@ -307,7 +556,7 @@ TransferStatus AgentCore::GetStatus(TransferId id) const {
     return {TransferState::kError,
             Status::NotFound(StrCat("agent '", name_, "': no transfer ", id, " (released?)"))};
   }
-  return it->second;
+  return it->second.status;
 }
 
 TransferStatus AgentCore::Wait(TransferId id, std::chrono::milliseconds timeout) const {
@@ -319,24 +568,31 @@ TransferStatus AgentCore::Wait(TransferId id, std::chrono::milliseconds timeout)
       return {TransferState::kError,
               Status::NotFound(StrCat("agent '", name_, "': no transfer ", id, " (released?)"))};
     }
-    if (it->second.state != TransferState::kInProgress) return it->second;
+    if (it->second.status.state != TransferState::kInProgress) return it->second.status;
     if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
       auto again = transfers_.find(id);
       if (again == transfers_.end()) continue;
-      return again->second;
+      return again->second.status;
     }
   }
 }
 
 Status AgentCore::Cancel(TransferId id) {
-  TransferStatus s = GetStatus(id);
-  if (s.state != TransferState::kInProgress) {
-    return s.state == TransferState::kError && s.error.code() == Code::kNotFound ? s.error
-                                                                                 : Status::OK();
+  uint32_t parts = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = transfers_.find(id);
+    if (it == transfers_.end()) {
+      return Status::NotFound(StrCat("agent '", name_, "': no transfer ", id, " (released?)"));
+    }
+    if (it->second.status.state != TransferState::kInProgress) return Status::OK();
+    parts = it->second.parts;
   }
-  EPLBX_RETURN_IF_ERROR(backend_->Cancel(id));
-  // The backend ends the transfer once nothing can move; its failure deadline bounds this.
-  s = Wait(id, config_.peer_timeout + std::chrono::seconds(5));
+  for (size_t i = 0; i < paths_.size(); ++i) {
+    if ((parts & (1u << i)) != 0) EPLBX_RETURN_IF_ERROR(paths_[i]->Cancel(id));
+  }
+  // The paths end the transfer once nothing can move; their failure deadline bounds this.
+  TransferStatus s = Wait(id, config_.peer_timeout + std::chrono::seconds(5));
   if (s.state == TransferState::kInProgress) {
     return Status::Timeout(StrCat("agent '", name_, "': transfer ", id, " did not stop within ",
                                   (config_.peer_timeout.count() + 5000), " ms"));
@@ -349,7 +605,7 @@ Status AgentCore::Release(TransferId id) {
   auto it = transfers_.find(id);
   if (it == transfers_.end())
     return Status::NotFound(StrCat("agent '", name_, "': no transfer ", id));
-  if (it->second.state == TransferState::kInProgress) {
+  if (it->second.status.state == TransferState::kInProgress) {
     return Status::InvalidArgument(StrCat("agent '", name_, "': transfer ", id,
                                           " is in progress; wait or cancel it before releasing"));
   }
@@ -371,7 +627,7 @@ Status AgentCore::Notify(PeerId peer, std::string_view payload) {
                                         it->second.meta.name, "' (", it->second.failure, ")"));
     }
   }
-  return backend_->Notify(peer, std::string(payload));
+  return parts_.control->Notify(peer, std::string(payload));
 }
 
 std::vector<Notification> AgentCore::PollNotifications(std::chrono::milliseconds timeout,
@@ -387,13 +643,69 @@ std::vector<Notification> AgentCore::PollNotifications(std::chrono::milliseconds
   return out;
 }
 
-void AgentCore::OnTransferDone(TransferId id, Status status) {
+void AgentCore::OnDataDone(TransferId, Status) {
+  // Data paths report through their PathSink; nothing else moves data.
+}
+
+void AgentCore::OnPartDone(size_t path, TransferId id, Status status) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = transfers_.find(id);
-    if (it == transfers_.end() || it->second.state != TransferState::kInProgress) return;
-    it->second = status.ok() ? TransferStatus{TransferState::kDone, Status::OK()}
-                             : TransferStatus{TransferState::kError, std::move(status)};
+    if (it == transfers_.end()) return;
+    Xfer& x = it->second;
+    if (x.status.state != TransferState::kInProgress || (x.parts & (1u << path)) == 0) {
+      return;  // a duplicate completion
+    }
+    x.parts &= ~(1u << path);
+    if (status.ok()) {
+      totals_[path].bytes += x.part_bytes[path];
+      totals_[path].transfers += 1;
+    } else if (x.error.ok()) {
+      x.error = std::move(status);
+    }
+    if (x.parts != 0) return;
+  }
+  FinishParts(id);
+}
+
+void AgentCore::FinishParts(TransferId id) {
+  Status error;
+  PeerId peer = 0;
+  std::optional<std::string> notify;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = transfers_.find(id);
+    if (it == transfers_.end()) return;
+    Xfer& x = it->second;
+    error = x.error;
+    peer = x.peer;
+    auto p = peers_.find(peer);
+    if (error.ok() && p == peers_.end()) {
+      error = Status::Aborted(StrCat("agent '", name_, "': peer ", peer, " was disconnected"));
+    } else if (error.ok() && !p->second.reachable) {
+      error = Status::Unavailable(StrCat("agent '", name_, "': peer unreachable: '",
+                                         p->second.meta.name, "' (", p->second.failure, ")"));
+    }
+    if (error.ok()) notify = std::move(x.notify);
+  }
+  if (!error.ok() || !notify) {
+    Complete(id, std::move(error));
+    return;
+  }
+  // The data landed: now the notification may go; the transfer is done once it left.
+  Status sent = parts_.control->Notify(peer, std::move(*notify),
+                                       [this, id](Status s) { Complete(id, std::move(s)); });
+  if (!sent.ok()) Complete(id, std::move(sent));
+}
+
+void AgentCore::Complete(TransferId id, Status status) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = transfers_.find(id);
+    if (it == transfers_.end() || it->second.status.state != TransferState::kInProgress) return;
+    it->second.status = status.ok() ? TransferStatus{TransferState::kDone, Status::OK()}
+                                    : TransferStatus{TransferState::kError, std::move(status)};
+    it->second.notify.reset();
     ++events_;
   }
   cv_.notify_all();
@@ -417,6 +729,14 @@ void AgentCore::OnPeerFailed(PeerId peer, Status reason) {
     ++events_;  // wakes WaitEvents: the caller's loop checks Peer()
   }
   cv_.notify_all();
+}
+
+Result<std::unique_ptr<Agent>> AgentFactory::Create(std::string name, AgentConfig config,
+                                                    PartsDecorator decorate) {
+  Result<std::shared_ptr<AgentCore>> core =
+      AgentCore::Create(std::move(name), std::move(config), std::move(decorate));
+  if (!core.ok()) return core.status();
+  return std::unique_ptr<Agent>(new Agent(std::move(*core)));
 }
 
 }  // namespace eplbx::internal

@@ -1,11 +1,15 @@
 // Internal: what an Agent is. Owns the region table, the peer table with every peer's
-// regions, bounds checks, transfer states and received notifications; delegates byte
-// movement to a Backend.
+// regions, bounds checks, the choice of data path per peer region, transfer states and
+// received notifications; delegates byte movement to its data paths and small messages to
+// its control channel (transfer/backend.h). A notification leaves only after every data
+// path finished its part of the transfer: that rule lives here, once.
 #ifndef EPLBX_SRC_TRANSFER_AGENT_CORE_H_
 #define EPLBX_SRC_TRANSFER_AGENT_CORE_H_
 
+#include <array>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -20,14 +24,24 @@
 
 namespace eplbx::internal {
 
-class AgentCore : public BackendListener {
+// Lets tests wrap an agent's parts before it starts (fault/fault_path.h): a wrapper takes a
+// part's place in `parts` and puts itself into the part's slot, between it and the core.
+using PartsDecorator = std::function<Status(AgentParts& parts, ListenerSlot* control,
+                                            const std::vector<ListenerSlot*>& paths)>;
+
+class AgentCore : public CoreListener {
  public:
-  static Result<std::shared_ptr<AgentCore>> Create(std::string name, AgentConfig config);
+  static constexpr size_t kMaxPaths = 8;
+
+  static Result<std::shared_ptr<AgentCore>> Create(std::string name, AgentConfig config,
+                                                   PartsDecorator decorate = nullptr);
   ~AgentCore() override;
 
   const std::string& name() const { return name_; }
   const std::string& host_id() const { return host_id_; }
   const std::string& backend_name() const { return backend_name_; }
+  std::vector<std::string> path_names() const;
+  std::vector<PathTotals> PathBytes() const;
 
   // Returns the new region's id.
   Result<uint64_t> Register(void* ptr, size_t bytes, SharedFile file);
@@ -51,25 +65,56 @@ class AgentCore : public BackendListener {
   std::vector<Notification> PollNotifications(std::chrono::milliseconds timeout,
                                               bool or_completion = false);
 
-  // BackendListener
-  void OnTransferDone(TransferId id, Status status) override;
+  // CoreListener (the control channel's; data paths report through PathSink)
+  void OnDataDone(TransferId id, Status status) override;
   void OnNotification(std::string sender, std::string payload) override;
   void OnPeerFailed(PeerId peer, Status reason) override;
 
  private:
+  // Tells the core which path finished a part, so a duplicate completion is ignored.
+  class PathSink final : public CoreListener {
+   public:
+    PathSink(AgentCore* core, size_t index) : core_(core), index_(index) {}
+    void OnDataDone(TransferId id, Status status) override {
+      core_->OnPartDone(index_, id, std::move(status));
+    }
+    void OnNotification(std::string sender, std::string payload) override {
+      core_->OnNotification(std::move(sender), std::move(payload));
+    }
+    void OnPeerFailed(PeerId peer, Status reason) override {
+      core_->OnPeerFailed(peer, std::move(reason));
+    }
+
+   private:
+    AgentCore* const core_;
+    const size_t index_;
+  };
+
   struct LocalRegion {
     uint64_t id = 0;
     uint64_t addr = 0;
     uint64_t bytes = 0;
+    MemoryKind kind = MemoryKind::kHost;
     SharedFile file;  // fd -1: not mappable by peers
-    std::string rkey;
   };
   struct PeerRecord {
     AgentMetadata meta;
-    std::vector<uint32_t> by_addr;  // region indices sorted by address
-    Transport transport = Transport::kAuto;
+    std::vector<uint32_t> by_addr;     // region indices sorted by address
+    std::vector<uint8_t> region_path;  // per region: index into paths_
+    std::vector<PathChoice> choices;
+    std::vector<std::string> refused;
+    uint32_t connected_paths = 0;  // bit i: paths_[i] connected
+    Transport transport = Transport::kTcp;
     bool reachable = true;
     std::string failure;
+  };
+  struct Xfer {
+    TransferStatus status;
+    PeerId peer = 0;
+    uint32_t parts = 0;  // bit i: paths_[i] still moving its part
+    std::array<uint64_t, kMaxPaths> part_bytes{};
+    Status error;  // the first part's failure
+    std::optional<std::string> notify;
   };
 
   AgentCore(std::string name, AgentConfig config, std::string host_id);
@@ -77,12 +122,25 @@ class AgentCore : public BackendListener {
                     uint64_t* region) const;
   Status CheckRemote(XferOp op, const PeerRecord& p, size_t i, const Descriptor& d,
                      uint32_t* region) const;
+  std::vector<LocalRegionView> RegionViews() const;  // REQUIRES: mu_ held
+  // Chooses a path for each of the peer's regions; on error every reason is in it.
+  Status ChoosePaths(PeerId id, bool same_host, PeerRecord* rec);
+  void OnPartDone(size_t path, TransferId id, Status status);
+  // All parts done: sends the notification if any, then completes.
+  void FinishParts(TransferId id);
+  void Complete(TransferId id, Status status);
 
   const std::string name_;
   const AgentConfig config_;
   const std::string host_id_;
   std::string backend_name_;
-  std::unique_ptr<Backend> backend_;  // set once in Create
+  std::vector<std::string> path_names_;
+  bool paths_explicit_ = false;  // listed by the user: refusals are reported on stderr
+  std::vector<std::unique_ptr<PathSink>> sinks_;
+  std::unique_ptr<ListenerSlot> control_slot_;
+  std::vector<std::unique_ptr<ListenerSlot>> path_slots_;
+  AgentParts parts_;  // set once in Create
+  std::vector<DataPath*> paths_;
 
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
@@ -92,9 +150,16 @@ class AgentCore : public BackendListener {
   uint64_t next_region_id_ = 1;
   std::map<PeerId, PeerRecord> peers_;
   PeerId next_peer_ = 0;
-  std::unordered_map<TransferId, TransferStatus> transfers_;
+  std::unordered_map<TransferId, Xfer> transfers_;
   TransferId next_transfer_ = 1;
   std::deque<Notification> notifications_;
+  std::vector<PathTotals> totals_;  // per path
+};
+
+// Builds Agents around cores made with a decorator (tests; the public Agent::Create has none).
+struct AgentFactory {
+  static Result<std::unique_ptr<Agent>> Create(std::string name, AgentConfig config,
+                                               PartsDecorator decorate);
 };
 
 }  // namespace eplbx::internal

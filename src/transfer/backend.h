@@ -1,14 +1,17 @@
-// Internal: the backend seam (ARCHITECTURE.md, "Backend seam"). The agent core owns names,
-// regions, peers, bounds checks and transfer states; a backend only moves bytes and small
-// messages and reports back through BackendListener. Backends are created in one place,
-// CreateBackend(); there is no static self-registration.
+// Internal: the transfer seam (ARCHITECTURE.md, "Transfer seam"; docs/transfer.md, "Seam").
+// An agent has one ControlChannel (connection info, notifications, heartbeats, liveness) and
+// an ordered list of DataPaths (shm, cma, ucx, loopback, later cuda_ipc), each moving some
+// memory kinds between some peers. The agent core owns names, regions, peers, bounds
+// checks, path choice and transfer states; "a notification leaves only after the data
+// landed" is implemented once, in the core. Parts are created in one place (paths.cc);
+// there is no static self-registration.
 #ifndef EPLBX_SRC_TRANSFER_BACKEND_H_
 #define EPLBX_SRC_TRANSFER_BACKEND_H_
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
-#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -16,6 +19,7 @@
 #include "eplbx/status.h"
 #include "eplbx/transfer.h"
 #include "transfer/metadata.h"
+#include "transfer/shm/shared_file.h"
 
 namespace eplbx::internal {
 
@@ -31,57 +35,139 @@ struct Segment {
   uint64_t local_region = 0;   // id of our region holding `local`
 };
 
-struct PostRequest {
+// The part of one transfer that one data path moves.
+struct PathRequest {
   TransferId id = 0;
   PeerId peer = 0;
   std::string peer_name;
   XferOp op = XferOp::kRead;
   std::vector<Segment> segments;
-  std::optional<std::string> notify;
 };
 
-// Implemented by the agent core. Calls may come from any backend thread, never while the
-// backend holds a lock the core could wait on.
-class BackendListener {
+// Implemented by the agent core. Calls may come from any thread of a part, never while
+// the part holds a lock the core could wait on.
+class CoreListener {
  public:
-  virtual ~BackendListener() = default;
-  // Exactly once for every PostRequest that Post() accepted.
-  virtual void OnTransferDone(TransferId id, Status status) = 0;
+  virtual ~CoreListener() = default;
+  // Data paths: exactly once for every PathRequest that Post() accepted.
+  virtual void OnDataDone(TransferId id, Status status) = 0;
+  // Control channel: a notification from a peer.
   virtual void OnNotification(std::string sender, std::string payload) = 0;
+  // Either: the peer is gone (silent past the timeout, broken connection, process exited).
   virtual void OnPeerFailed(PeerId peer, Status reason) = 0;
 };
 
-struct BackendOptions {
+// A listener whose target can change before the agent starts: the fault wrapper puts
+// itself between a part and the core.
+class ListenerSlot final : public CoreListener {
+ public:
+  explicit ListenerSlot(CoreListener* target) : target_(target) {}
+  CoreListener* target() const { return target_; }
+  void set_target(CoreListener* target) { target_ = target; }
+  void OnDataDone(TransferId id, Status status) override {
+    target_->OnDataDone(id, std::move(status));
+  }
+  void OnNotification(std::string sender, std::string payload) override {
+    target_->OnNotification(std::move(sender), std::move(payload));
+  }
+  void OnPeerFailed(PeerId peer, Status reason) override {
+    target_->OnPeerFailed(peer, std::move(reason));
+  }
+
+ private:
+  CoreListener* target_;
+};
+
+struct PartOptions {
   std::string agent_name;
   std::chrono::milliseconds peer_timeout{30000};
   int copy_threads = 2;
 };
 
-class Backend {
+// A registered region as a data path sees it.
+struct LocalRegionView {
+  uint64_t id = 0;
+  uint64_t addr = 0;
+  uint64_t bytes = 0;
+  MemoryKind kind = MemoryKind::kHost;
+  SharedFile file;  // fd -1 unless kind == kHostFile
+};
+
+// A peer as a data path sees it at connect: the neutral header and this path's section.
+struct PeerView {
+  PeerId id = 0;
+  std::string name;
+  uint32_t pid = 0;
+  bool same_host = false;
+  const std::vector<RegionInfo>* regions = nullptr;
+  std::string_view section;  // empty when the peer published none for this path
+  bool has_section = false;
+};
+
+class ControlChannel {
  public:
-  virtual ~Backend() = default;
-  virtual std::string_view name() const = 0;
+  virtual ~ControlChannel() = default;
+  virtual std::string_view name() const = 0;  // "ucx", "loopback"
   // Bytes a peer needs to reach us (UCX: the worker address).
   virtual std::string ConnectionInfo() const = 0;
-  // Returns the remote-access key peers need for the region.
-  virtual Result<std::string> RegisterMemory(uint64_t region_id, void* ptr, size_t bytes) = 0;
-  virtual void DeregisterMemory(uint64_t region_id) = 0;
-  // Connects to a peer whose metadata the core validated. `wanted` is kShm, kTcp or kAuto;
-  // returns the transport in use.
-  virtual Result<Transport> Connect(PeerId id, const AgentMetadata& peer, Transport wanted,
-                                    bool same_host) = 0;
-  // Fails the peer's in-flight transfers with kAborted and forgets it.
+  // Connects and starts liveness checks; on error nothing is left behind.
+  virtual Status Connect(PeerId id, std::string_view peer_name, std::string_view conn_info) = 0;
+  // Forgets the peer (no OnPeerFailed follows).
   virtual void Disconnect(PeerId id) = 0;
-  // Starts a transfer; on error nothing was sent and no OnTransferDone follows.
-  virtual Status Post(PostRequest request) = 0;
-  virtual Status Notify(PeerId peer, std::string payload) = 0;
-  // Asks a transfer to stop; it still ends through OnTransferDone.
+  // Sends `payload`, ordered per peer. `sent`, if set, runs exactly once when the payload
+  // left (OK) or cannot leave (the reason) — unless this returns an error, then never.
+  virtual Status Notify(PeerId peer, std::string payload,
+                        std::function<void(Status)> sent = nullptr) = 0;
+};
+
+// Which memory a path moves, and between which peers.
+struct PathCaps {
+  uint32_t kinds = 0;  // bit (1 << MemoryKind)
+  bool same_host = false;
+  bool other_hosts = false;
+  bool read = true;
+  bool write = true;
+  bool Moves(MemoryKind k) const { return (kinds & (1u << static_cast<unsigned>(k))) != 0; }
+};
+
+class DataPath {
+ public:
+  virtual ~DataPath() = default;
+  virtual std::string_view name() const = 0;
+  virtual PathCaps caps() const = 0;
+  virtual Status RegisterMemory(const LocalRegionView& region) = 0;
+  virtual void DeregisterMemory(uint64_t region_id) = 0;
+  // This path's public bytes for the metadata, about `regions` in the order listed there.
+  virtual std::string Section(const std::vector<LocalRegionView>& regions) const = 0;
+  // OK: usable for the peer (Reaches says for which regions); else why not.
+  virtual Status Connect(const PeerView& peer) = 0;
+  // After a successful Connect: whether this path can move bytes of the peer's region
+  // `region`; if not, *why says so.
+  virtual bool Reaches(PeerId peer, uint32_t region, std::string* why) const = 0;
+  // Ends the peer's transfers on this path with kAborted and forgets it.
+  virtual void Disconnect(PeerId id) = 0;
+  // Starts moving; on error nothing was moved and no OnDataDone follows.
+  virtual Status Post(PathRequest request) = 0;
+  // Asks a transfer to stop; it still ends through OnDataDone.
   virtual Status Cancel(TransferId) { return Status::NotSupported("cancel"); }
 };
 
-// Creates the backend named `name` ("ucx", "loopback").
-Result<std::unique_ptr<Backend>> CreateBackend(std::string_view name, const BackendOptions& options,
-                                               BackendListener* listener);
+// What an agent is made of. Created by CreateParts; tests may wrap the parts (fault/).
+struct AgentParts {
+  std::unique_ptr<ControlChannel> control;
+  std::vector<std::unique_ptr<DataPath>> paths;  // preference order
+};
+
+// The control channel `control` ("ucx", "loopback") and the data paths `paths`
+// ("shm", "cma", "ucx", "loopback"), in that order. The control channel reports to
+// `listener`, the data path at index i to `path_listeners[i]`.
+Result<AgentParts> CreateParts(std::string_view control, const std::vector<std::string>& paths,
+                               const PartOptions& options, CoreListener* listener,
+                               const std::vector<CoreListener*>& path_listeners);
+
+// The default preference order for a control channel (auto): shm, cma, ucx for "ucx";
+// loopback for "loopback".
+std::vector<std::string> DefaultPaths(std::string_view control);
 
 }  // namespace eplbx::internal
 

@@ -8,6 +8,13 @@
 
 namespace eplbx::internal {
 
+const PathSection* AgentMetadata::Section(std::string_view path) const {
+  for (const PathSection& s : sections) {
+    if (s.path == path) return &s;
+  }
+  return nullptr;
+}
+
 std::string EncodeAgentMetadata(const AgentMetadata& m) {
   ByteWriter w;
   w.Raw(std::string_view(kAgentMagic, 4));
@@ -17,18 +24,21 @@ std::string EncodeAgentMetadata(const AgentMetadata& m) {
   w.U32(0);  // total length, patched below
   w.Str16(m.name);
   w.Str16(m.host_id);
-  w.Str16(m.backend);
   w.U32(m.pid);
-  w.U64(m.probe_addr);
+  w.Str16(m.control);
   w.Str32(m.conn_info);
   w.U32(static_cast<uint32_t>(m.regions.size()));
   for (const RegionInfo& r : m.regions) {
     w.U64(r.addr);
     w.U64(r.bytes);
-    w.U32(r.flags);
-    w.U32(static_cast<uint32_t>(r.shm_fd));
-    w.U64(r.shm_offset);
-    w.Str32(r.rkey);
+    w.U8(static_cast<uint8_t>(r.kind));
+    w.U8(0);
+    w.U16(0);
+  }
+  w.U16(static_cast<uint16_t>(m.sections.size()));
+  for (const PathSection& s : m.sections) {
+    w.Str16(s.path);
+    w.Str32(s.body);
   }
   w.PatchU32(length_pos, static_cast<uint32_t>(w.size()));
   return w.Take();
@@ -53,15 +63,19 @@ Result<AgentMetadata> DecodeAgentMetadata(std::string_view blob) {
   if (!r.U16("version", &version) || !r.U16("reserved", &reserved) || !r.U32("length", &length)) {
     return r.status();
   }
+  if (version != kAgentMetadataVersion) {
+    // Every version so far starts with the name right after the length: name the peer.
+    std::string peer;
+    const std::string who = r.Str16("name", Agent::kMaxNameBytes, &peer) && !peer.empty()
+                                ? StrCat("peer ", Printable(peer))
+                                : std::string("the peer");
+    return Status::NotSupported(StrCat(kWhat, " of ", who, " is version ", version,
+                                       ", this build reads version ", kAgentMetadataVersion,
+                                       ": both sides need the same eplbx version (upgrade "
+                                       "eplbx on every rank to the same release)"));
+  }
   if (reserved != 0) {
     return Status::Corruption(StrCat(kWhat, ": reserved field is ", reserved, ", must be 0"));
-  }
-  if (version != kAgentMetadataVersion) {
-    return Status::NotSupported(StrCat(kWhat, ": version ", version,
-                                       " is not supported (this "
-                                       "build reads version ",
-                                       kAgentMetadataVersion,
-                                       "); upgrade eplbx on every rank to the same release"));
   }
   if (length != blob.size()) {
     return Status::Corruption(
@@ -70,9 +84,8 @@ Result<AgentMetadata> DecodeAgentMetadata(std::string_view blob) {
   AgentMetadata m;
   uint32_t count = 0;
   if (!r.Str16("name", Agent::kMaxNameBytes, &m.name) ||
-      !r.Str16("host_id", kMaxHostIdBytes, &m.host_id) ||
-      !r.Str16("backend", kMaxBackendNameBytes, &m.backend) || !r.U32("pid", &m.pid) ||
-      !r.U64("probe_addr", &m.probe_addr) ||
+      !r.Str16("host_id", kMaxHostIdBytes, &m.host_id) || !r.U32("pid", &m.pid) ||
+      !r.Str16("control", kMaxPartNameBytes, &m.control) ||
       !r.Str32("conn_info", kMaxConnInfoBytes, &m.conn_info) || !r.U32("region_count", &count)) {
     return r.status();
   }
@@ -84,17 +97,45 @@ Result<AgentMetadata> DecodeAgentMetadata(std::string_view blob) {
   for (uint32_t i = 0; i < count; ++i) {
     RegionInfo& reg = m.regions[i];
     const std::string f = StrCat("regions[", i, "]");
-    uint32_t fd = 0;
+    uint8_t kind = 0, pad8 = 0;
+    uint16_t pad16 = 0;
     if (!r.U64(f + ".addr", &reg.addr) || !r.U64(f + ".bytes", &reg.bytes) ||
-        !r.U32(f + ".flags", &reg.flags) || !r.U32(f + ".shm_fd", &fd) ||
-        !r.U64(f + ".shm_offset", &reg.shm_offset) ||
-        !r.Str32(f + ".rkey", kMaxRkeyBytes, &reg.rkey)) {
+        !r.U8(f + ".kind", &kind) || !r.U8(f + ".reserved", &pad8) ||
+        !r.U16(f + ".reserved", &pad16)) {
       return r.status();
     }
-    reg.shm_fd = static_cast<int32_t>(fd);
+    if (kind > static_cast<uint8_t>(MemoryKind::kCuda)) {
+      return Status::Corruption(
+          StrCat(kWhat, ": ", f, ".kind is ", +kind, " (known: 0 host, 1 host_file, 2 cuda)"));
+    }
+    if (pad8 != 0 || pad16 != 0) {
+      return Status::Corruption(StrCat(kWhat, ": ", f, ".reserved is not 0"));
+    }
+    reg.kind = static_cast<MemoryKind>(kind);
     if (reg.bytes == 0 || reg.addr + reg.bytes < reg.addr) {
       return Status::Corruption(StrCat(kWhat, ": ", f, " [", reg.addr, ", +", reg.bytes,
                                        ") is empty or wraps around the address space"));
+    }
+  }
+  uint16_t sections = 0;
+  if (!r.U16("section_count", &sections)) return r.status();
+  if (sections > kMaxSections) {
+    return Status::Corruption(
+        StrCat(kWhat, ": ", sections, " path sections, the limit is ", kMaxSections));
+  }
+  m.sections.resize(sections);
+  for (uint16_t i = 0; i < sections; ++i) {
+    PathSection& s = m.sections[i];
+    const std::string f = StrCat("sections[", i, "]");
+    if (!r.Str16(f + ".path", kMaxPartNameBytes, &s.path) ||
+        !r.Str32(f + ".body", kMaxSectionBytes, &s.body)) {
+      return r.status();
+    }
+    if (s.path.empty()) return Status::Corruption(StrCat(kWhat, ": ", f, " has no path name"));
+    for (uint16_t j = 0; j < i; ++j) {
+      if (m.sections[j].path == s.path) {
+        return Status::Corruption(StrCat(kWhat, ": two sections for path ", Printable(s.path)));
+      }
     }
   }
   if (r.remaining() != 0) {

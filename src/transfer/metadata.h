@@ -9,44 +9,52 @@
 #include <vector>
 
 #include "eplbx/status.h"
+#include "eplbx/transfer.h"
 
 namespace eplbx::internal {
 
 inline constexpr char kAgentMagic[4] = {'E', 'P', 'X', 'A'};
-inline constexpr uint16_t kAgentMetadataVersion = 2;
+// Version 3: a neutral header plus one opaque section per data path (docs/transfer.md).
+inline constexpr uint16_t kAgentMetadataVersion = 3;
 inline constexpr size_t kMaxMetadataBytes = 16u << 20;
 inline constexpr size_t kMaxHostIdBytes = 256;
-inline constexpr size_t kMaxBackendNameBytes = 32;
+inline constexpr size_t kMaxPartNameBytes = 32;
 inline constexpr size_t kMaxConnInfoBytes = 64u << 10;
 inline constexpr size_t kMaxRegions = 4096;
+inline constexpr size_t kMaxSections = 16;
+inline constexpr size_t kMaxSectionBytes = 8u << 20;
 inline constexpr size_t kMaxRkeyBytes = 4096;
 
-inline constexpr uint32_t kRegionShared = 1;  // region flag: backed by a shared file, mappable
-
+// What the header says of a region; how to reach it is in the paths' sections.
 struct RegionInfo {
   uint64_t addr = 0;
   uint64_t bytes = 0;
-  uint32_t flags = 0;
-  int32_t shm_fd = -1;      // the owner's fd of the file, when kRegionShared
-  uint64_t shm_offset = 0;  // the file offset of `addr`, when kRegionShared
-  std::string rkey;         // backend remote-access key
+  MemoryKind kind = MemoryKind::kHost;
+};
+
+// One data path's public bytes, opaque to the core.
+struct PathSection {
+  std::string path;
+  std::string body;
 };
 
 struct AgentMetadata {
   std::string name;
   std::string host_id;
-  std::string backend;
   uint32_t pid = 0;
-  uint64_t probe_addr = 0;  // 8 readable bytes holding kProbeValue (same-host check)
-  std::string conn_info;    // backend connection info (UCX worker address)
+  std::string control;    // the control channel's name ("ucx", "loopback")
+  std::string conn_info;  // its connection info (UCX worker address)
   std::vector<RegionInfo> regions;
+  std::vector<PathSection> sections;  // distinct path names
+
+  // The section of `path`, or null.
+  const PathSection* Section(std::string_view path) const;
 };
 
-inline constexpr uint64_t kProbeValue = 0x6570'6c62'7850'524fULL;
-
 std::string EncodeAgentMetadata(const AgentMetadata& m);
-// Rejects bad magic, unsupported version, a total length that disagrees with the blob,
-// truncated and oversized fields, and trailing bytes, each with its own message.
+// Rejects bad magic, another version (naming the peer when its name can be read), a total
+// length that disagrees with the blob, truncated and oversized fields, unknown memory kinds,
+// duplicate sections and trailing bytes, each with its own message.
 Result<AgentMetadata> DecodeAgentMetadata(std::string_view blob);
 
 // Header of an active message between agents.

@@ -3,7 +3,10 @@
 #include <cstdint>
 #include <string_view>
 
+#include "transfer/cma/cma_path.h"
 #include "transfer/metadata.h"
+#include "transfer/shm/shm_path.h"
+#include "transfer/ucx/ucx.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string_view in(reinterpret_cast<const char*>(data), size);
@@ -11,6 +14,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (m.ok()) {
     // What decodes must encode back to the same bytes.
     if (eplbx::internal::EncodeAgentMetadata(*m) != in) __builtin_trap();
+    // Each path's section goes to that path's decoder at connect.
+    const size_t regions = m->regions.size();
+    if (const auto* s = m->Section("shm"))
+      (void)eplbx::internal::DecodeShmSection(s->body, regions, m->name);
+    if (const auto* s = m->Section("ucx"))
+      (void)eplbx::internal::DecodeUcxSection(s->body, regions, m->name);
+    if (const auto* s = m->Section("cma"))
+      (void)eplbx::internal::DecodeCmaSection(s->body, m->name);
   }
   size_t used = 0;
   (void)eplbx::internal::DecodeMessageHeader(in, &used);

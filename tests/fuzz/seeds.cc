@@ -4,6 +4,7 @@
 #include <fstream>
 #include <string>
 
+#include "common/bytes.h"
 #include "eplbx/layout.h"
 #include "protocol/records.h"
 #include "transfer/metadata.h"
@@ -21,14 +22,25 @@ int main(int argc, char** argv) {
   internal::AgentMetadata m;
   m.name = "rank3";
   m.host_id = "host/boot/net:[1]/pid:[2]";
-  m.backend = "ucx";
   m.pid = 77;
-  m.probe_addr = 4096;
+  m.control = "ucx";
   m.conn_info = std::string(40, '\x11');
-  m.regions.push_back({0x10000, 1 << 20, 0, -1, 0, std::string(30, 'k')});
-  m.regions.push_back({0x200000, 4096, internal::kRegionShared, 5, 8192, "r"});
+  m.regions.push_back({0x10000, 1 << 20, MemoryKind::kHost});
+  m.regions.push_back({0x200000, 4096, MemoryKind::kHostFile});
+  internal::ByteWriter shm, cma, ucx;
+  shm.U32(2);
+  shm.U32(static_cast<uint32_t>(-1));
+  shm.U64(0);
+  shm.U32(5);
+  shm.U64(8192);
+  cma.U64(4096);
+  ucx.U32(2);
+  ucx.Str32(std::string(30, 'k'));
+  ucx.Str32("r");
+  m.sections = {{"shm", shm.Take()}, {"cma", cma.Take()}, {"ucx", ucx.Take()}};
   Put(root / "fuzz_agent_metadata", "two_regions", internal::EncodeAgentMetadata(m));
   m.regions.clear();
+  m.sections = {{"loopback", ""}};
   Put(root / "fuzz_agent_metadata", "no_regions", internal::EncodeAgentMetadata(m));
   Put(root / "fuzz_agent_metadata", "message_header",
       internal::EncodeMessageHeader({internal::MessageKind::kNotify, "rank1"}) + "payload");

@@ -11,7 +11,7 @@
 #include "eplbx/layout.h"
 #include "eplbx/migration.h"
 #include "eplbx/rearrange.h"
-#include "transfer/loopback/loopback_backend.h"
+#include "transfer/loopback/loopback.h"
 
 namespace eplbx {
 namespace {

@@ -8,8 +8,11 @@
 
 #include "common/bytes.h"
 #include "eplbx/transfer.h"
-#include "transfer/loopback/loopback_backend.h"
+#include "transfer/cma/cma_path.h"
+#include "transfer/loopback/loopback.h"
 #include "transfer/metadata.h"
+#include "transfer/shm/shm_path.h"
+#include "transfer/ucx/ucx.h"
 
 namespace eplbx {
 namespace {
@@ -22,13 +25,14 @@ AgentMetadata SampleMetadata() {
   AgentMetadata m;
   m.name = "rank7";
   m.host_id = "host/boot/net/pid";
-  m.backend = "ucx";
   m.pid = 4242;
-  m.probe_addr = 0x1000;
+  m.control = "ucx";
   m.conn_info = std::string("\x01\x02\x00\x03", 4);
-  m.regions.push_back({0x7f0000000000, 1 << 20, 0, -1, 0, "rkey-a"});
-  m.regions.push_back(
-      {0x7f0000200000, 4096, internal::kRegionShared, 12, 0x123456789, std::string(40, 'k')});
+  m.regions.push_back({0x7f0000000000, 1 << 20, MemoryKind::kHost});
+  m.regions.push_back({0x7f0000200000, 4096, MemoryKind::kHostFile});
+  m.sections.push_back({"shm", std::string(24, '\x01')});
+  m.sections.push_back({"cma", std::string(8, '\x02')});
+  m.sections.push_back({"ucx", std::string(40, 'k')});
   return m;
 }
 
@@ -38,18 +42,19 @@ TEST(AgentMetadataTest, RoundTrips) {
   ASSERT_TRUE(d.ok()) << d.status().ToString();
   EXPECT_EQ(d->name, m.name);
   EXPECT_EQ(d->host_id, m.host_id);
-  EXPECT_EQ(d->backend, m.backend);
+  EXPECT_EQ(d->control, m.control);
   EXPECT_EQ(d->pid, m.pid);
-  EXPECT_EQ(d->probe_addr, m.probe_addr);
   EXPECT_EQ(d->conn_info, m.conn_info);
   ASSERT_EQ(d->regions.size(), 2u);
   EXPECT_EQ(d->regions[1].addr, m.regions[1].addr);
   EXPECT_EQ(d->regions[1].bytes, m.regions[1].bytes);
-  EXPECT_EQ(d->regions[1].flags, internal::kRegionShared);
-  EXPECT_EQ(d->regions[1].shm_fd, 12);
-  EXPECT_EQ(d->regions[1].shm_offset, 0x123456789u);
-  EXPECT_EQ(d->regions[1].rkey, m.regions[1].rkey);
-  EXPECT_EQ(d->regions[0].shm_fd, -1);
+  EXPECT_EQ(d->regions[0].kind, MemoryKind::kHost);
+  EXPECT_EQ(d->regions[1].kind, MemoryKind::kHostFile);
+  ASSERT_EQ(d->sections.size(), 3u);
+  ASSERT_NE(d->Section("ucx"), nullptr);
+  EXPECT_EQ(d->Section("ucx")->body, m.sections[2].body);
+  EXPECT_EQ(d->Section("cma")->body, m.sections[1].body);
+  EXPECT_EQ(d->Section("cuda_ipc"), nullptr);
 }
 
 TEST(AgentMetadataTest, EveryTruncationIsRejected) {
@@ -66,8 +71,31 @@ TEST(AgentMetadataTest, EveryTruncationIsRejected) {
   cut.replace(8, 4, w.Take());
   Result<AgentMetadata> d = DecodeAgentMetadata(cut);
   ASSERT_FALSE(d.ok());
-  EXPECT_NE(d.status().message().find("truncated at field 'regions[1].rkey'"), std::string::npos)
+  EXPECT_NE(d.status().message().find("truncated at field 'sections[2].body'"), std::string::npos)
       << d.status().ToString();
+}
+
+TEST(AgentMetadataTest, OlderVersionsAreRefusedNamingThePeer) {
+  // A version-2 blob (eplbx before the data-path sections): magic, version, reserved,
+  // length, then the name as in every version.
+  internal::ByteWriter w;
+  w.Raw("EPXA");
+  w.U16(2);
+  w.U16(0);
+  w.U32(0);
+  w.Str16("rank5");
+  w.Str16("host");
+  std::string v2 = w.Take();
+  Result<AgentMetadata> d = DecodeAgentMetadata(v2);
+  EXPECT_EQ(d.status().code(), Code::kNotSupported);
+  EXPECT_NE(d.status().message().find("of peer 'rank5' is version 2, this build reads version 3: "
+                                      "both sides need the same eplbx version"),
+            std::string::npos)
+      << d.status().ToString();
+  // Too short to hold a name: still refused by version, without a name.
+  Result<AgentMetadata> bare = DecodeAgentMetadata(v2.substr(0, 12));
+  EXPECT_NE(bare.status().message().find("of the peer is version 2"), std::string::npos)
+      << bare.status().ToString();
 }
 
 TEST(AgentMetadataTest, EachMalformationHasItsOwnMessage) {
@@ -75,13 +103,6 @@ TEST(AgentMetadataTest, EachMalformationHasItsOwnMessage) {
   std::string magic = blob;
   magic[1] = 'Q';
   EXPECT_NE(DecodeAgentMetadata(magic).status().message().find("bad magic"), std::string::npos);
-  std::string version = blob;
-  version[4] = 1;  // the format before regions carried a file offset
-  Result<AgentMetadata> v = DecodeAgentMetadata(version);
-  EXPECT_EQ(v.status().code(), Code::kNotSupported);
-  EXPECT_NE(v.status().message().find("version 1 is not supported (this build reads version 2)"),
-            std::string::npos)
-      << v.status().ToString();
   // Found by fuzz_agent_metadata: a non-zero reserved field decoded, then re-encoded differently.
   std::string reserved = blob;
   reserved[6] = 1;
@@ -99,10 +120,35 @@ TEST(AgentMetadataTest, EachMalformationHasItsOwnMessage) {
             std::string::npos)
       << name.status().ToString();
   big = SampleMetadata();
-  big.regions[0].rkey = std::string(internal::kMaxRkeyBytes + 1, 'r');
+  big.sections[0].path = std::string(internal::kMaxPartNameBytes + 1, 'p');
   EXPECT_NE(
-      DecodeAgentMetadata(EncodeAgentMetadata(big)).status().message().find("regions[0].rkey"),
+      DecodeAgentMetadata(EncodeAgentMetadata(big)).status().message().find("sections[0].path"),
       std::string::npos);
+  big = SampleMetadata();
+  big.sections[1].body = std::string(internal::kMaxSectionBytes + 1, 'b');
+  EXPECT_NE(
+      DecodeAgentMetadata(EncodeAgentMetadata(big)).status().message().find("sections[1].body"),
+      std::string::npos);
+  big = SampleMetadata();
+  big.sections[2].path = "shm";
+  EXPECT_NE(DecodeAgentMetadata(EncodeAgentMetadata(big))
+                .status()
+                .message()
+                .find("two sections for path 'shm'"),
+            std::string::npos);
+  big = SampleMetadata();
+  big.sections[0].path.clear();
+  EXPECT_NE(
+      DecodeAgentMetadata(EncodeAgentMetadata(big)).status().message().find("has no path name"),
+      std::string::npos);
+  big = SampleMetadata();
+  big.regions[0].kind = static_cast<MemoryKind>(7);
+  EXPECT_NE(DecodeAgentMetadata(EncodeAgentMetadata(big))
+                .status()
+                .message()
+                .find("regions[0].kind is 7 (known: 0 host, 1 host_file, 2 cuda)"),
+            std::string::npos)
+      << DecodeAgentMetadata(EncodeAgentMetadata(big)).status().ToString();
   big = SampleMetadata();
   big.regions[0].bytes = 0;
   EXPECT_NE(DecodeAgentMetadata(EncodeAgentMetadata(big)).status().message().find("empty or wraps"),
@@ -118,12 +164,64 @@ TEST(AgentMetadataTest, EachMalformationHasItsOwnMessage) {
       std::string::npos);
   // A region count beyond the limit is refused before anything is allocated.
   std::string many = blob;
-  const size_t count_at = 12 + 2 + 5 + 2 + 17 + 2 + 3 + 4 + 8 + 4 + 4;
+  const size_t count_at = 12 + 2 + 5 + 2 + 17 + 4 + 2 + 3 + 4 + 4;
   ASSERT_EQ(static_cast<uint8_t>(many[count_at]), 2u);
   many[count_at + 2] = 0x10;  // 0x100002 regions
   EXPECT_NE(DecodeAgentMetadata(many).status().message().find("regions, the limit is"),
             std::string::npos)
       << DecodeAgentMetadata(many).status().ToString();
+  // So is a section count beyond the limit.
+  std::string sections = blob;
+  const size_t sections_at = count_at + 4 + 2 * 20;
+  ASSERT_EQ(static_cast<uint8_t>(sections[sections_at]), 3u);
+  sections[sections_at] = 17;
+  EXPECT_NE(DecodeAgentMetadata(sections).status().message().find("17 path sections, the limit"),
+            std::string::npos)
+      << DecodeAgentMetadata(sections).status().ToString();
+}
+
+// Each path's section is decoded by the path, with its own checks.
+TEST(PathSectionTest, EveryTruncationAndBadCountIsRejected) {
+  internal::ByteWriter shm;
+  shm.U32(2);
+  shm.U32(static_cast<uint32_t>(-1));
+  shm.U64(0);
+  shm.U32(12);
+  shm.U64(4096);
+  const std::string s = shm.Take();
+  Result<std::vector<internal::SharedFile>> files = internal::DecodeShmSection(s, 2, "p");
+  ASSERT_TRUE(files.ok()) << files.status().ToString();
+  EXPECT_EQ((*files)[0].fd, -1);
+  EXPECT_EQ((*files)[1].fd, 12);
+  EXPECT_EQ((*files)[1].offset, 4096u);
+  for (size_t n = 0; n < s.size(); ++n) {
+    EXPECT_EQ(internal::DecodeShmSection(s.substr(0, n), 2, "p").status().code(), Code::kCorruption)
+        << n;
+  }
+  EXPECT_NE(internal::DecodeShmSection(s, 3, "p").status().message().find(
+                "files for 2 regions, the header lists 3"),
+            std::string::npos);
+  EXPECT_NE(internal::DecodeShmSection(s + "x", 2, "p").status().message().find("trailing"),
+            std::string::npos);
+
+  internal::ByteWriter ucx;
+  ucx.U32(1);
+  ucx.Str32("rkey");
+  const std::string u = ucx.Take();
+  ASSERT_TRUE(internal::DecodeUcxSection(u, 1, "p").ok());
+  for (size_t n = 0; n < u.size(); ++n) {
+    EXPECT_FALSE(internal::DecodeUcxSection(u.substr(0, n), 1, "p").ok()) << n;
+  }
+  EXPECT_NE(internal::DecodeUcxSection(u, 0, "p").status().message().find(
+                "ucx section of peer 'p': keys for 1 regions, the header lists 0"),
+            std::string::npos);
+
+  internal::ByteWriter cma;
+  cma.U64(0x1000);
+  const std::string c = cma.Take();
+  EXPECT_EQ(*internal::DecodeCmaSection(c, "p"), 0x1000u);
+  EXPECT_FALSE(internal::DecodeCmaSection(c.substr(0, 7), "p").ok());
+  EXPECT_FALSE(internal::DecodeCmaSection(c + "x", "p").ok());
 }
 
 TEST(MessageHeaderTest, RoundTripsAndRejectsMalformed) {

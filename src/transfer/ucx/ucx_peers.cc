@@ -1,11 +1,11 @@
 // The UCX backend's peers: heartbeats and failure (a peer silent for the timeout, or whose
 // endpoint UCX reports broken, fails with its transfers), and active messages
 // (notifications, pings and pongs).
-#include "transfer/ucx/ucx_backend_impl.h"
+#include "transfer/ucx/ucx_worker.h"
 
 namespace eplbx::internal::ucx {
 
-Status UcxBackend::Unreachable(const PeerState& p) const {
+Status UcxWorker::Unreachable(const PeerState& p) const {
   if (p.disconnected) {
     return Status::Aborted(
         StrCat("agent '", options_.agent_name, "': peer '", p.name, "' ", p.failure));
@@ -14,7 +14,7 @@ Status UcxBackend::Unreachable(const PeerState& p) const {
                                     p.name, "' (", p.failure, ")"));
 }
 
-void UcxBackend::MarkFailed(PeerState& p, const std::string& why) {
+void UcxWorker::MarkFailed(PeerState& p, const std::string& why) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (p.failed) return;
@@ -24,14 +24,14 @@ void UcxBackend::MarkFailed(PeerState& p, const std::string& why) {
   if (!p.disconnected) listener_->OnPeerFailed(p.id, Unreachable(p));
 }
 
-void UcxBackend::FailPeer(const std::shared_ptr<PeerState>& p, const std::string& why) {
+void UcxWorker::FailPeer(const std::shared_ptr<PeerState>& p, const std::string& why) {
   MarkFailed(*p, why);
   CloseEp(p);
 }
 
-void UcxBackend::OnEpError(void* arg, ucp_ep_h, ucs_status_t status) {
+void UcxWorker::OnEpError(void* arg, ucp_ep_h, ucs_status_t status) {
   auto* p = static_cast<PeerState*>(arg);
-  UcxBackend* self = p->self;
+  UcxWorker* self = p->self;
   self->MarkFailed(*p, StrCat("connection lost: ", Ucs(status)));
   // UCX forbids closing the endpoint inside this callback; the loop closes it next.
   std::lock_guard<std::mutex> lock(self->mu_);
@@ -41,7 +41,7 @@ void UcxBackend::OnEpError(void* arg, ucp_ep_h, ucs_status_t status) {
   }
 }
 
-void UcxBackend::CloseEp(const std::shared_ptr<PeerState>& p) {
+void UcxWorker::CloseEp(const std::shared_ptr<PeerState>& p) {
   if (p->ep == nullptr) return;
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
@@ -55,7 +55,7 @@ void UcxBackend::CloseEp(const std::shared_ptr<PeerState>& p) {
   }
 }
 
-void UcxBackend::FinishCloses() {
+void UcxWorker::FinishCloses() {
   for (size_t i = 0; i < closing_.size();) {
     if (ucp_request_check_status(closing_[i].first) == UCS_INPROGRESS) {
       ++i;
@@ -67,12 +67,12 @@ void UcxBackend::FinishCloses() {
   }
 }
 
-void UcxBackend::DestroyRkeys(PeerState& p) {
+void UcxWorker::DestroyRkeys(PeerState& p) {
   for (ucp_rkey_h k : p.rkeys) ucp_rkey_destroy(k);
   p.rkeys.clear();
 }
 
-void UcxBackend::Heartbeat(Clock::time_point now) {
+void UcxWorker::Heartbeat(Clock::time_point now) {
   std::vector<std::shared_ptr<PeerState>> all;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -90,61 +90,67 @@ void UcxBackend::Heartbeat(Clock::time_point now) {
   }
 }
 
-void UcxBackend::SendAm(PeerState& p, MessageKind kind, std::string payload, Op* op) {
+void UcxWorker::SendAm(PeerState& p, MessageKind kind, std::string payload,
+                       std::function<void(Status)> sent) {
   if (p.ep == nullptr) {
-    if (op != nullptr && op->error.ok()) op->error = Unreachable(p);
+    if (sent) sent(Unreachable(p));
     return;
   }
-  auto* msg = new AmMessage{this, EncodeMessageHeader({kind, options_.agent_name}), op};
+  auto* msg = new AmMessage{this, EncodeMessageHeader({kind, options_.agent_name}), p.name,
+                            std::move(sent)};
   msg->bytes += payload;
   ucp_request_param_t param{};
   param.op_attr_mask =
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  param.cb.send = &UcxBackend::OnAmSent;
+  param.cb.send = &UcxWorker::OnAmSent;
   param.user_data = msg;
   param.flags = UCP_AM_SEND_FLAG_EAGER | (kind == MessageKind::kPing ? UCP_AM_SEND_FLAG_REPLY : 0);
   SendAmOn(p.ep, msg, &param);
 }
 
-void UcxBackend::SendAmOn(ucp_ep_h ep, AmMessage* msg, const ucp_request_param_t* param) {
+void UcxWorker::SendAmOn(ucp_ep_h ep, AmMessage* msg, const ucp_request_param_t* param) {
   void* req = ucp_am_send_nbx(ep, kAmId, nullptr, 0, msg->bytes.data(), msg->bytes.size(), param);
   if (req == nullptr) {
+    if (msg->sent) msg->sent(Status::OK());
     delete msg;
   } else if (UCS_PTR_IS_ERR(req)) {
-    if (msg->op != nullptr && msg->op->error.ok()) {
-      msg->op->error =
-          Status::Unavailable(StrCat("agent '", options_.agent_name, "': notification to '",
-                                     msg->op->peer->name, "' failed: ", Ucs(UCS_PTR_STATUS(req))));
+    if (msg->sent) {
+      msg->sent(Status::Unavailable(StrCat("agent '", options_.agent_name, "': notification to '",
+                                           msg->peer, "' failed: ", Ucs(UCS_PTR_STATUS(req)))));
     }
     delete msg;
   } else {
     ++inflight_;
-    if (msg->op != nullptr) ++msg->op->pending;
   }
 }
 
-void UcxBackend::OnAmSent(void* request, ucs_status_t status, void* user_data) {
+void UcxWorker::OnAmSent(void* request, ucs_status_t status, void* user_data) {
   auto* msg = static_cast<AmMessage*>(user_data);
-  UcxBackend* self = msg->self;
+  UcxWorker* self = msg->self;
   --self->inflight_;
-  if (Op* op = msg->op; op != nullptr) {
-    --op->pending;
-    if (status != UCS_OK && op->error.ok()) {
-      op->error = op->peer->failed
-                      ? self->Unreachable(*op->peer)
-                      : Status::Unavailable(StrCat("agent '", self->options_.agent_name,
-                                                   "': notification to '", op->peer->name,
-                                                   "' failed: ", Ucs(status)));
+  if (msg->sent) {
+    std::shared_ptr<PeerState> p;
+    {
+      std::lock_guard<std::mutex> lock(self->mu_);
+      if (auto it = self->by_name_.find(msg->peer); it != self->by_name_.end()) p = it->second;
     }
-    self->MaybeFinish(op);
+    if (status == UCS_OK) {
+      msg->sent(Status::OK());
+    } else if (p != nullptr && p->failed) {
+      msg->sent(self->Unreachable(*p));
+    } else {
+      msg->sent(
+          Status::Unavailable(StrCat("agent '", self->options_.agent_name, "': notification to '",
+                                     msg->peer, "' failed: ", Ucs(status))));
+    }
   }
   delete msg;
   ucp_request_free(request);
 }
 
-ucs_status_t UcxBackend::OnAm(void* arg, const void*, size_t, void* data, size_t length,
-                              const ucp_am_recv_param_t* param) {
-  auto* self = static_cast<UcxBackend*>(arg);
+ucs_status_t UcxWorker::OnAm(void* arg, const void*, size_t, void* data, size_t length,
+                             const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<UcxWorker*>(arg);
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) return UCS_OK;  // never sent
   std::string_view bytes(static_cast<const char*>(data), length);
   size_t consumed = 0;
@@ -163,11 +169,12 @@ ucs_status_t UcxBackend::OnAm(void* arg, const void*, size_t, void* data, size_t
     case MessageKind::kPing:
       if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 && param->reply_ep != nullptr) {
         auto* msg = new AmMessage{
-            self, EncodeMessageHeader({MessageKind::kPong, self->options_.agent_name}), nullptr};
+            self, EncodeMessageHeader({MessageKind::kPong, self->options_.agent_name}), h->sender,
+            nullptr};
         ucp_request_param_t p{};
         p.op_attr_mask =
             UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-        p.cb.send = &UcxBackend::OnAmSent;
+        p.cb.send = &UcxWorker::OnAmSent;
         p.user_data = msg;
         p.flags = UCP_AM_SEND_FLAG_EAGER;
         self->SendAmOn(param->reply_ep, msg, &p);

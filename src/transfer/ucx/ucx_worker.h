@@ -1,8 +1,10 @@
-// Internal: the UCX backend's state, shared by ucx_backend.cc (set-up, public calls and the
-// progress loop), ucx_peers.cc (failure detection and active messages) and ucx_data.cc
-// (UCX RMA and same-host copies). See ucx_backend.h for the design. Not installed.
-#ifndef EPLBX_SRC_TRANSFER_UCX_UCX_BACKEND_IMPL_H_
-#define EPLBX_SRC_TRANSFER_UCX_UCX_BACKEND_IMPL_H_
+// Internal: one UCX context and worker, owned by a progress thread. It is the agent's
+// control channel (endpoints, active-message notifications, heartbeats and liveness:
+// ucx_worker.cc, ucx_peers.cc) and carries the "ucx" data path's RMA (ucx_rma.cc), which
+// uses the same endpoints. No UCX call happens on user threads, so the worker runs in
+// single-thread mode. Not installed.
+#ifndef EPLBX_SRC_TRANSFER_UCX_UCX_WORKER_H_
+#define EPLBX_SRC_TRANSFER_UCX_UCX_WORKER_H_
 
 #include <sys/mman.h>
 #include <sys/types.h>
@@ -23,7 +25,6 @@
 
 #include "common/strings.h"
 #include "transfer/backend.h"
-#include "transfer/shm/copier.h"
 
 namespace eplbx::internal::ucx {
 
@@ -32,84 +33,70 @@ constexpr unsigned kAmId = 0x45;
 
 inline std::string Ucs(ucs_status_t s) { return ucs_status_string(s); }
 
-class UcxBackend;
-
-struct MappedRegion {
-  uint8_t* ptr = nullptr;  // the region's first byte
-  void* base = nullptr;    // what to munmap (page-aligned, at or before ptr)
-  size_t map_bytes = 0;
-};
+class UcxWorker;
 
 // One connected peer. Immutable after Connect except where noted.
 struct PeerState {
-  UcxBackend* self = nullptr;
+  UcxWorker* self = nullptr;
   PeerId id = 0;
   std::string name;
-  pid_t pid = 0;
-  Transport transport = Transport::kTcp;
-  std::vector<RegionInfo> regions;
-  std::vector<MappedRegion> mapped;  // per region; null where not mapped
   std::atomic<bool> failed{false};
   bool disconnected = false;  // progress thread
-  std::string failure;        // guarded by UcxBackend::mu_ once `failed`
+  std::string failure;        // guarded by UcxWorker::mu_ once `failed`
   // Progress thread only:
   ucp_ep_h ep = nullptr;
   std::vector<ucp_rkey_h> rkeys;
   Clock::time_point last_heard;
   Clock::time_point last_ping;
-
-  ~PeerState() {
-    for (MappedRegion& m : mapped) {
-      if (m.base != nullptr) munmap(m.base, m.map_bytes);
-    }
-  }
 };
 
 // One transfer on UCX RMA (progress thread only).
 struct Op {
-  UcxBackend* self = nullptr;
+  UcxWorker* self = nullptr;
   TransferId id = 0;
   std::shared_ptr<PeerState> peer;
   XferOp kind = XferOp::kRead;
   size_t pending = 0;  // UCX requests not completed yet
   bool posted_all = false;
   bool cancelled = false;
-  bool notified = false;
   Status error;
-  std::optional<std::string> notify;
 };
 
 // A connection's first flush (wireup done both ways).
 struct ConnectFlush {
-  UcxBackend* self = nullptr;
+  UcxWorker* self = nullptr;
   std::shared_ptr<std::promise<ucs_status_t>> promise;
 };
 
 // An active message in flight: its bytes live until UCX is done with them.
 struct AmMessage {
-  UcxBackend* self = nullptr;
+  UcxWorker* self = nullptr;
   std::string bytes;
-  Op* op = nullptr;  // the transfer waiting for it, if any
+  std::string peer;                  // for messages
+  std::function<void(Status)> sent;  // runs once when UCX is done with it, if set
 };
 
-class UcxBackend final : public Backend {
+class UcxWorker final : public ControlChannel {
  public:
-  UcxBackend(const BackendOptions& options, BackendListener* listener);
-  ~UcxBackend() override;
+  UcxWorker(const PartOptions& options, CoreListener* listener);
+  ~UcxWorker() override;
 
   Status Start();
 
+  // ControlChannel
   std::string_view name() const override { return "ucx"; }
   std::string ConnectionInfo() const override { return address_; }
-
-  Result<std::string> RegisterMemory(uint64_t region_id, void* ptr, size_t bytes) override;
-  void DeregisterMemory(uint64_t region_id) override;
-  Result<Transport> Connect(PeerId id, const AgentMetadata& meta, Transport wanted,
-                            bool same_host) override;
+  Status Connect(PeerId id, std::string_view peer_name, std::string_view conn_info) override;
   void Disconnect(PeerId id) override;
-  Status Post(PostRequest req) override;
-  Status Notify(PeerId peer, std::string payload) override;
-  Status Cancel(TransferId id) override;
+  Status Notify(PeerId peer, std::string payload, std::function<void(Status)> sent) override;
+
+  // For the "ucx" data path (ucx_rma.cc), which reports to `rma_listener`.
+  void set_rma_listener(CoreListener* listener) { rma_listener_ = listener; }
+  Result<std::string> MapMemory(uint64_t region_id, void* ptr, size_t bytes);  // -> rkey
+  void UnmapMemory(uint64_t region_id);
+  Status UnpackRkeys(PeerId id, const std::vector<std::string>& rkeys);
+  Status PostRma(PathRequest req);
+  void CancelRma(TransferId id);
 
  private:
   // ---- threads and commands -----------------------------------------------------------
@@ -147,8 +134,9 @@ class UcxBackend final : public Backend {
 
   // ---- messages --------------------------------------------------------------------------
 
-  // Sends header + payload; `op`, if set, counts it as pending and finishes after it.
-  void SendAm(PeerState& p, MessageKind kind, std::string payload, Op* op);
+  // Sends header + payload; `sent`, if set, runs once UCX is done with it.
+  void SendAm(PeerState& p, MessageKind kind, std::string payload,
+              std::function<void(Status)> sent);
   void SendAmOn(ucp_ep_h ep, AmMessage* msg, const ucp_request_param_t* param);
   static void OnAmSent(void* request, ucs_status_t status, void* user_data);
   static ucs_status_t OnAm(void* arg, const void*, size_t, void* data, size_t length,
@@ -156,19 +144,15 @@ class UcxBackend final : public Backend {
 
   // ---- data: UCX RMA ---------------------------------------------------------------------
 
-  void StartRma(const std::shared_ptr<PeerState>& p, PostRequest req);
+  void StartRma(const std::shared_ptr<PeerState>& p, PathRequest req);
   bool Track(Op* op, void* request);
   void RmaError(Op* op, ucs_status_t status);
   static void OnRmaDone(void* request, ucs_status_t status, void* user_data);
   void MaybeFinish(Op* op);
 
-  // ---- data: same host -------------------------------------------------------------------
-
-  void MapSharedRegions(PeerState& p);
-  void PostShm(std::shared_ptr<PeerState> p, PostRequest req);
-
-  const BackendOptions options_;
-  BackendListener* const listener_;
+  const PartOptions options_;
+  CoreListener* const listener_;
+  CoreListener* rma_listener_ = nullptr;
   Clock::duration ping_interval_;
   Clock::duration tick_;
 
@@ -178,7 +162,6 @@ class UcxBackend final : public Backend {
   int wake_fd_ = -1;
   int epoll_fd_ = -1;
   std::thread thread_;
-  std::unique_ptr<ShmCopier> copier_;
 
   std::mutex mu_;  // commands_, peers_ and by_name_ membership, PeerState::failure
   std::deque<std::function<void()>> commands_;
@@ -196,4 +179,4 @@ class UcxBackend final : public Backend {
 
 }  // namespace eplbx::internal::ucx
 
-#endif  // EPLBX_SRC_TRANSFER_UCX_UCX_BACKEND_IMPL_H_
+#endif  // EPLBX_SRC_TRANSFER_UCX_UCX_WORKER_H_

@@ -1,6 +1,6 @@
-// The UCX backend: set-up, the public calls (each handed to the progress thread) and the
-// progress loop.
-#include "transfer/ucx/ucx_backend.h"
+// The UCX worker: set-up, the control channel's calls (each handed to the progress thread)
+// and the progress loop.
+#include "transfer/ucx/ucx.h"
 
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -10,11 +10,11 @@
 #include <cerrno>
 #include <cstring>
 
-#include "transfer/ucx/ucx_backend_impl.h"
+#include "transfer/ucx/ucx_worker.h"
 
 namespace eplbx::internal::ucx {
 
-UcxBackend::UcxBackend(const BackendOptions& options, BackendListener* listener)
+UcxWorker::UcxWorker(const PartOptions& options, CoreListener* listener)
     : options_(options), listener_(listener) {
   const auto timeout = options.peer_timeout;
   ping_interval_ = std::clamp<Clock::duration>(timeout / 5, std::chrono::milliseconds(5),
@@ -23,8 +23,7 @@ UcxBackend::UcxBackend(const BackendOptions& options, BackendListener* listener)
                                       std::chrono::milliseconds(200));
 }
 
-UcxBackend::~UcxBackend() {
-  copier_.reset();  // ends queued same-host copies (they report kAborted)
+UcxWorker::~UcxWorker() {
   if (thread_.joinable()) {
     Enqueue([this] { stopping_ = true; });
     thread_.join();
@@ -36,7 +35,7 @@ UcxBackend::~UcxBackend() {
   if (epoll_fd_ >= 0) close(epoll_fd_);
 }
 
-Status UcxBackend::Start() {
+Status UcxWorker::Start() {
   ucp_config_t* config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) return Status::Unavailable("UCX: reading configuration: " + Ucs(st));
@@ -62,7 +61,7 @@ Status UcxBackend::Start() {
   am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
                   UCP_AM_HANDLER_PARAM_FIELD_ARG;
   am.id = kAmId;
-  am.cb = &UcxBackend::OnAm;
+  am.cb = &UcxWorker::OnAm;
   am.arg = this;
   st = ucp_worker_set_am_recv_handler(worker_, &am);
   if (st != UCS_OK) return Status::Unavailable("UCX: setting the message handler: " + Ucs(st));
@@ -82,12 +81,11 @@ Status UcxBackend::Start() {
       return Status::Unavailable(StrCat("epoll_ctl: ", std::strerror(errno)));
     }
   }
-  copier_ = std::make_unique<ShmCopier>(options_.copy_threads);
   thread_ = std::thread([this] { Loop(); });
   return Status::OK();
 }
 
-Result<std::string> UcxBackend::RegisterMemory(uint64_t region_id, void* ptr, size_t bytes) {
+Result<std::string> UcxWorker::MapMemory(uint64_t region_id, void* ptr, size_t bytes) {
   return RunSync<std::string>([&]() -> Result<std::string> {
     ucp_mem_map_params_t mp{};
     mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
@@ -114,7 +112,7 @@ Result<std::string> UcxBackend::RegisterMemory(uint64_t region_id, void* ptr, si
   });
 }
 
-void UcxBackend::DeregisterMemory(uint64_t region_id) {
+void UcxWorker::UnmapMemory(uint64_t region_id) {
   (void)RunSync<bool>([&]() -> Result<bool> {
     auto it = memh_.find(region_id);
     if (it != memh_.end()) {
@@ -125,56 +123,28 @@ void UcxBackend::DeregisterMemory(uint64_t region_id) {
   });
 }
 
-Result<Transport> UcxBackend::Connect(PeerId id, const AgentMetadata& meta, Transport wanted,
-                                      bool same_host) {
+Status UcxWorker::Connect(PeerId id, std::string_view peer_name, std::string_view conn_info) {
   auto p = std::make_shared<PeerState>();
   p->self = this;
   p->id = id;
-  p->name = meta.name;
-  p->pid = static_cast<pid_t>(meta.pid);
-  p->regions = meta.regions;
-  p->transport = Transport::kTcp;
-  if (wanted != Transport::kTcp && same_host) {
-    Status probe = ShmCopier::Probe(p->pid, meta.probe_addr, kProbeValue);
-    if (probe.ok()) {
-      p->transport = Transport::kShm;
-      MapSharedRegions(*p);
-    } else if (wanted == Transport::kShm) {
-      return Status::Unavailable(StrCat("agent '", options_.agent_name,
-                                        "': transport shm is forced "
-                                        "but peer '",
-                                        meta.name, "' memory is not reachable: ", probe.message(),
-                                        "; use transport tcp"));
-    }
-  }
+  p->name = std::string(peer_name);
   // Create the endpoint and flush it: the flush completes once wireup with the peer is
   // done both ways, so the peer is known reachable and never sees a half-built endpoint.
   auto flushed = std::make_shared<std::promise<ucs_status_t>>();
   std::future<ucs_status_t> flush_done = flushed->get_future();
-  Result<Transport> created = RunSync<Transport>([&]() -> Result<Transport> {
+  const std::string address(conn_info);
+  Result<bool> created = RunSync<bool>([&]() -> Result<bool> {
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                     UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.address = reinterpret_cast<const ucp_address_t*>(meta.conn_info.data());
+    ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
     ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    ep.err_handler.cb = &UcxBackend::OnEpError;
+    ep.err_handler.cb = &UcxWorker::OnEpError;
     ep.err_handler.arg = p.get();
     ucs_status_t st = ucp_ep_create(worker_, &ep, &p->ep);
     if (st != UCS_OK) {
       return Status::Unavailable(StrCat("agent '", options_.agent_name, "': cannot reach peer '",
-                                        meta.name, "' (UCX ep_create: ", Ucs(st), ")"));
-    }
-    if (p->transport == Transport::kTcp) {
-      for (size_t i = 0; i < meta.regions.size(); ++i) {
-        ucp_rkey_h rkey = nullptr;
-        st = ucp_ep_rkey_unpack(p->ep, meta.regions[i].rkey.data(), &rkey);
-        if (st != UCS_OK) {
-          CloseEp(p);
-          return Status::Corruption(StrCat("agent '", options_.agent_name, "': peer '", meta.name,
-                                           "' region ", i, ": invalid remote key (", Ucs(st), ")"));
-        }
-        p->rkeys.push_back(rkey);
-      }
+                                        p->name, "' (UCX ep_create: ", Ucs(st), ")"));
     }
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
@@ -194,16 +164,16 @@ Result<Transport> UcxBackend::Connect(PeerId id, const AgentMetadata& meta, Tran
     } else {
       ++inflight_;  // keeps the loop progressing until wireup is done
     }
-    return p->transport;
+    return true;
   });
-  if (!created.ok()) return created;
+  if (!created.ok()) return created.status();
   const bool answered = flush_done.wait_for(options_.peer_timeout) == std::future_status::ready;
   const ucs_status_t st = answered ? flush_done.get() : UCS_ERR_TIMED_OUT;
-  return RunSync<Transport>([&]() -> Result<Transport> {
+  Result<bool> done = RunSync<bool>([&]() -> Result<bool> {
     if (st != UCS_OK) {
       CloseEp(p);
       return Status::Unavailable(StrCat("agent '", options_.agent_name, "': peer unreachable: '",
-                                        meta.name, "' did not complete the connection within ",
+                                        p->name, "' did not complete the connection within ",
                                         options_.peer_timeout.count(), " ms (", Ucs(st), ")"));
     }
     p->last_heard = Clock::now();
@@ -211,11 +181,12 @@ Result<Transport> UcxBackend::Connect(PeerId id, const AgentMetadata& meta, Tran
     std::lock_guard<std::mutex> lock(mu_);
     peers_[id] = p;
     by_name_[p->name] = p;
-    return p->transport;
+    return true;
   });
+  return done.status();
 }
 
-void UcxBackend::Disconnect(PeerId id) {
+void UcxWorker::Disconnect(PeerId id) {
   (void)RunSync<bool>([&]() -> Result<bool> {
     std::shared_ptr<PeerState> p;
     {
@@ -233,27 +204,7 @@ void UcxBackend::Disconnect(PeerId id) {
   });
 }
 
-Status UcxBackend::Post(PostRequest req) {
-  std::shared_ptr<PeerState> p;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = peers_.find(req.peer);
-    if (it == peers_.end()) {
-      return Status::NotFound(StrCat("agent '", options_.agent_name, "': no peer ", req.peer));
-    }
-    p = it->second;
-    if (p->failed) return Unreachable(*p);
-  }
-  if (p->transport == Transport::kShm) {
-    PostShm(std::move(p), std::move(req));
-  } else {
-    Enqueue(
-        [this, p = std::move(p), req = std::move(req)]() mutable { StartRma(p, std::move(req)); });
-  }
-  return Status::OK();
-}
-
-Status UcxBackend::Notify(PeerId peer, std::string payload) {
+Status UcxWorker::Notify(PeerId peer, std::string payload, std::function<void(Status)> sent) {
   std::shared_ptr<PeerState> p;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -264,24 +215,17 @@ Status UcxBackend::Notify(PeerId peer, std::string payload) {
     p = it->second;
     if (p->failed) return Unreachable(*p);
   }
-  Enqueue([this, p = std::move(p), payload = std::move(payload)]() mutable {
-    if (!p->failed) SendAm(*p, MessageKind::kNotify, std::move(payload), nullptr);
+  Enqueue([this, p = std::move(p), payload = std::move(payload), sent = std::move(sent)]() mutable {
+    if (p->failed) {
+      if (sent) sent(Unreachable(*p));
+      return;
+    }
+    SendAm(*p, MessageKind::kNotify, std::move(payload), std::move(sent));
   });
   return Status::OK();
 }
 
-Status UcxBackend::Cancel(TransferId id) {
-  if (copier_->Cancel(id)) return Status::OK();
-  Enqueue([this, id] {
-    auto it = ops_.find(id);
-    if (it == ops_.end()) return;
-    it->second->cancelled = true;
-    MaybeFinish(it->second.get());
-  });
-  return Status::OK();
-}
-
-void UcxBackend::Enqueue(std::function<void()> fn) {
+void UcxWorker::Enqueue(std::function<void()> fn) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     commands_.push_back(std::move(fn));
@@ -290,7 +234,7 @@ void UcxBackend::Enqueue(std::function<void()> fn) {
   [[maybe_unused]] ssize_t n = write(wake_fd_, &one, sizeof(one));
 }
 
-void UcxBackend::Loop() {
+void UcxWorker::Loop() {
   std::deque<std::function<void()>> commands;
   Clock::time_point next_tick = Clock::now();
   Clock::time_point stop_deadline{};
@@ -339,7 +283,7 @@ void UcxBackend::Loop() {
     [[maybe_unused]] ssize_t n = read(wake_fd_, &drained, sizeof(drained));
   }
   for (auto& [id, op] : ops_) {
-    listener_->OnTransferDone(id, Status::Aborted(StrCat("agent '", options_.agent_name,
+    rma_listener_->OnDataDone(id, Status::Aborted(StrCat("agent '", options_.agent_name,
                                                          "': shut down during the transfer")));
   }
   ops_.clear();
@@ -349,11 +293,11 @@ void UcxBackend::Loop() {
 
 namespace eplbx::internal {
 
-Result<std::unique_ptr<Backend>> CreateUcxBackend(const BackendOptions& options,
-                                                  BackendListener* listener) {
-  auto backend = std::make_unique<ucx::UcxBackend>(options, listener);
-  EPLBX_RETURN_IF_ERROR(backend->Start());
-  return std::unique_ptr<Backend>(std::move(backend));
+Result<std::unique_ptr<ucx::UcxWorker>> CreateUcxWorker(const PartOptions& options,
+                                                        CoreListener* listener) {
+  auto worker = std::make_unique<ucx::UcxWorker>(options, listener);
+  EPLBX_RETURN_IF_ERROR(worker->Start());
+  return worker;
 }
 
 }  // namespace eplbx::internal

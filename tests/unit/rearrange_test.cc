@@ -11,6 +11,8 @@
 #include "eplbx/layout.h"
 #include "eplbx/migration.h"
 #include "eplbx/rearrange.h"
+#include "protocol/records.h"
+#include "transfer/fault/fault_path.h"
 #include "transfer/loopback/loopback.h"
 
 namespace eplbx {
@@ -109,13 +111,16 @@ std::vector<int32_t> RandomMap(std::mt19937& rng) {
   return map;
 }
 
-std::unique_ptr<Rank> MakeRank(uint32_t r, const std::vector<std::vector<int32_t>>& map) {
+// With `faults`, the rank's agent follows it (transfer/fault/fault_path.h).
+std::unique_ptr<Rank> MakeRank(uint32_t r, const std::vector<std::vector<int32_t>>& map,
+                               std::shared_ptr<internal::FaultPlan> faults = nullptr) {
   auto rank = std::make_unique<Rank>();
   AgentConfig config;
   config.backend = "loopback";
-  rank->agent = std::move(*Agent::Create(
-      "r" + std::to_string(r) + "_" + std::to_string(reinterpret_cast<uintptr_t>(rank.get())),
-      config));
+  std::string name =
+      "r" + std::to_string(r) + "_" + std::to_string(reinterpret_cast<uintptr_t>(rank.get()));
+  rank->agent = std::move(faults ? *internal::CreateFaultyAgent(name, config, faults)
+                                 : *Agent::Create(name, config));
   rank->layout.rank = r;
   rank->weights.resize(kLayers);
   int region = 0;
@@ -158,19 +163,24 @@ struct RandomMoves {
 };
 
 // kRanks ranks as threads, each with weights under `before`, a Rearranger, and `run` on it.
+// `faults[r]`, where given, drives rank r's agent.
 std::vector<std::unique_ptr<Rank>> RearrangeOnThreads(
     const std::vector<std::vector<int32_t>>& before,
-    const std::function<RearrangeReport(Rearranger&)>& run, std::vector<RearrangeReport>* out) {
+    const std::function<RearrangeReport(Rearranger&)>& run, std::vector<RearrangeReport>* out,
+    const std::vector<std::shared_ptr<internal::FaultPlan>>& faults = {},
+    std::chrono::milliseconds deadline = std::chrono::seconds(10)) {
   InMemoryGroup group(kRanks);
   std::vector<std::unique_ptr<Rank>> ranks;
-  for (uint32_t r = 0; r < kRanks; ++r) ranks.push_back(MakeRank(r, before));
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    ranks.push_back(MakeRank(r, before, r < faults.size() ? faults[r] : nullptr));
+  }
   out->assign(kRanks, RearrangeReport{});
   std::vector<std::thread> threads;
   for (uint32_t r = 0; r < kRanks; ++r) {
     threads.emplace_back([&, r] {
       auto boot = group.Member(r);
       RearrangeOptions o;
-      o.deadline = std::chrono::seconds(10);
+      o.deadline = deadline;
       auto re = Rearranger::Create(ranks[r]->agent.get(), boot.get(), ranks[r]->layout, o);
       if (re.ok()) {
         (*out)[r] = run(**re);
@@ -259,6 +269,167 @@ TEST(RearrangerTest, RunsTheGivenPlanAndRefusesOneThatDoesNotMatch) {
         }
       }
     }
+  }
+}
+
+// Every layer on every rank holds either all its old rows (not committed) or all its new
+// rows (committed): the map never lies, whatever failed.
+void ExpectLayerAtomic(const std::vector<std::unique_ptr<Rank>>& ranks,
+                       const std::vector<RearrangeReport>& reports, const RandomMoves& m,
+                       const std::string& what) {
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    for (int l = 0; l < kLayers; ++l) {
+      bool committed = false;
+      for (const LayerOutcome& o : reports[r].layers) committed |= o.layer == l && o.committed;
+      const auto& want = committed ? m.after : m.before;
+      for (int t = 0; t < 2; ++t) {
+        for (int row = 0; row < kRows; ++row) {
+          for (uint64_t i = 0; i < kBytes[t]; ++i) {
+            ASSERT_EQ(ranks[r]->weights[l][t][row * kBytes[t] + i],
+                      Byte(l, want[l][r * kRows + row], t, i))
+                << what << ": rank " << r << " layer " << l << (committed ? " (new)" : " (old)")
+                << " row " << row;
+          }
+        }
+      }
+    }
+  }
+}
+
+bool IsRecord(std::string_view payload, protocol::RecordKind kind) {
+  Result<protocol::Record> r = protocol::DecodeRecord(payload);
+  return r.ok() && r->kind == kind;
+}
+
+// Rollback at every phase, through the fault-injecting data path and control channel
+// (in-process, milliseconds): each fault on one rank makes every rank fail by name, keep
+// each layer all-old or all-new, and commit no layer at or after the failed one.
+TEST(RearrangerFaultTest, EveryPhaseRollsBackOnEveryRank) {
+  using internal::Fault;
+  using protocol::RecordKind;
+  struct Case {
+    std::string name;
+    std::function<void(internal::FaultPlan&)> arm;
+    bool same_on_every_rank;  // no rank commits the failed layer or a later one
+    std::string says;         // in the faulty rank's error
+  };
+  auto on_record = [](RecordKind kind, Fault::Action action) {
+    Fault f{action};
+    f.times = 1;
+    f.match = [kind](std::string_view p) { return IsRecord(p, kind); };
+    return f;
+  };
+  // Every rank's error is kAborted (the layer rolled back); rank 1's names the cause.
+  const std::vector<Case> cases = {
+      {"READ fails",
+       [](internal::FaultPlan& p) {
+         p.OnTransfers({Fault::Action::kFail, "", std::nullopt, 0, 1});
+       },
+       true, "READ of expert"},
+      {"READ's completion dropped",
+       [](internal::FaultPlan& p) {
+         p.OnTransfers({Fault::Action::kDrop, "", std::nullopt, 0, 1});
+       },
+       true, "deadline passed"},
+      {"peer lost mid-layer",
+       [](internal::FaultPlan& p) {
+         p.OnTransfers({Fault::Action::kLosePeer, "", std::nullopt, 200, 1});
+       },
+       true, "peer unreachable"},
+      {"READY dropped",
+       [&](internal::FaultPlan& p) {
+         p.OnNotifications(on_record(RecordKind::kReady, Fault::Action::kDrop));
+       },
+       true, "deadline passed"},
+      {"READ_DONE fails to leave",
+       [&](internal::FaultPlan& p) {
+         p.OnNotifications(on_record(RecordKind::kReadDone, Fault::Action::kFail));
+       },
+       true, "injected failure"},
+      {"MAPS fails to leave",
+       [&](internal::FaultPlan& p) {
+         p.OnNotifications(on_record(RecordKind::kMaps, Fault::Action::kFail));
+       },
+       true, "injected failure"},
+      // A DONE lost on the way (a partition, not a crash) lets the ranks that got every DONE
+      // commit the layer while the one that missed it rolls back: each rank's bytes still
+      // match its own report, but the ranks disagree on the layer. Known limit of the
+      // protocol (docs/protocol.md, "A lost DONE"); this case pins the per-rank guarantee
+      // and that every rank fails by name instead of hanging.
+      {"DONE dropped",
+       [&](internal::FaultPlan& p) {
+         p.OnNotifications(on_record(RecordKind::kDone, Fault::Action::kDrop));
+       },
+       false, "deadline passed"},
+  };
+  std::mt19937 rng(5);
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const RandomMoves m(rng);
+    ASSERT_TRUE(m.from.ok() && m.to.ok());
+    auto faulty = std::make_shared<internal::FaultPlan>();
+    c.arm(*faulty);
+    std::vector<RearrangeReport> reports;
+    const auto start = std::chrono::steady_clock::now();
+    auto ranks = RearrangeOnThreads(
+        m.before, [&](Rearranger& re) { return re.Rearrange(*m.from, *m.to); }, &reports,
+        {nullptr, faulty, nullptr}, std::chrono::milliseconds(400));
+    const auto took = std::chrono::steady_clock::now() - start;
+    EXPECT_GE(faulty->injected(), 1u) << "the fault never applied";
+    int failed_layer = -1;
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      EXPECT_FALSE(reports[r].status.ok()) << "rank " << r << " succeeded";
+      if (r == 1) {
+        EXPECT_NE(reports[r].status.message().find(c.says), std::string::npos)
+            << reports[r].status.ToString();
+      }
+      for (const LayerOutcome& o : reports[r].layers) {
+        if (!o.committed && (failed_layer < 0 || static_cast<int>(o.layer) < failed_layer)) {
+          failed_layer = static_cast<int>(o.layer);
+        }
+      }
+    }
+    EXPECT_EQ(reports[1].status.code(), Code::kAborted) << reports[1].status.ToString();
+    ASSERT_GE(failed_layer, 0);
+    for (uint32_t r = 0; r < kRanks && c.same_on_every_rank; ++r) {
+      for (const LayerOutcome& o : reports[r].layers) {
+        EXPECT_FALSE(o.committed && static_cast<int>(o.layer) >= failed_layer)
+            << "rank " << r << " committed layer " << o.layer << " at/after failed layer "
+            << failed_layer;
+      }
+    }
+    ExpectLayerAtomic(ranks, reports, m, c.name);
+    // Deadlines bound every wait: three layers of 400 ms at most, plus set-up.
+    EXPECT_LT(took, std::chrono::seconds(5));
+  }
+}
+
+// Faults that lose nothing: a late completion, duplicated completions and records. Every
+// byte still lands and every layer commits.
+TEST(RearrangerFaultTest, DelaysAndDuplicatesChangeNothing) {
+  using internal::Fault;
+  std::mt19937 rng(6);
+  for (int trial = 0; trial < 3; ++trial) {
+    const RandomMoves m(rng);
+    ASSERT_TRUE(m.from.ok() && m.to.ok());
+    std::vector<std::shared_ptr<internal::FaultPlan>> faults;
+    for (int r = 0; r < kRanks; ++r) {
+      auto p = std::make_shared<internal::FaultPlan>();
+      Fault late{Fault::Action::kDelay};
+      late.delay = std::chrono::milliseconds(20);
+      late.times = 2;
+      p->OnTransfers(late);
+      p->OnTransfers({Fault::Action::kDuplicate});
+      p->OnNotifications({Fault::Action::kDuplicate});
+      faults.push_back(p);
+    }
+    std::vector<RearrangeReport> reports;
+    auto ranks = RearrangeOnThreads(
+        m.before, [&](Rearranger& re) { return re.Rearrange(*m.from, *m.to); }, &reports, faults);
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      ASSERT_TRUE(reports[r].status.ok()) << "rank " << r << ": " << reports[r].status.ToString();
+    }
+    ExpectLayerAtomic(ranks, reports, m, "trial " + std::to_string(trial));
   }
 }
 

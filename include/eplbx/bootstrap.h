@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "eplbx/env.h"
 #include "eplbx/status.h"
 
 namespace eplbx {
@@ -80,7 +81,8 @@ struct RendezvousEnv {
 };
 // Reads the EPLBX_* variables; names the missing or malformed one. `need_rank` false (the
 // standalone store): EPLBX_RANK is neither needed nor read.
-Result<RendezvousEnv> RendezvousFromEnv(bool need_rank = true);
+// Variables come from `env` (null: the process environment).
+Result<RendezvousEnv> RendezvousFromEnv(bool need_rank = true, Env* env = nullptr);
 
 // The store, served by rank 0 (`eplbx worker`) or by `eplbx store`. Members join with
 // (rank, world size, token); the token is compared in constant time. A wrong token, a
@@ -88,8 +90,10 @@ Result<RendezvousEnv> RendezvousFromEnv(bool need_rank = true);
 // that member (and recorded in refusals()); the others keep waiting.
 class TcpStore {
  public:
+  // Deadlines are measured on `env`'s clock (null: Env::Default()).
   static Result<std::unique_ptr<TcpStore>> Listen(const std::string& addr, uint16_t port,
-                                                  std::string token, uint32_t world);
+                                                  std::string token, uint32_t world,
+                                                  Env* env = nullptr);
   ~TcpStore();
   TcpStore(const TcpStore&) = delete;
   TcpStore& operator=(const TcpStore&) = delete;
@@ -112,6 +116,7 @@ class TcpStore {
   int listen_fd_ = -1;
   std::string token_;
   uint32_t world_ = 0;
+  Env* env_ = nullptr;
   std::vector<int> members_;
   std::vector<std::string> refusals_;
 };
@@ -120,7 +125,8 @@ class TcpStore {
 Result<std::unique_ptr<SocketBootstrap>> JoinTcpStore(const std::string& addr, uint16_t port,
                                                       const std::string& token, uint32_t rank,
                                                       uint32_t world,
-                                                      std::chrono::milliseconds timeout);
+                                                      std::chrono::milliseconds timeout,
+                                                      Env* env = nullptr);
 
 }  // namespace eplbx
 

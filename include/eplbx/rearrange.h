@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "eplbx/bootstrap.h"
+#include "eplbx/env.h"
 #include "eplbx/layout.h"
 #include "eplbx/migration.h"
 #include "eplbx/placement.h"
@@ -34,6 +35,8 @@ struct RearrangeOptions {
   int nodes = 1;  // for the migration planner's same-node-first source choice
   // Node of every rank (optional): bytes read from another node are counted separately.
   std::vector<uint32_t> node_of_rank;
+  // The clock deadlines are measured on (null: Env::Default()).
+  Env* env = nullptr;
 };
 
 struct LayerOutcome {

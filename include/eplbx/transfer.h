@@ -25,6 +25,7 @@
 #include <string_view>
 #include <vector>
 
+#include "eplbx/env.h"
 #include "eplbx/status.h"
 
 namespace eplbx {
@@ -77,6 +78,8 @@ struct AgentConfig {
   // Identity of this host. Empty: boot id + network and pid namespaces, so processes in
   // different network namespaces count as different hosts. EPLBX_HOST_ID overrides.
   std::string host_id;
+  // Where EPLBX_PATHS, EPLBX_TRANSPORT and EPLBX_HOST_ID are read (null: Env::Default()).
+  Env* env = nullptr;
 };
 
 // A contiguous byte range. Local descriptors hold pointers in this process; remote ones hold

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -171,6 +172,7 @@ Status StartTarget(Target* t, uint64_t bytes) {
 
 struct Row {
   std::string op, transport, memory;
+  std::string path;  // the data path that moved it (shm, cma, ucx)
   uint64_t block = 0, batch = 0;
   double gbps = 0, p50 = 0, p99 = 0;
   int iterations = 0;
@@ -287,6 +289,7 @@ Status RunXfer(const XferOptions& o) {
   std::unique_ptr<uint8_t[]> local(new uint8_t[kMaxBuffer]);
   std::memset(local.get(), 1, kMaxBuffer);
   std::vector<Row> rows;
+  std::map<std::string, uint64_t> bytes_by_path;  // over all agents of the run
   for (Transport t : transports) {
     AgentConfig config;
     config.transport = t;
@@ -296,6 +299,14 @@ Status RunXfer(const XferOptions& o) {
     if (!region.ok()) return region.status();
     auto peer = (*agent)->Connect(target.blob);
     if (!peer.ok()) return peer.status();
+    Result<PeerInfo> info = (*agent)->Peer(*peer);
+    if (!info.ok()) return info.status();
+    auto path_of = [&](MemoryKind kind) {
+      for (const PathChoice& c : info->paths) {
+        if (c.kind == kind) return c.path;
+      }
+      return std::string("?");
+    };
     std::vector<std::pair<std::string, uint64_t>> memories = {{"plain", target.plain}};
     if (t == Transport::kShm) memories.push_back({"shared", target.shared});
     for (const auto& [memory, base] : memories) {
@@ -308,11 +319,12 @@ Status RunXfer(const XferOptions& o) {
             row->op = read ? "read" : "write";
             row->transport = std::string(TransportName(t));
             row->memory = memory;
+            row->path = path_of(memory == "shared" ? MemoryKind::kHostFile : MemoryKind::kHost);
             if (!o.json) {
               std::printf(
-                  "%-5s %-3s %-6s block %9llu batch %3llu: %7.2f GB/s  p50 %9.1f us  p99 %9.1f "
-                  "us\n",
-                  row->op.c_str(), row->transport.c_str(), memory.c_str(),
+                  "%-5s %-3s %-6s %-3s block %9llu batch %3llu: %7.2f GB/s  p50 %9.1f us  p99 "
+                  "%9.1f us\n",
+                  row->op.c_str(), row->transport.c_str(), memory.c_str(), row->path.c_str(),
                   static_cast<unsigned long long>(size), static_cast<unsigned long long>(batch),
                   row->gbps, row->p50, row->p99);
               std::fflush(stdout);
@@ -322,11 +334,17 @@ Status RunXfer(const XferOptions& o) {
         }
       }
     }
+    for (const PathTotals& p : (*agent)->PathBytes()) {
+      uint64_t& bytes = bytes_by_path[p.path];
+      bytes += p.bytes;
+    }
   }
+  for (const auto& [path, bytes] : bytes_by_path) out["bytes_by_path"][path] = bytes;
   for (const Row& r : rows) {
     out["results"].push_back({{"op", r.op},
                               {"transport", r.transport},
                               {"memory", r.memory},
+                              {"path", r.path},
                               {"block_bytes", r.block},
                               {"batch", r.batch},
                               {"gbps", r.gbps},

@@ -21,6 +21,7 @@
 #include "cli/flags.h"
 #include "common/strings.h"
 #include "eplbx/bootstrap.h"
+#include "eplbx/env.h"
 #include "eplbx/transfer.h"
 
 namespace eplbx::cli {
@@ -44,7 +45,7 @@ Status ParseDemo(DemoOptions& o) {
     return Status::InvalidArgument(StrCat("--deadline ", o.deadline_s, ": expected > 0 seconds"));
   // The ranks' agents read EPLBX_TRANSPORT: a bad value is refused here, before any rank
   // starts, instead of by every rank.
-  if (const char* env = std::getenv("EPLBX_TRANSPORT"); env != nullptr && *env != '\0') {
+  if (std::string env = Env::Default()->GetVar("EPLBX_TRANSPORT").value_or(""); !env.empty()) {
     Result<Transport> t = ParseTransport(env);
     if (!t.ok()) return t.status().WithPrefix("environment variable EPLBX_TRANSPORT");
   }
@@ -146,7 +147,7 @@ Status RunDemo(DemoOptions o) {
               << " steps" << (o.inject.empty() ? "" : ", inject " + o.inject) << "\n";
   }
   std::map<int, nlohmann::json> reports;
-  const auto t0 = Clock::now();
+  const auto t0 = Env::Default()->Now();
   // Every rank's waits are bounded by the deadline: once one rank reported, the others get
   // one deadline (plus slack) to report too; a rank that does not (stopped, hung) is killed.
   const auto grace = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000) + 2000);
@@ -161,7 +162,7 @@ Status RunDemo(DemoOptions o) {
           if (!o.json) std::cerr << "  " << j["progress"].get<std::string>() << "\n";
           return;
         }
-        if (reports.empty()) first_report = Clock::now();
+        if (reports.empty()) first_report = Env::Default()->Now();
         reports[static_cast<int>(rank)] = std::move(j);
       },
       [&] {
@@ -182,7 +183,8 @@ Status RunDemo(DemoOptions o) {
           if (reaped[r] && closed[r]) gone[r] = true;
           if (gone[r]) ++settled;
         }
-        return settled == o.ranks || (!reports.empty() && Clock::now() - first_report > grace);
+        return settled == o.ranks ||
+               (!reports.empty() && Env::Default()->Now() - first_report > grace);
       },
       // The coordinator gives up on a setup round before the ranks do, so it can name who
       // is missing.
@@ -203,7 +205,7 @@ Status RunDemo(DemoOptions o) {
     }
     if (!reaped[r]) waitpid(pids[r], nullptr, 0);
   }
-  const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+  const double wall = std::chrono::duration<double>(Env::Default()->Now() - t0).count();
   return ReportDemo(o, reports, memcpy_gbps, wall, served);
 }
 

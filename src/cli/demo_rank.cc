@@ -17,6 +17,7 @@
 #include "cli/demo.h"
 #include "common/strings.h"
 #include "eplbx/bootstrap.h"
+#include "eplbx/env.h"
 #include "eplbx/layout.h"
 #include "eplbx/policy.h"
 #include "eplbx/rearrange.h"
@@ -126,7 +127,7 @@ double HeapInUseKiB() {
 
 // This rank's node: EPLBX_NODE, else the host name.
 std::string NodeName() {
-  if (const char* n = std::getenv("EPLBX_NODE"); n != nullptr && *n != '\0') return n;
+  if (std::string n = Env::Default()->GetVar("EPLBX_NODE").value_or(""); !n.empty()) return n;
   char host[256] = {};
   gethostname(host, sizeof(host) - 1);
   return host;

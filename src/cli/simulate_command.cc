@@ -17,6 +17,7 @@
 #include "cli/commands.h"
 #include "cli/flags.h"
 #include "common/strings.h"
+#include "eplbx/env.h"
 #include "eplbx/simulate.h"
 #include "io/json_output.h"
 #include "io/trace_file.h"
@@ -162,7 +163,7 @@ std::string Row(const SimulateResult& r, const SimulateOptions& o) {
 
 // The plotting script: EPLBX_PLOT_SCRIPT, else the installed copy, else the source tree's.
 std::string PlotScript() {
-  if (const char* env = std::getenv("EPLBX_PLOT_SCRIPT")) return env;
+  if (std::optional<std::string> env = Env::Default()->GetVar("EPLBX_PLOT_SCRIPT")) return *env;
   for (const char* p : {EPLBX_INSTALLED_PLOT_SCRIPT, EPLBX_SOURCE_PLOT_SCRIPT}) {
     if (std::filesystem::exists(p)) return p;
   }

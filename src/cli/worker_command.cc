@@ -14,6 +14,7 @@
 #include "cli/flags.h"
 #include "common/strings.h"
 #include "eplbx/bootstrap.h"
+#include "eplbx/env.h"
 
 namespace eplbx::cli {
 namespace {
@@ -38,7 +39,7 @@ class StoreThread {
               if (print_progress) std::cerr << "  " << j["progress"].get<std::string>() << "\n";
               return;
             }
-            if (reports_.empty()) first_ = Clock::now();
+            if (reports_.empty()) first_ = Env::Default()->Now();
             reports_[static_cast<int>(rank)] = std::move(j);
           },
           [&, world, deadline] {
@@ -48,8 +49,9 @@ class StoreThread {
             std::lock_guard<std::mutex> lock(mu_);
             int settled = static_cast<int>(reports_.size());
             for (int r : lost_) settled += reports_.count(r) == 0;
-            return settled == world || (!reports_.empty() &&
-                                        Clock::now() - first_ > deadline + std::chrono::seconds(2));
+            return settled == world ||
+                   (!reports_.empty() &&
+                    Env::Default()->Now() - first_ > deadline + std::chrono::seconds(2));
           },
           // The store gives up on a round before the ranks do, so it can name who is missing.
           deadline * 4 / 5,
@@ -95,7 +97,7 @@ Status RunWorker(DemoOptions o, bool ranks_given) {
     if (!s.ok()) return s.status();
     store = std::make_unique<StoreThread>(std::move(*s), o, !o.json);
   }
-  const auto t0 = Clock::now();
+  const auto t0 = Env::Default()->Now();
   Result<std::unique_ptr<SocketBootstrap>> boot =
       JoinTcpStore(env->addr, env->port, env->token, env->rank, env->world, deadline);
   int code = 1;
@@ -118,7 +120,7 @@ Status RunWorker(DemoOptions o, bool ranks_given) {
   Status served;
   std::map<int, nlohmann::json> reports = store->Finish(&served);
   if (!boot.ok() && served.ok()) served = boot.status();
-  const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+  const double wall = std::chrono::duration<double>(Env::Default()->Now() - t0).count();
   return ReportDemo(o, reports, memcpy_gbps, wall, served);
 }
 

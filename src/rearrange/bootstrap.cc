@@ -52,11 +52,11 @@ bool WriteFrame(int fd, uint8_t type, std::string_view body) {
 }
 
 // Reads exactly n bytes before `deadline`; false on EOF, error or timeout (*timed_out).
-bool ReadAll(int fd, char* p, size_t n, Clock::time_point deadline, bool* timed_out) {
+bool ReadAll(int fd, char* p, size_t n, Clock::time_point deadline, bool* timed_out, Env* env) {
   *timed_out = false;
   while (n > 0) {
     const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - env->Now()).count();
     if (left <= 0) {
       *timed_out = true;
       return false;
@@ -75,16 +75,17 @@ bool ReadAll(int fd, char* p, size_t n, Clock::time_point deadline, bool* timed_
 }
 
 bool ReadFrame(int fd, std::chrono::steady_clock::time_point deadline, uint8_t* type,
-               std::string* body, bool* timed_out) {
+               std::string* body, bool* timed_out, Env* env) {
+  env = EnvOrDefault(env);
   char head[5];
-  if (!ReadAll(fd, head, 5, deadline, timed_out)) return false;
+  if (!ReadAll(fd, head, 5, deadline, timed_out, env)) return false;
   *type = static_cast<uint8_t>(head[0]);
   uint32_t n = 0;
   for (int i = 0; i < 4; ++i)
     n |= static_cast<uint32_t>(static_cast<uint8_t>(head[1 + i])) << (8 * i);
   if (n > kMaxFrame) return false;
   body->resize(n);
-  return ReadAll(fd, body->data(), n, deadline, timed_out);
+  return ReadAll(fd, body->data(), n, deadline, timed_out, env);
 }
 
 }  // namespace internal

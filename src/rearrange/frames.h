@@ -8,6 +8,8 @@
 #include <string>
 #include <string_view>
 
+#include "eplbx/env.h"
+
 namespace eplbx::internal {
 
 enum FrameType : uint8_t {
@@ -21,8 +23,9 @@ enum FrameType : uint8_t {
 
 bool WriteFrame(int fd, uint8_t type, std::string_view body);
 // False on EOF, error, an oversized frame or `deadline` (then *timed_out).
+// `deadline` is on env's clock (null: Env::Default()).
 bool ReadFrame(int fd, std::chrono::steady_clock::time_point deadline, uint8_t* type,
-               std::string* body, bool* timed_out);
+               std::string* body, bool* timed_out, Env* env = nullptr);
 
 }  // namespace eplbx::internal
 

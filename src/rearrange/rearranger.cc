@@ -33,6 +33,7 @@ class RearrangerImpl {
   RankLayout layout;
   std::vector<RankLayout> all;
   RearrangeOptions options;
+  Env* env = nullptr;           // options.env or Env::Default()
   std::vector<PeerId> peer_of;  // by rank; self unused
   std::map<std::string, uint32_t> rank_of_name;
   RegisteredRegion staging;
@@ -253,7 +254,7 @@ LayerOutcome RearrangerImpl::RunJob(LayerJob& job) {
   step.serves = job.serves;
   step.old_map = job.old_map;
   step.new_map = job.new_map;
-  LayerProtocol p(step, Clock::now(), options.deadline);
+  LayerProtocol p(step, env->Now(), options.deadline);
   if (!job.refused.ok()) {
     std::string why = job.refused.message();
     const std::string mine = StrCat("rank ", self(), ": ");
@@ -267,7 +268,7 @@ LayerOutcome RearrangerImpl::RunJob(LayerJob& job) {
   std::deque<std::pair<uint32_t, protocol::Record>> later;
   for (auto& [from, rec] : deferred) {
     bool again = false;
-    Execute(p, job, pending, outcome, p.OnRecord(from, rec, Clock::now(), &again));
+    Execute(p, job, pending, outcome, p.OnRecord(from, rec, env->Now(), &again));
     if (again) later.push_back({from, rec});
   }
   deferred.swap(later);
@@ -282,7 +283,7 @@ LayerOutcome RearrangerImpl::RunJob(LayerJob& job) {
         continue;
       }
       bool later_gen = false;
-      Execute(p, job, pending, outcome, p.OnRecord(who->second, *rec, Clock::now(), &later_gen));
+      Execute(p, job, pending, outcome, p.OnRecord(who->second, *rec, env->Now(), &later_gen));
       if (later_gen) deferred.push_back({who->second, *rec});
     }
   };
@@ -313,7 +314,7 @@ LayerOutcome RearrangerImpl::RunJob(LayerJob& job) {
         Execute(p, job, pending, outcome, p.OnPeerFailed(r, Status::Unavailable(info->failure)));
       }
     }
-    Execute(p, job, pending, outcome, p.OnTick(Clock::now()));
+    Execute(p, job, pending, outcome, p.OnTick(env->Now()));
   }
   // Nothing of this layer may land in a destination row after we return.
   for (const Pending& left : pending) {
@@ -397,6 +398,7 @@ Result<std::unique_ptr<Rearranger>> Rearranger::Create(Agent* agent, Bootstrap* 
   impl->boot = bootstrap;
   impl->layout = std::move(layout);
   impl->options = options;
+  impl->env = EnvOrDefault(options.env);
   EPLBX_RETURN_IF_ERROR(impl->Setup());
   return std::unique_ptr<Rearranger>(new Rearranger(std::move(impl)));
 }
@@ -425,7 +427,7 @@ RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to
                                       const MigrationPlan& plan) {
   internal::RearrangerImpl& d = *impl_;
   RearrangeReport report;
-  const auto t0 = std::chrono::steady_clock::now();
+  const auto t0 = impl_->env->Now();
   if (d.failed) {
     report.status = Status::Aborted(StrCat("rank ", d.self(), ": this Rearranger failed earlier (",
                                            d.failure, "); build a new one"));
@@ -451,7 +453,7 @@ RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to
       break;
     }
   }
-  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  report.seconds = std::chrono::duration<double>(impl_->env->Now() - t0).count();
   return report;
 }
 

@@ -38,7 +38,6 @@ void KeepAlive(int fd, std::chrono::milliseconds within) {
 }
 
 using internal::StrCat;
-using Clock = std::chrono::steady_clock;
 
 // Compares in time that depends only on the lengths, never on where the bytes differ.
 bool ConstantTimeEqual(std::string_view a, std::string_view b) {
@@ -69,7 +68,7 @@ Result<sockaddr_in> Resolve(const std::string& addr, uint16_t port) {
 }  // namespace
 
 Result<std::unique_ptr<TcpStore>> TcpStore::Listen(const std::string& addr, uint16_t port,
-                                                   std::string token, uint32_t world) {
+                                                   std::string token, uint32_t world, Env* env) {
   if (token.empty()) {
     return Status::InvalidArgument(
         "the rendezvous token is empty; set EPLBX_TOKEN to the same secret on every rank");
@@ -90,6 +89,7 @@ Result<std::unique_ptr<TcpStore>> TcpStore::Listen(const std::string& addr, uint
   store->listen_fd_ = fd;
   store->token_ = std::move(token);
   store->world_ = world;
+  store->env_ = EnvOrDefault(env);
   return store;
 }
 
@@ -150,15 +150,15 @@ Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
                        const std::function<void(uint32_t)>& on_lost) {
   members_.assign(world_, -1);
   uint32_t joined = 0;
-  const auto deadline = Clock::now() + join_timeout;
+  const auto deadline = env_->Now() + join_timeout;
   struct Pending {
     int fd;
-    Clock::time_point since;
+    Env::Clock::time_point since;
   };
   std::vector<Pending> pending;
   while (joined < world_) {
     const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - env_->Now()).count();
     if (left <= 0) {
       std::string missing;
       for (uint32_t r = 0; r < world_; ++r) {
@@ -179,7 +179,7 @@ Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
     for (size_t k = 1; k < p.size(); ++k) {
       const Pending& c = pending[k - 1];
       if ((p[k].revents & (POLLIN | POLLHUP | POLLERR)) == 0) {
-        if (Clock::now() - c.since < kHelloDeadline) {
+        if (env_->Now() - c.since < kHelloDeadline) {
           still.push_back(c);
         } else {
           close(c.fd);  // said nothing in time: not a member
@@ -189,8 +189,8 @@ Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
       uint8_t type = 0;
       std::string body;
       bool timed_out = false;
-      if (!internal::ReadFrame(c.fd, std::min(c.since + kHelloDeadline, Clock::now() + kFrameWait),
-                               &type, &body, &timed_out) ||
+      if (!internal::ReadFrame(c.fd, std::min(c.since + kHelloDeadline, env_->Now() + kFrameWait),
+                               &type, &body, &timed_out, env_) ||
           type != internal::kHello) {
         close(c.fd);  // not a member (or too slow to say hello)
         continue;
@@ -207,7 +207,7 @@ Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
           close(pending.front().fd);
           pending.erase(pending.begin());
         }
-        pending.push_back({fd, Clock::now()});
+        pending.push_back({fd, env_->Now()});
       }
     }
   }
@@ -221,10 +221,11 @@ Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
 Result<std::unique_ptr<SocketBootstrap>> JoinTcpStore(const std::string& addr, uint16_t port,
                                                       const std::string& token, uint32_t rank,
                                                       uint32_t world,
-                                                      std::chrono::milliseconds timeout) {
+                                                      std::chrono::milliseconds timeout, Env* env) {
+  env = EnvOrDefault(env);
   Result<sockaddr_in> sa = Resolve(addr, port);
   if (!sa.ok()) return sa.status();
-  const auto deadline = Clock::now() + timeout;
+  const auto deadline = env->Now() + timeout;
   while (true) {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (connect(fd, reinterpret_cast<sockaddr*>(&*sa), sizeof(*sa)) == 0) {
@@ -238,7 +239,7 @@ Result<std::unique_ptr<SocketBootstrap>> JoinTcpStore(const std::string& addr, u
       std::string body;
       bool timed_out = false;
       if (internal::WriteFrame(fd, internal::kHello, w.Take()) &&
-          internal::ReadFrame(fd, deadline, &type, &body, &timed_out)) {
+          internal::ReadFrame(fd, deadline, &type, &body, &timed_out, env)) {
         if (type == internal::kWelcome) return std::make_unique<SocketBootstrap>(fd, rank, world);
         close(fd);
         return Status::Unavailable(StrCat("rank ", rank, ": the rendezvous store refused: ", body));
@@ -248,18 +249,16 @@ Result<std::unique_ptr<SocketBootstrap>> JoinTcpStore(const std::string& addr, u
     } else {
       close(fd);
     }
-    if (Clock::now() >= deadline) break;
+    if (env->Now() >= deadline) break;
     usleep(100000);  // the store may not listen yet
   }
   return Status::Timeout(StrCat("rank ", rank, ": no rendezvous store answered at ", addr, ":",
                                 port, " within ", timeout.count(), " ms"));
 }
 
-Result<RendezvousEnv> RendezvousFromEnv(bool need_rank) {
-  auto get = [](const char* name) -> std::string {
-    const char* v = std::getenv(name);
-    return v != nullptr ? v : "";
-  };
+Result<RendezvousEnv> RendezvousFromEnv(bool need_rank, Env* env) {
+  env = EnvOrDefault(env);
+  auto get = [env](const char* name) -> std::string { return env->GetVar(name).value_or(""); };
   RendezvousEnv e;
   e.addr = get("EPLBX_MASTER_ADDR");
   const std::string port = get("EPLBX_MASTER_PORT"), world = get("EPLBX_WORLD_SIZE");
@@ -274,7 +273,7 @@ Result<RendezvousEnv> RendezvousFromEnv(bool need_rank) {
     if (value->empty()) {
       return Status::InvalidArgument(
           StrCat("environment variable ", name,
-                 std::getenv(name) != nullptr ? " is empty" : " is not set"));
+                 env->GetVar(name).has_value() ? " is empty" : " is not set"));
     }
   }
   if (e.token.size() > kMaxTokenBytes) {  // the hello carries it; the store reads at most this

@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <thread>
@@ -51,7 +50,8 @@ std::string JoinList(const std::vector<std::string>& items) {
 }
 
 // The data paths an agent uses, in order; *explicit_list when the user named them.
-Result<std::vector<std::string>> ResolvePaths(const AgentConfig& config, bool* explicit_list) {
+Result<std::vector<std::string>> ResolvePaths(const AgentConfig& config, Env* env,
+                                              bool* explicit_list) {
   *explicit_list = false;
   if (!config.paths.empty()) {
     *explicit_list = true;
@@ -59,12 +59,12 @@ Result<std::vector<std::string>> ResolvePaths(const AgentConfig& config, bool* e
   }
   Transport transport = config.transport;
   if (transport == Transport::kAuto) {
-    if (const char* env = std::getenv("EPLBX_PATHS"); env != nullptr && *env != '\0') {
+    if (std::string v = env->GetVar("EPLBX_PATHS").value_or(""); !v.empty()) {
       *explicit_list = true;
-      return SplitList(env);
+      return SplitList(v);
     }
-    if (const char* env = std::getenv("EPLBX_TRANSPORT"); env != nullptr && *env != '\0') {
-      Result<Transport> t = ParseTransport(env);
+    if (std::string v = env->GetVar("EPLBX_TRANSPORT").value_or(""); !v.empty()) {
+      Result<Transport> t = ParseTransport(v);
       if (!t.ok()) return t.status().WithPrefix("environment variable EPLBX_TRANSPORT");
       transport = *t;
     }
@@ -96,7 +96,8 @@ Result<std::shared_ptr<AgentCore>> AgentCore::Create(std::string name, AgentConf
                                           " (expected ucx or loopback)"));
   }
   bool explicit_list = false;
-  Result<std::vector<std::string>> paths = ResolvePaths(config, &explicit_list);
+  Env* env = EnvOrDefault(config.env);
+  Result<std::vector<std::string>> paths = ResolvePaths(config, env, &explicit_list);
   if (!paths.ok()) return paths.status();
   if (paths->size() > kMaxPaths) {
     return Status::InvalidArgument(
@@ -107,8 +108,8 @@ Result<std::shared_ptr<AgentCore>> AgentCore::Create(std::string name, AgentConf
   }
   std::string host = config.host_id;
   if (host.empty()) {
-    const char* env = std::getenv("EPLBX_HOST_ID");
-    host = (env != nullptr && *env != '\0') ? env : DetectHostId();
+    host = env->GetVar("EPLBX_HOST_ID").value_or("");
+    if (host.empty()) host = DetectHostId();
   }
   if (host.size() > kMaxHostIdBytes) host.resize(kMaxHostIdBytes);
   std::shared_ptr<AgentCore> core(new AgentCore(std::move(name), config, std::move(host)));
@@ -561,20 +562,17 @@ TransferStatus AgentCore::GetStatus(TransferId id) const {
 
 TransferStatus AgentCore::Wait(TransferId id, std::chrono::milliseconds timeout) const {
   std::unique_lock<std::mutex> lock(mu_);
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (true) {
+  // A blocking wait on the condition variable's own clock (not the Env's: it only paces).
+  cv_.wait_for(lock, timeout, [&] {
     auto it = transfers_.find(id);
-    if (it == transfers_.end()) {
-      return {TransferState::kError,
-              Status::NotFound(StrCat("agent '", name_, "': no transfer ", id, " (released?)"))};
-    }
-    if (it->second.status.state != TransferState::kInProgress) return it->second.status;
-    if (cv_.wait_until(lock, deadline) == std::cv_status::timeout) {
-      auto again = transfers_.find(id);
-      if (again == transfers_.end()) continue;
-      return again->second.status;
-    }
+    return it == transfers_.end() || it->second.status.state != TransferState::kInProgress;
+  });
+  auto it = transfers_.find(id);
+  if (it == transfers_.end()) {
+    return {TransferState::kError,
+            Status::NotFound(StrCat("agent '", name_, "': no transfer ", id, " (released?)"))};
   }
+  return it->second.status;
 }
 
 Status AgentCore::Cancel(TransferId id) {

@@ -15,6 +15,7 @@
 #include "eplbx/bootstrap.h"
 #include "eplbx/rearrange.h"
 #include "rearrange/frames.h"
+#include "test_env.h"
 
 namespace eplbx {
 namespace {
@@ -225,42 +226,50 @@ TEST(TcpStoreTest, MembersThatMissARoundOrLeaveAreLost) {
 }
 
 TEST(RendezvousEnvTest, NamesTheMissingVariable) {
-  unsetenv("EPLBX_MASTER_ADDR");
-  EXPECT_NE(RendezvousFromEnv().status().message().find("EPLBX_MASTER_ADDR is not set"),
+  MapEnv vars;  // the process environment is never touched
+  vars.Unset("EPLBX_MASTER_ADDR");
+  EXPECT_NE(RendezvousFromEnv(true, &vars).status().message().find("EPLBX_MASTER_ADDR is not set"),
             std::string::npos);
-  setenv("EPLBX_MASTER_ADDR", "127.0.0.1", 1);
-  setenv("EPLBX_MASTER_PORT", "70000", 1);
-  setenv("EPLBX_RANK", "0", 1);
-  setenv("EPLBX_WORLD_SIZE", "2", 1);
-  setenv("EPLBX_TOKEN", "x", 1);
-  EXPECT_NE(RendezvousFromEnv().status().message().find("EPLBX_MASTER_PORT"), std::string::npos);
-  setenv("EPLBX_MASTER_PORT", "29500", 1);
-  auto env = RendezvousFromEnv();
+  vars.Set("EPLBX_MASTER_ADDR", "127.0.0.1");
+  vars.Set("EPLBX_MASTER_PORT", "70000");
+  vars.Set("EPLBX_RANK", "0");
+  vars.Set("EPLBX_WORLD_SIZE", "2");
+  vars.Set("EPLBX_TOKEN", "x");
+  EXPECT_NE(RendezvousFromEnv(true, &vars).status().message().find("EPLBX_MASTER_PORT"),
+            std::string::npos);
+  vars.Set("EPLBX_MASTER_PORT", "29500");
+  auto env = RendezvousFromEnv(true, &vars);
   ASSERT_TRUE(env.ok());
   EXPECT_EQ(env->port, 29500);
   EXPECT_EQ(env->world, 2u);
   // Issue 17, items 12 and 16: 4294967298 wrapped to 2; an empty token was "not set".
-  setenv("EPLBX_WORLD_SIZE", "4294967298", 1);
+  vars.Set("EPLBX_WORLD_SIZE", "4294967298");
+  EXPECT_NE(RendezvousFromEnv(true, &vars)
+                .status()
+                .message()
+                .find("EPLBX_WORLD_SIZE is '4294967298': out of range"),
+            std::string::npos)
+      << RendezvousFromEnv(true, &vars).status().ToString();
+  vars.Set("EPLBX_WORLD_SIZE", "2");
+  vars.Set("EPLBX_RANK", "2");
   EXPECT_NE(
-      RendezvousFromEnv().status().message().find("EPLBX_WORLD_SIZE is '4294967298': out of range"),
-      std::string::npos)
-      << RendezvousFromEnv().status().ToString();
-  setenv("EPLBX_WORLD_SIZE", "2", 1);
-  setenv("EPLBX_RANK", "2", 1);
-  EXPECT_NE(RendezvousFromEnv().status().message().find("EPLBX_RANK is '2': out of range"),
-            std::string::npos);
-  setenv("EPLBX_RANK", "0", 1);
-  unsetenv("EPLBX_RANK");  // the store does not use it (issue 17, item 16)
-  EXPECT_TRUE(RendezvousFromEnv(/*need_rank=*/false).ok());
-  EXPECT_NE(RendezvousFromEnv().status().message().find("EPLBX_RANK is not set"),
-            std::string::npos);
-  setenv("EPLBX_RANK", "0", 1);
-  setenv("EPLBX_TOKEN", std::string(5000, 'a').c_str(), 1);  // it showed as "did not join"
-  EXPECT_NE(
-      RendezvousFromEnv().status().message().find("EPLBX_TOKEN is 5000 bytes; the limit is 4096"),
+      RendezvousFromEnv(true, &vars).status().message().find("EPLBX_RANK is '2': out of range"),
       std::string::npos);
-  setenv("EPLBX_TOKEN", "", 1);
-  EXPECT_NE(RendezvousFromEnv().status().message().find("EPLBX_TOKEN is empty"), std::string::npos);
+  vars.Set("EPLBX_RANK", "0");
+  vars.Unset("EPLBX_RANK");  // the store does not use it (issue 17, item 16)
+  EXPECT_TRUE(RendezvousFromEnv(/*need_rank=*/false, &vars).ok());
+  EXPECT_NE(RendezvousFromEnv(true, &vars).status().message().find("EPLBX_RANK is not set"),
+            std::string::npos);
+  vars.Set("EPLBX_RANK", "0");
+  vars.Set("EPLBX_TOKEN", std::string(5000, 'a'));  // it showed as "did not join"
+  EXPECT_NE(RendezvousFromEnv(true, &vars)
+                .status()
+                .message()
+                .find("EPLBX_TOKEN is 5000 bytes; the limit is 4096"),
+            std::string::npos);
+  vars.Set("EPLBX_TOKEN", "");
+  EXPECT_NE(RendezvousFromEnv(true, &vars).status().message().find("EPLBX_TOKEN is empty"),
+            std::string::npos);
   for (const char* v : {"EPLBX_MASTER_ADDR", "EPLBX_MASTER_PORT", "EPLBX_RANK", "EPLBX_WORLD_SIZE",
                         "EPLBX_TOKEN"}) {
     unsetenv(v);

@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include "eplbx/transfer.h"
+#include "test_env.h"
 #include "transfer/fault/fault_path.h"
 
 namespace eplbx {
@@ -170,6 +171,32 @@ TEST(PathChoiceTest, ATransferSplitOverTwoPathsNotifiesOnceAfterBoth) {
     if (p.path == "ucx") EXPECT_EQ(p.bytes, 0u);
     EXPECT_EQ(p.transfers, p.bytes > 0 ? 1u : 0u) << p.path;
   }
+}
+
+// The variables an agent reads come through its Env, never from the process directly.
+TEST(PathChoiceTest, VariablesComeFromTheEnv) {
+  MapEnv vars;
+  AgentConfig c;
+  c.env = &vars;
+  vars.Set("EPLBX_PATHS", "ucx");
+  vars.Set("EPLBX_HOST_ID", "rack7");
+  auto a = Agent::Create("env-a", c);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  EXPECT_EQ((*a)->paths(), (std::vector<std::string>{"ucx"}));
+  EXPECT_EQ((*a)->host_id(), "rack7");
+  vars.Unset("EPLBX_PATHS");
+  vars.Set("EPLBX_TRANSPORT", "shm");
+  EXPECT_EQ((*Agent::Create("env-b", c))->paths(), (std::vector<std::string>{"shm", "cma"}));
+  vars.Set("EPLBX_TRANSPORT", "rdma");
+  EXPECT_NE(Agent::Create("env-c", c)
+                .status()
+                .message()
+                .find("environment variable EPLBX_TRANSPORT: unknown transport 'rdma'"),
+            std::string::npos)
+      << Agent::Create("env-c", c).status().ToString();
+  vars.Set("EPLBX_PATHS", "shm,bogus");
+  EXPECT_NE(Agent::Create("env-d", c).status().message().find("unknown data path 'bogus'"),
+            std::string::npos);
 }
 
 // ---- the fault-injecting wrappers, on loopback agents ---------------------------------

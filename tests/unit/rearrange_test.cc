@@ -1,6 +1,7 @@
 // Layouts, the Rearranger and the vLLM-shaped EplbCommunicator, with ranks as threads on
 // loopback agents (the real multi-process runs are tests/cli/demo_test.cc).
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -12,6 +13,7 @@
 #include "eplbx/migration.h"
 #include "eplbx/rearrange.h"
 #include "protocol/records.h"
+#include "test_env.h"
 #include "transfer/fault/fault_path.h"
 #include "transfer/loopback/loopback.h"
 
@@ -168,7 +170,7 @@ std::vector<std::unique_ptr<Rank>> RearrangeOnThreads(
     const std::vector<std::vector<int32_t>>& before,
     const std::function<RearrangeReport(Rearranger&)>& run, std::vector<RearrangeReport>* out,
     const std::vector<std::shared_ptr<internal::FaultPlan>>& faults = {},
-    std::chrono::milliseconds deadline = std::chrono::seconds(10)) {
+    std::chrono::milliseconds deadline = std::chrono::seconds(10), Env* env = nullptr) {
   InMemoryGroup group(kRanks);
   std::vector<std::unique_ptr<Rank>> ranks;
   for (uint32_t r = 0; r < kRanks; ++r) {
@@ -181,6 +183,7 @@ std::vector<std::unique_ptr<Rank>> RearrangeOnThreads(
       auto boot = group.Member(r);
       RearrangeOptions o;
       o.deadline = deadline;
+      o.env = env;
       auto re = Rearranger::Create(ranks[r]->agent.get(), boot.get(), ranks[r]->layout, o);
       if (re.ok()) {
         (*out)[r] = run(**re);
@@ -402,6 +405,41 @@ TEST(RearrangerFaultTest, EveryPhaseRollsBackOnEveryRank) {
     // Deadlines bound every wait: three layers of 400 ms at most, plus set-up.
     EXPECT_LT(took, std::chrono::seconds(5));
   }
+}
+
+// Deadlines are measured on the Env's clock: with a READY lost and a 300 s deadline, a clock
+// moved an hour ahead ends the layer at once, on every rank, by name.
+TEST(RearrangerFaultTest, DeadlinesFollowTheEnvClock) {
+  using internal::Fault;
+  std::mt19937 rng(8);
+  const RandomMoves m(rng);
+  ASSERT_TRUE(m.from.ok() && m.to.ok());
+  auto faulty = std::make_shared<internal::FaultPlan>();
+  Fault drop{Fault::Action::kDrop};
+  drop.match = [](std::string_view p) { return IsRecord(p, protocol::RecordKind::kReady); };
+  faulty->OnNotifications(drop);
+  SkewedClockEnv clock;
+  std::atomic<bool> done{false};
+  std::thread jump([&] {
+    // Once the ranks are stuck waiting (the metadata exchange is over well before this).
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    clock.Advance(std::chrono::hours(1));
+    while (!done) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  });
+  std::vector<RearrangeReport> reports;
+  const auto start = std::chrono::steady_clock::now();
+  auto ranks = RearrangeOnThreads(
+      m.before, [&](Rearranger& re) { return re.Rearrange(*m.from, *m.to); }, &reports,
+      {faulty, faulty, faulty}, std::chrono::seconds(300), &clock);
+  done = true;
+  jump.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(reports[r].status.code(), Code::kAborted) << reports[r].status.ToString();
+    EXPECT_NE(reports[r].status.message().find("deadline passed"), std::string::npos)
+        << reports[r].status.ToString();
+  }
+  ExpectLayerAtomic(ranks, reports, m, "clock jump");
 }
 
 // Faults that lose nothing: a late completion, duplicated completions and records. Every

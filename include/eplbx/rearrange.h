@@ -86,10 +86,6 @@ class Rearranger {
   bool failed() const;
   // The peer id of `rank` in the agent (for tools that talk to ranks directly).
   Result<PeerId> peer(uint32_t rank) const;
-  // Called after each layer's protocol started on this rank (used by `eplbx demo --inject`).
-  void set_layer_hook(std::function<void(uint32_t layer)> hook);
-  // Called when a layer starts its commit on this rank (fault drills).
-  void set_commit_hook(std::function<void(uint32_t layer)> hook);
 
  private:
   explicit Rearranger(std::unique_ptr<internal::RearrangerImpl> impl);

@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <memory>
+#include <mutex>
 #include <random>
 #include <vector>
 
@@ -23,6 +25,7 @@
 #include "eplbx/rearrange.h"
 #include "eplbx/transfer.h"
 #include "protocol/records.h"
+#include "transfer/fault/fault_path.h"
 
 namespace eplbx::cli {
 namespace {
@@ -133,6 +136,58 @@ std::string NodeName() {
   return host;
 }
 
+// The fault drill of `--inject KIND:RANK[@transfer|@commit]` in layer 0, as rules of the
+// fault-injecting wrappers around this rank's agent:
+//   kill / stall: exit / SIGSTOP at the first READ this rank posts or READY it sends
+//     (transfer: peers are reading from it, or it from them), or at its first DONE
+//     (commit: its reads landed, peers may be committing);
+//   bad-notify: its MAPS records (transfer) or DONE records (commit) to every peer go out
+//     with an unsupported protocol version.
+std::shared_ptr<internal::FaultPlan> DrillPlan(const DemoOptions& o) {
+  using internal::Fault;
+  using protocol::RecordKind;
+  auto plan = std::make_shared<internal::FaultPlan>();
+  auto is = [](std::string_view p, RecordKind kind) {
+    Result<protocol::Record> r = protocol::DecodeRecord(p);
+    return r.ok() && r->kind == kind;
+  };
+  const bool commit = o.fault_phase == "commit";
+  if (o.fault == "bad-notify") {
+    Fault f{Fault::Action::kCorrupt};
+    f.times = o.ranks - 1;  // one record to each peer
+    f.match = [=](std::string_view p) {
+      return is(p, commit ? RecordKind::kDone : RecordKind::kMaps);
+    };
+    f.rewrite = [](std::string p) {
+      if (p.size() > 4) p[4] = 99;  // an unsupported record version
+      return p;
+    };
+    plan->OnNotifications(f);
+    return plan;
+  }
+  auto once = std::make_shared<std::once_flag>();
+  const bool kill = o.fault == "kill";
+  auto act = [once, kill] {
+    std::call_once(*once, [kill] {
+      if (kill) _exit(3);
+      raise(SIGSTOP);
+    });
+  };
+  Fault note{Fault::Action::kRun};
+  note.run = act;
+  note.match = [=](std::string_view p) {
+    return is(p, RecordKind::kDone) || (!commit && is(p, RecordKind::kReady));
+  };
+  plan->OnNotifications(note);
+  if (!commit) {
+    Fault read{Fault::Action::kRun};
+    read.op = internal::XferOp::kRead;
+    read.run = act;
+    plan->OnTransfers(read);
+  }
+  return plan;
+}
+
 }  // namespace
 
 int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann::json* sent) {
@@ -158,7 +213,13 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann:
   config.peer_timeout = std::min<std::chrono::milliseconds>(deadline / 2, std::chrono::seconds(30));
   Result<Transport> transport = ParseTransport(o.transport);
   config.transport = transport.ok() ? *transport : Transport::kAuto;
-  Result<std::unique_ptr<Agent>> agent = Agent::Create(StrCat("rank", rank), config);
+  // A drill during the rearrangement runs inside this rank's transfer engine, through the
+  // fault-injecting wrappers: no protocol record is forged and the Rearranger has no hooks.
+  const bool drill = o.fault_rank == rank && !o.fault.empty() && o.fault_phase != "exchange" &&
+                     (o.fault == "kill" || o.fault == "stall" || o.fault == "bad-notify");
+  Result<std::unique_ptr<Agent>> agent =
+      drill ? internal::CreateFaultyAgent(StrCat("rank", rank), config, DrillPlan(o))
+            : Agent::Create(StrCat("rank", rank), config);
   if (!agent.ok()) {
     report["error"] = agent.status().message();
     return finish(1);
@@ -267,24 +328,6 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann:
   Result<std::unique_ptr<Rearranger>> rearranger =
       Rearranger::Create(agent->get(), &boot, declared, ro);
   if (!rearranger.ok()) return fail_setup(rearranger.status().message());
-  auto drill = [&](uint32_t layer, const std::string& phase) {
-    if (!faulty || layer != 0 || o.fault_phase != phase) return;
-    if (o.fault == "kill") _exit(3);  // mid-transfer: READY sent, peers reading
-    if (o.fault == "stall") raise(SIGSTOP);
-    if (o.fault == "bad-notify") {
-      for (int r = 0; r < o.ranks; ++r) {
-        if (r == rank) continue;
-        protocol::Record bogus;
-        bogus.kind = protocol::RecordKind::kReady;
-        bogus.generation = 1;
-        std::string bytes = protocol::EncodeRecord(bogus);
-        bytes[4] = 99;  // unsupported version
-        (void)(*agent)->Notify(*(*rearranger)->peer(static_cast<uint32_t>(r)), bytes);
-      }
-    }
-  };
-  (*rearranger)->set_layer_hook([&](uint32_t layer) { drill(layer, "transfer"); });
-  (*rearranger)->set_commit_hook([&](uint32_t layer) { drill(layer, "commit"); });
 
   // Per-step figures, kept compact (turned into JSON at the end) so that the soak's
   // resident-memory check measures the library, not this report.

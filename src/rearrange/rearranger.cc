@@ -41,8 +41,6 @@ class RearrangerImpl {
   std::string failure;
   uint64_t generation = 0;
   std::deque<std::pair<uint32_t, protocol::Record>> deferred;
-  std::function<void(uint32_t)> hook;
-  std::function<void(uint32_t)> commit_hook;
 
   uint32_t self() const { return layout.rank; }
   uint32_t world() const { return static_cast<uint32_t>(all.size()); }
@@ -272,7 +270,6 @@ LayerOutcome RearrangerImpl::RunJob(LayerJob& job) {
     if (again) later.push_back({from, rec});
   }
   deferred.swap(later);
-  if (hook) hook(job.layer);
   auto handle = [&](std::vector<Notification> notes) {
     for (Notification& n : notes) {
       auto who = rank_of_name.find(n.peer);
@@ -350,7 +347,6 @@ LayerOutcome RearrangerImpl::RunLayer(uint32_t l, const LayerMigration& m, const
   }
   uint64_t copied = 0;
   job.commit = [&, l, tensors] {
-    if (commit_hook) commit_hook(l);
     // Copies from old rows first (the weights are still the old ones), then from rows just
     // read; then every changed row goes from staging to the weights.
     for (CopySource pass : {CopySource::kOld, CopySource::kNew}) {
@@ -464,13 +460,6 @@ Result<PeerId> Rearranger::peer(uint32_t rank) const {
     return Status::InvalidArgument(StrCat("no peer for rank ", rank));
   }
   return impl_->peer_of[rank];
-}
-
-void Rearranger::set_layer_hook(std::function<void(uint32_t layer)> hook) {
-  impl_->hook = std::move(hook);
-}
-void Rearranger::set_commit_hook(std::function<void(uint32_t layer)> hook) {
-  impl_->commit_hook = std::move(hook);
 }
 
 // ---- EplbCommunicator -------------------------------------------------------------------

@@ -53,9 +53,8 @@ std::optional<Fault> FaultPlan::ForTransfer(const std::string& agent, const std:
   std::lock_guard<std::mutex> lock(mu_);
   uint64_t& sent = bytes_[{agent, peer}];
   std::optional<Fault> f = Take(transfer_rules_, peer, op, {}, sent + bytes);
-  if (!f || f->action == Fault::Action::kDelay || f->action == Fault::Action::kDrop ||
-      f->action == Fault::Action::kDuplicate) {
-    sent += bytes;
+  if (!f || (f->action != Fault::Action::kFail && f->action != Fault::Action::kLosePeer)) {
+    sent += bytes;  // these bytes move
   }
   return f;
 }
@@ -166,6 +165,10 @@ class FaultyPath final : public DataPath, public CoreListener {
       core_->OnDataDone(req.id, lost);
       return Status::OK();
     }
+    if (f && f->action == Fault::Action::kRun) {
+      if (f->run) f->run();
+      f.reset();
+    }
     if (f) {
       std::lock_guard<std::mutex> lock(mu_);
       faults_[req.id] = *f;
@@ -267,6 +270,14 @@ class FaultyControl final : public ControlChannel {
       if (auto it = names_.find(peer); it != names_.end()) name = it->second;
     }
     std::optional<Fault> f = plan_->ForNotification(agent_, name, payload);
+    if (f && f->action == Fault::Action::kRun) {
+      if (f->run) f->run();
+      f.reset();
+    }
+    if (f && f->action == Fault::Action::kCorrupt) {
+      if (f->rewrite) payload = f->rewrite(std::move(payload));
+      f.reset();
+    }
     if (!f) return inner_->Notify(peer, std::move(payload), std::move(sent));
     switch (f->action) {
       case Fault::Action::kFail:
@@ -289,6 +300,9 @@ class FaultyControl final : public ControlChannel {
                         if (!s.ok() && sent) sent(s);
                       });
         return Status::OK();
+      case Fault::Action::kRun:
+      case Fault::Action::kCorrupt:
+        break;  // handled above
     }
     return Status::OK();
   }

@@ -31,6 +31,9 @@ struct Fault {
                  // notification: never sent, reported as sent
     kDuplicate,  // transfer: completion reported twice; notification: sent twice
     kLosePeer,   // the peer is reported lost; the transfer (or notification) fails
+    kRun,        // `run` is called first, then all proceeds as without a fault (drills:
+                 // `eplbx demo --inject` exits or stops the process right there)
+    kCorrupt,    // notification: `rewrite(payload)` is sent instead
   };
   Action action = Action::kFail;
   std::string peer;          // the peer agent's name; empty: any peer
@@ -42,6 +45,8 @@ struct Fault {
   std::chrono::milliseconds delay{0};
   // Notifications only: which payloads (null: every one).
   std::function<bool(std::string_view payload)> match;
+  std::function<void()> run;                        // kRun
+  std::function<std::string(std::string)> rewrite;  // kCorrupt
 };
 
 // The rules one or more agents follow. Thread-safe; rules may change while agents run.

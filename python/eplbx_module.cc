@@ -18,7 +18,7 @@
 #include "eplbx/policy.h"
 #include "eplbx/rearrange.h"
 #include "eplbx/transfer.h"
-#include "transfer/shm/measure.h"
+#include "tools/measure.h"
 
 namespace py = pybind11;
 
@@ -246,9 +246,16 @@ class PyBootstrap final : public Bootstrap {
 class Communicator {
  public:
   Communicator(uint32_t rank, uint32_t world, py::function allgather, const py::list& layers,
-               const py::list& regions, double timeout_s, const std::string& transport) {
+               const py::list& regions, double timeout_s, const std::string& transport,
+               const std::string& paths) {
     AgentConfig config;
     config.transport = Take(ParseTransport(transport));
+    // "shm,cma,ucx": the data paths in order (docs/transfer.md); the agent checks the names.
+    for (size_t at = 0; !paths.empty() && at <= paths.size();) {
+      const size_t comma = std::min(paths.find(',', at), paths.size());
+      config.paths.push_back(paths.substr(at, comma - at));
+      at = comma + 1;
+    }
     const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
     config.peer_timeout =
         std::max(std::chrono::milliseconds(100),
@@ -395,9 +402,10 @@ PYBIND11_MODULE(_eplbx, m) {
 
   py::class_<Communicator>(m, "_Communicator")
       .def(py::init<uint32_t, uint32_t, py::function, const py::list&, const py::list&, double,
-                    const std::string&>(),
+                    const std::string&, const std::string&>(),
            py::arg("rank"), py::arg("world"), py::arg("allgather"), py::arg("layers"),
-           py::arg("regions"), py::arg("timeout_s"), py::arg("transport") = "auto")
+           py::arg("regions"), py::arg("timeout_s"), py::arg("transport") = "auto",
+           py::arg("paths") = "")
       .def("set_transfer_context", &Communicator::SetTransferContext, py::arg("old"),
            py::arg("layer"), py::arg("new_map") = py::none())
       .def("add_send", &Communicator::AddSend)

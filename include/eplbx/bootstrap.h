@@ -128,6 +128,19 @@ Result<std::unique_ptr<SocketBootstrap>> JoinTcpStore(const std::string& addr, u
                                                       std::chrono::milliseconds timeout,
                                                       Env* env = nullptr);
 
+// An all-gather among threads of one process (tests, single-process tools).
+class InMemoryGroup {
+ public:
+  explicit InMemoryGroup(uint32_t size);
+  ~InMemoryGroup();
+  std::unique_ptr<Bootstrap> Member(uint32_t rank);
+
+  struct Shared;  // implementation detail
+
+ private:
+  std::shared_ptr<Shared> shared_;
+};
+
 }  // namespace eplbx
 
 #endif  // EPLBX_BOOTSTRAP_H_

@@ -55,6 +55,8 @@ struct RearrangeReport {
   uint64_t experts_read = 0;         // this rank, all layers
   uint64_t bytes_read = 0;           // this rank, all layers
   uint64_t bytes_cross_node = 0;     // of bytes_read, from other nodes
+  // Bytes this rank's transfers moved per data path (shm, cma, ucx), this call only.
+  std::vector<PathTotals> bytes_by_path;
   double seconds = 0;
 };
 
@@ -134,19 +136,6 @@ class EplbCommunicator {
   struct State;
   explicit EplbCommunicator(std::unique_ptr<State> state);
   std::unique_ptr<State> state_;
-};
-
-// An all-gather among threads of one process (tests, single-process tools).
-class InMemoryGroup {
- public:
-  explicit InMemoryGroup(uint32_t size);
-  ~InMemoryGroup();
-  std::unique_ptr<Bootstrap> Member(uint32_t rank);
-
-  struct Shared;  // implementation detail
-
- private:
-  std::shared_ptr<Shared> shared_;
 };
 
 }  // namespace eplbx

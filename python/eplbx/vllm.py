@@ -104,7 +104,7 @@ class EplbxCommunicator:
     """vLLM's EplbCommunicator interface on eplbx (host tensors)."""
 
     def __init__(self, cpu_group, all_expert_weights, expert_buffer, timeout_s: float = 300.0,
-                 transport: str = "auto"):
+                 transport: str = "auto", paths: str = ""):
         import torch.distributed as dist
 
         self._group = cpu_group
@@ -138,7 +138,7 @@ class EplbxCommunicator:
             return out
 
         self._comm = _Communicator(rank, world, allgather, layers, _merged_regions(tensors), float(timeout_s),
-                                   transport)
+                                   transport, paths)
 
     @property
     def needs_profile_buffer_reservation(self) -> bool:

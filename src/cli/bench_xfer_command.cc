@@ -24,7 +24,7 @@
 #include "common/numbers.h"
 #include "common/strings.h"
 #include "eplbx/transfer.h"
-#include "transfer/shm/measure.h"
+#include "tools/measure.h"
 
 namespace eplbx::cli {
 namespace {
@@ -36,6 +36,8 @@ constexpr uint64_t kMaxBuffer = 256ull << 20;  // descriptors wrap around inside
 
 struct XferOptions {
   std::string transport = "auto";
+  std::string paths;         // data paths in order: one run with exactly these
+  int64_t inline_copy = -1;  // AgentConfig::inline_copy_bytes
   std::string sizes = "64K,1M,4M,16M,64M";
   std::string batches = "1,16";
   std::string ops = "read,write";
@@ -290,10 +292,27 @@ Status RunXfer(const XferOptions& o) {
   std::memset(local.get(), 1, kMaxBuffer);
   std::vector<Row> rows;
   std::map<std::string, uint64_t> bytes_by_path;  // over all agents of the run
-  for (Transport t : transports) {
+  // One agent per transport, or one with the data paths given.
+  std::vector<std::pair<std::string, AgentConfig>> runs;
+  if (!o.paths.empty()) {
     AgentConfig config;
-    config.transport = t;
-    auto agent = Agent::Create(StrCat("xfer-", TransportName(t)), config);
+    for (size_t at = 0; at <= o.paths.size();) {
+      const size_t comma = std::min(o.paths.find(',', at), o.paths.size());
+      config.paths.push_back(o.paths.substr(at, comma - at));
+      at = comma + 1;
+    }
+    config.inline_copy_bytes = o.inline_copy;
+    runs.push_back({"paths", config});
+  } else {
+    for (Transport t : transports) {
+      AgentConfig config;
+      config.transport = t;
+      config.inline_copy_bytes = o.inline_copy;
+      runs.push_back({std::string(TransportName(t)), config});
+    }
+  }
+  for (const auto& [label, config] : runs) {
+    auto agent = Agent::Create(StrCat("xfer-", label), config);
     if (!agent.ok()) return agent.status();
     auto region = (*agent)->RegisterMemory(local.get(), kMaxBuffer);
     if (!region.ok()) return region.status();
@@ -308,7 +327,7 @@ Status RunXfer(const XferOptions& o) {
       return std::string("?");
     };
     std::vector<std::pair<std::string, uint64_t>> memories = {{"plain", target.plain}};
-    if (t == Transport::kShm) memories.push_back({"shared", target.shared});
+    if (label != "tcp") memories.push_back({"shared", target.shared});
     for (const auto& [memory, base] : memories) {
       for (bool read : ops) {
         for (uint64_t size : *sizes) {
@@ -317,7 +336,7 @@ Status RunXfer(const XferOptions& o) {
                 Measure(**agent, *peer, read, base, local.get(), size, batch, o.seconds);
             if (!row.ok()) return row.status();
             row->op = read ? "read" : "write";
-            row->transport = std::string(TransportName(t));
+            row->transport = label;
             row->memory = memory;
             row->path = path_of(memory == "shared" ? MemoryKind::kHostFile : MemoryKind::kHost);
             if (!o.json) {
@@ -396,6 +415,13 @@ void AddBenchCommand(CLI::App& app, Action& run) {
       "xfer", "READ/WRITE between two processes on this machine, per transport, vs memcpy");
   xfer->add_option("--transport", o->transport, "auto (shm and tcp), shm or tcp")
       ->capture_default_str();
+  xfer->add_option("--paths", o->paths,
+                   "data paths in order, e.g. cma or shm,cma,ucx: one run with exactly these "
+                   "(instead of --transport)");
+  xfer->add_option("--inline-copy", o->inline_copy,
+                   "same-host transfers up to this many bytes are copied on the calling thread "
+                   "(-1: the agent's default, 0: never)")
+      ->check(IntIn<int64_t>(-1, int64_t{1} << 40));
   xfer->add_option("--sizes", o->sizes, "block sizes, comma-separated (K, M, G suffixes)")
       ->capture_default_str();
   xfer->add_option("--batches", o->batches, "descriptors per transfer, comma-separated")

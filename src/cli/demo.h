@@ -4,8 +4,12 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
+#include <chrono>
+#include <functional>
 #include <map>
+#include <mutex>
 
 #include <CLI/CLI.hpp>
 
@@ -13,7 +17,7 @@
 
 #include "eplbx/bootstrap.h"
 #include "eplbx/status.h"
-#include "transfer/shm/measure.h"
+#include "tools/measure.h"
 
 namespace eplbx::cli {
 
@@ -30,6 +34,7 @@ struct DemoOptions {
   bool json = false;
   std::string inject;  // "", or KIND:RANK
   std::string transport = "auto";
+  std::string paths;  // "shm,cma,ucx": data paths in order; overrides transport
   // Parsed:
   uint64_t expert_bytes_value = 0;
   std::string fault;  // kind of --inject
@@ -42,6 +47,9 @@ struct DemoOptions {
 // `report` (optional) receives the report this rank sent.
 int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot,
                 nlohmann::json* report = nullptr);
+
+// "shm,cma,ucx" -> {"shm", "cma", "ucx"}; "" -> {}.
+std::vector<std::string> SplitPaths(const std::string& list);
 
 // Registers the flags `eplbx demo` and `eplbx worker` share (all but --ranks).
 void AddDemoFlags(CLI::App& cmd, DemoOptions& o);
@@ -59,6 +67,33 @@ nlohmann::json CheckMemberMessage(uint32_t rank, std::string_view bytes);
 
 Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& reports,
                   double memcpy_gbps, double wall_seconds, const Status& coordinator);
+
+// The coordinator's side of a run, shared by `eplbx demo` (rank processes it forked) and
+// `eplbx worker` rank 0 (ranks that joined its store): collects the ranks' reports, prints
+// their progress lines, and decides when to stop waiting. Every rank's waits are bounded by
+// the deadline: once one rank reported, the others get one deadline (plus 2 s) to report
+// too. Thread-safe.
+class ReportCollector {
+ public:
+  ReportCollector(const DemoOptions& o, bool print_progress);
+  // A member's message: a report, or a progress line (printed when asked to).
+  void OnMessage(uint32_t rank, std::string_view bytes);
+  // True once every rank reported or `lost(rank)` says it never will, or the grace after
+  // the first report passed.
+  bool Settled(const std::function<bool(int rank)>& lost);
+  bool Reported(int rank);
+  // A report the coordinator writes itself (a rank it had to kill).
+  void Add(int rank, nlohmann::json report);
+  std::map<int, nlohmann::json> Reports();
+
+ private:
+  const int world_;
+  const bool print_progress_;
+  const std::chrono::milliseconds grace_;
+  std::mutex mu_;
+  std::map<int, nlohmann::json> reports_;
+  std::chrono::steady_clock::time_point first_{};
+};
 
 }  // namespace eplbx::cli
 

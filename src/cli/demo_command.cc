@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <iostream>
@@ -28,7 +29,6 @@ namespace eplbx::cli {
 namespace {
 
 using internal::StrCat;
-using Clock = std::chrono::steady_clock;
 
 }  // namespace
 
@@ -52,6 +52,19 @@ Status ParseDemo(DemoOptions& o) {
   if (o.deadline_s < 0.1) {
     return Status::InvalidArgument(
         StrCat("--deadline ", o.deadline_s, ": expected at least 0.1 seconds"));
+  }
+  if (!o.paths.empty()) {  // refused here, before any rank starts, not by every rank
+    const std::vector<std::string> paths = SplitPaths(o.paths);
+    for (size_t i = 0; i < paths.size(); ++i) {
+      if (paths[i] != "shm" && paths[i] != "cma" && paths[i] != "ucx") {
+        return Status::InvalidArgument(StrCat("--paths: unknown data path ",
+                                              internal::Printable(paths[i]),
+                                              " (expected shm, cma or ucx)"));
+      }
+      if (std::find(paths.begin(), paths.begin() + i, paths[i]) != paths.begin() + i) {
+        return Status::InvalidArgument(StrCat("--paths: '", paths[i], "' listed twice"));
+      }
+    }
   }
   if (Result<Transport> t = ParseTransport(o.transport); !t.ok()) {
     return t.status().WithPrefix("--transport");
@@ -146,45 +159,27 @@ Status RunDemo(DemoOptions o) {
               << " tensors, " << o.expert_bytes_value << " bytes per expert, " << o.steps
               << " steps" << (o.inject.empty() ? "" : ", inject " + o.inject) << "\n";
   }
-  std::map<int, nlohmann::json> reports;
+  ReportCollector collector(o, !o.json);
   const auto t0 = Env::Default()->Now();
-  // Every rank's waits are bounded by the deadline: once one rank reported, the others get
-  // one deadline (plus slack) to report too; a rank that does not (stopped, hung) is killed.
-  const auto grace = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000) + 2000);
-  Clock::time_point first_report{};
+  // A rank that does not report in time (stopped, hung) is killed.
   std::vector<bool> gone(o.ranks, false), reaped(o.ranks, false), closed(o.ranks, false);
   Status served = ServeSocketBootstrap(
       fds, std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000) + 10000),
-      [&](uint32_t rank, std::string bytes) {
-        nlohmann::json j = CheckMemberMessage(rank, bytes);
-        if (j.is_null()) return;
-        if (j.contains("progress")) {
-          if (!o.json) std::cerr << "  " << j["progress"].get<std::string>() << "\n";
-          return;
-        }
-        if (reports.empty()) first_report = Env::Default()->Now();
-        reports[static_cast<int>(rank)] = std::move(j);
-      },
+      [&](uint32_t rank, std::string bytes) { collector.OnMessage(rank, bytes); },
       [&] {
-        // Done when every rank reported, exited or is stopped (a stopped rank never will).
-        int settled = 0;
-        for (int r = 0; r < o.ranks; ++r) {
-          if (reports.count(r) != 0 || gone[r]) {
-            ++settled;
-            continue;
-          }
+        // A rank that exited or is stopped never reports (a stopped one never will).
+        return collector.Settled([&](int r) {
+          if (gone[r]) return true;
           // An exited rank counts once its socket is drained to the end: a report it sent
           // just before exiting is still read (issue 17, item 14).
           int st = 0;
           if (!reaped[r] && waitpid(pids[r], &st, WNOHANG | WUNTRACED) == pids[r]) {
             reaped[r] = !WIFSTOPPED(st);
-            gone[r] = !reaped[r];  // stopped: it never reports
+            gone[r] = !reaped[r];  // stopped
           }
           if (reaped[r] && closed[r]) gone[r] = true;
-          if (gone[r]) ++settled;
-        }
-        return settled == o.ranks ||
-               (!reports.empty() && Env::Default()->Now() - first_report > grace);
+          return static_cast<bool>(gone[r]);
+        });
       },
       // The coordinator gives up on a setup round before the ranks do, so it can name who
       // is missing.
@@ -193,23 +188,72 @@ Status RunDemo(DemoOptions o) {
   // Every rank has reported or left; a stopped one is removed now.
   for (int r = 0; r < o.ranks; ++r) {
     close(fds[r]);
-    if (reports.count(r) == 0 && !reaped[r]) {
+    if (!collector.Reported(r) && !reaped[r]) {
       kill(pids[r], SIGKILL);
       kill(pids[r], SIGCONT);
       // Said as what happened, not as "exited without a report" (issue 17, item 14).
-      reports[r] = {
-          {"error", StrCat("rank ", r, " did not report within the deadline (",
-                           gone[r] ? "stopped" : "hung or slow", "): killed by the coordinator")},
-          {"verified", false},
-          {"weights_created", false}};
+      collector.Add(r, {{"error", StrCat("rank ", r, " did not report within the deadline (",
+                                         gone[r] ? "stopped" : "hung or slow",
+                                         "): killed by the coordinator")},
+                        {"verified", false},
+                        {"weights_created", false}});
     }
     if (!reaped[r]) waitpid(pids[r], nullptr, 0);
   }
   const double wall = std::chrono::duration<double>(Env::Default()->Now() - t0).count();
-  return ReportDemo(o, reports, memcpy_gbps, wall, served);
+  return ReportDemo(o, collector.Reports(), memcpy_gbps, wall, served);
 }
 
 }  // namespace
+
+std::vector<std::string> SplitPaths(const std::string& list) {
+  std::vector<std::string> out;
+  for (size_t at = 0; !list.empty() && at <= list.size();) {
+    const size_t comma = std::min(list.find(',', at), list.size());
+    out.push_back(list.substr(at, comma - at));
+    at = comma + 1;
+  }
+  return out;
+}
+
+ReportCollector::ReportCollector(const DemoOptions& o, bool print_progress)
+    : world_(o.ranks),
+      print_progress_(print_progress),
+      grace_(static_cast<int64_t>(o.deadline_s * 1000) + 2000) {}
+
+void ReportCollector::OnMessage(uint32_t rank, std::string_view bytes) {
+  nlohmann::json j = CheckMemberMessage(rank, bytes);
+  if (j.is_null()) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (j.contains("progress")) {
+    if (print_progress_) std::cerr << "  " << j["progress"].get<std::string>() << "\n";
+    return;
+  }
+  if (reports_.empty()) first_ = Env::Default()->Now();
+  reports_[static_cast<int>(rank)] = std::move(j);
+}
+
+bool ReportCollector::Settled(const std::function<bool(int rank)>& lost) {
+  std::lock_guard<std::mutex> lock(mu_);
+  int settled = 0;
+  for (int r = 0; r < world_; ++r) settled += reports_.count(r) != 0 || lost(r) ? 1 : 0;
+  return settled == world_ || (!reports_.empty() && Env::Default()->Now() - first_ > grace_);
+}
+
+bool ReportCollector::Reported(int rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return reports_.count(rank) != 0;
+}
+
+void ReportCollector::Add(int rank, nlohmann::json report) {
+  std::lock_guard<std::mutex> lock(mu_);
+  reports_[rank] = std::move(report);
+}
+
+std::map<int, nlohmann::json> ReportCollector::Reports() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return reports_;
+}
 
 nlohmann::json CheckMemberMessage(uint32_t rank, std::string_view bytes) {
   using nlohmann::json;
@@ -258,10 +302,32 @@ nlohmann::json CheckMemberMessage(uint32_t rank, std::string_view bytes) {
       for (const char* key : {"seconds", "balancedness_before", "balancedness_after"}) {
         if (auto e = check(st, at, key, &json::is_number, "a number")) return *e;
       }
+      if (auto e = check(st, at, "bytes_by_path", &json::is_object, "an object")) return *e;
+      if (st.contains("bytes_by_path")) {
+        for (const auto& [path, bytes] : st["bytes_by_path"].items()) {
+          if (!bytes.is_number_unsigned()) {
+            return bad(StrCat(at, "bytes_by_path.", path), bytes, "a count");
+          }
+        }
+      }
     }
   }
   return j;
 }
+
+namespace {
+// ", over shm 12.0 MiB, cma 3.0 MiB" (empty when nothing moved).
+std::string PathsText(const nlohmann::json& step) {
+  std::string out;
+  if (!step.contains("bytes_by_path")) return out;
+  for (const auto& [path, n] : step["bytes_by_path"].items()) {
+    char mib[32];
+    std::snprintf(mib, sizeof(mib), "%.1f", n.get<uint64_t>() / 1048576.0);
+    out += StrCat(out.empty() ? ", over " : ", ", path, " ", mib, " MiB");
+  }
+  return out;
+}
+}  // namespace
 
 Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& reports,
                   double memcpy_gbps, double wall, const Status& served) {
@@ -308,6 +374,7 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
   for (int s = 0; s < o.steps; ++s) {
     uint64_t bytes = 0, experts = 0, cross = 0;
     double seconds = 0;
+    nlohmann::json by_path = nlohmann::json::object();
     nlohmann::json first;
     bool any = false;
     for (auto& [r, rep] : reports) {
@@ -316,6 +383,11 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
       bytes += st.value("bytes_read", uint64_t{0});
       experts += st.value("experts_read", uint64_t{0});
       cross += st.value("bytes_cross_node", uint64_t{0});
+      if (st.contains("bytes_by_path")) {
+        for (const auto& [path, n] : st["bytes_by_path"].items()) {
+          by_path[path] = by_path.value(path, uint64_t{0}) + n.get<uint64_t>();
+        }
+      }
       seconds = std::max(seconds, st.value("seconds", 0.0));
       if (!any) first = st;
       any = true;
@@ -327,6 +399,7 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
                      {"experts_moved", experts},
                      {"bytes_moved", bytes},
                      {"cross_node_bytes", cross},
+                     {"bytes_by_path", by_path},
                      {"seconds", seconds},
                      {"gbps", gbps},
                      {"memcpy_ratio", memcpy_gbps > 0 ? gbps / memcpy_gbps : 0.0}});
@@ -368,11 +441,11 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
       const auto& st = steps[s];
       std::printf(
           "step %zu: balancedness %.3f -> %.3f, %llu experts (%.1f MiB) moved in %.3f s "
-          "(%.2f GB/s, %.2f x memcpy)\n",
+          "(%.2f GB/s, %.2f x memcpy)%s\n",
           s + 1, st["balancedness_before"].get<double>(), st["balancedness_after"].get<double>(),
           static_cast<unsigned long long>(st["experts_moved"].get<uint64_t>()),
           st["bytes_moved"].get<uint64_t>() / 1048576.0, st["seconds"].get<double>(),
-          st["gbps"].get<double>(), st["memcpy_ratio"].get<double>());
+          st["gbps"].get<double>(), st["memcpy_ratio"].get<double>(), PathsText(st).c_str());
     }
     std::printf(
         "verified: %s, weights intact: %s, memcpy %.2f GB/s, wall %.2f s, resident memory growth "
@@ -412,6 +485,8 @@ void AddDemoFlags(CLI::App& cmd, DemoOptions& o) {
       ->capture_default_str()
       ->check(IntIn<uint64_t>(0, UINT64_MAX));
   cmd.add_option("--transport", o.transport, "auto, shm or tcp")->capture_default_str();
+  cmd.add_option("--paths", o.paths,
+                 "data paths in order of preference, e.g. shm,cma,ucx (overrides --transport)");
   cmd.add_option("--inject", o.inject,
                  "fault drill KIND:RANK[@exchange|transfer|commit], KIND one of stride-mismatch, "
                  "missing-tensor, kill, stall, bad-notify");

@@ -213,6 +213,7 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann:
   config.peer_timeout = std::min<std::chrono::milliseconds>(deadline / 2, std::chrono::seconds(30));
   Result<Transport> transport = ParseTransport(o.transport);
   config.transport = transport.ok() ? *transport : Transport::kAuto;
+  config.paths = SplitPaths(o.paths);
   // A drill during the rearrangement runs inside this rank's transfer engine, through the
   // fault-injecting wrappers: no protocol record is forged and the Rearranger has no hooks.
   const bool drill = o.fault_rank == rank && !o.fault.empty() && o.fault_phase != "exchange" &&
@@ -335,6 +336,7 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann:
     double before, after;
     uint64_t bytes_read, bytes_cross_node, experts_read;
     double seconds;
+    std::vector<PathTotals> paths;
   };
   std::vector<StepFigures> steps;
   steps.reserve(static_cast<size_t>(o.steps));
@@ -370,7 +372,8 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann:
     const std::string bad = verify_all(published);
     report["weights_intact"] = bad.empty();
     steps.push_back({before.ok() ? before->total : 0.0, after.ok() ? after->total : 0.0,
-                     rr.bytes_read, rr.bytes_cross_node, rr.experts_read, rr.seconds});
+                     rr.bytes_read, rr.bytes_cross_node, rr.experts_read, rr.seconds,
+                     rr.bytes_by_path});
     if (!rr.status.ok()) {
       report["error"] = rr.status.message();
       ok = false;
@@ -407,6 +410,11 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann:
                   {"bytes_cross_node", f.bytes_cross_node},
                   {"experts_read", f.experts_read},
                   {"seconds", f.seconds}});
+    nlohmann::json paths = nlohmann::json::object();
+    for (const PathTotals& p : f.paths) {
+      if (p.bytes > 0) paths[p.path] = p.bytes;
+    }
+    js.back()["bytes_by_path"] = std::move(paths);
   }
   report["steps"] = std::move(js);
   report["rss_mib_after_first_step"] = rss_warm;

@@ -20,38 +20,21 @@ namespace eplbx::cli {
 namespace {
 
 using internal::StrCat;
-using Clock = std::chrono::steady_clock;
 
-// Serves the store on a thread, collecting the ranks' reports.
+// Serves the store on a thread; the ReportCollector gathers the ranks' reports.
 class StoreThread {
  public:
   StoreThread(std::unique_ptr<TcpStore> store, const DemoOptions& o, bool print_progress)
-      : store_(std::move(store)) {
+      : store_(std::move(store)), collector_(o, print_progress) {
     const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
-    thread_ = std::thread([this, deadline, print_progress, world = o.ranks] {
+    thread_ = std::thread([this, deadline] {
       status_ = store_->Serve(
           deadline, deadline + std::chrono::seconds(10),
-          [&](uint32_t rank, std::string bytes) {
-            nlohmann::json j = CheckMemberMessage(rank, bytes);
-            if (j.is_null()) return;
+          [&](uint32_t rank, std::string bytes) { collector_.OnMessage(rank, bytes); },
+          [&] {
+            // A rank that left, missed a round, or whose link died never reports.
             std::lock_guard<std::mutex> lock(mu_);
-            if (j.contains("progress")) {
-              if (print_progress) std::cerr << "  " << j["progress"].get<std::string>() << "\n";
-              return;
-            }
-            if (reports_.empty()) first_ = Env::Default()->Now();
-            reports_[static_cast<int>(rank)] = std::move(j);
-          },
-          [&, world, deadline] {
-            // Done when every rank reported or is lost (left, missed a round, or its link
-            // died). Every rank's waits are bounded by the deadline: once one reported, the
-            // others get one deadline (plus slack) in any case.
-            std::lock_guard<std::mutex> lock(mu_);
-            int settled = static_cast<int>(reports_.size());
-            for (int r : lost_) settled += reports_.count(r) == 0;
-            return settled == world ||
-                   (!reports_.empty() &&
-                    Env::Default()->Now() - first_ > deadline + std::chrono::seconds(2));
+            return collector_.Settled([&](int r) { return lost_.count(r) != 0; });
           },
           // The store gives up on a round before the ranks do, so it can name who is missing.
           deadline * 4 / 5,
@@ -66,16 +49,15 @@ class StoreThread {
     *status = status_;
     for (const std::string& r : store_->refusals())
       std::cerr << "eplbx: rendezvous refused: " << r << "\n";
-    return reports_;
+    return collector_.Reports();
   }
 
  private:
   std::unique_ptr<TcpStore> store_;
+  ReportCollector collector_;
   std::thread thread_;
   std::mutex mu_;
-  std::map<int, nlohmann::json> reports_;
   std::set<int> lost_;  // ranks that will not report
-  Clock::time_point first_{};
   Status status_;
 };
 

@@ -33,7 +33,7 @@ class RearrangerImpl {
   RankLayout layout;
   std::vector<RankLayout> all;
   RearrangeOptions options;
-  Env* env = nullptr;           // options.env or Env::Default()
+  Env* env = Env::Default();    // options.env or Env::Default()
   std::vector<PeerId> peer_of;  // by rank; self unused
   std::map<std::string, uint32_t> rank_of_name;
   RegisteredRegion staging;
@@ -434,6 +434,7 @@ RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to
   const int layers = static_cast<int>(d.layout.layers.size());
   report.status = d.CheckPlan(from, to, plan);
   if (!report.status.ok()) return report;
+  const std::vector<PathTotals> paths_before = d.agent->PathBytes();
   for (int l = 0; l < layers; ++l) {
     LayerOutcome o = d.RunLayer(static_cast<uint32_t>(l), plan.layers[l], from, to);
     report.bytes_read += o.bytes_read;
@@ -448,6 +449,11 @@ RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to
           StrCat("rank ", d.self(), ": ", d.failure, "; this layer kept its old weights and map"));
       break;
     }
+  }
+  report.bytes_by_path = d.agent->PathBytes();
+  for (size_t i = 0; i < report.bytes_by_path.size() && i < paths_before.size(); ++i) {
+    report.bytes_by_path[i].bytes -= paths_before[i].bytes;
+    report.bytes_by_path[i].transfers -= paths_before[i].transfers;
   }
   report.seconds = std::chrono::duration<double>(impl_->env->Now() - t0).count();
   return report;
@@ -592,6 +598,7 @@ Result<std::unique_ptr<EplbCommunicator>> EplbCommunicator::Create(Agent* agent,
   state->impl->boot = bootstrap;
   state->impl->layout = std::move(layout);
   state->impl->options = options;
+  state->impl->env = EnvOrDefault(options.env);
   EPLBX_RETURN_IF_ERROR(state->impl->Setup());
   return std::unique_ptr<EplbCommunicator>(new EplbCommunicator(std::move(state)));
 }

@@ -118,6 +118,14 @@ Result<std::shared_ptr<AgentCore>> AgentCore::Create(std::string name, AgentConf
   options.agent_name = core->name_;
   options.peer_timeout = config.peer_timeout;
   options.copy_threads = config.copy_threads;
+  if (config.inline_copy_bytes < -1) {
+    return Status::InvalidArgument(StrCat("agent '", core->name_, "': inline_copy_bytes is ",
+                                          config.inline_copy_bytes,
+                                          "; expected -1 (default) or a byte count"));
+  }
+  options.inline_copy_bytes = config.inline_copy_bytes < 0
+                                  ? Agent::kDefaultInlineCopyBytes
+                                  : static_cast<uint64_t>(config.inline_copy_bytes);
   core->control_slot_ = std::make_unique<ListenerSlot>(core.get());
   std::vector<CoreListener*> listeners;
   std::vector<ListenerSlot*> slots;

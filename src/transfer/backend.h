@@ -82,6 +82,7 @@ struct PartOptions {
   std::string agent_name;
   std::chrono::milliseconds peer_timeout{30000};
   int copy_threads = 2;
+  uint64_t inline_copy_bytes = 0;  // same-host transfers up to this size: on the caller
 };
 
 // A registered region as a data path sees it.

@@ -56,7 +56,7 @@ Result<AgentParts> CreateParts(std::string_view control, const std::vector<std::
     const std::string& p = paths[i];
     CoreListener* l = path_listeners.at(i);
     if ((p == "shm" || p == "cma") && copier == nullptr) {
-      copier = std::make_shared<ShmCopier>(options.copy_threads);
+      copier = std::make_shared<ShmCopier>(options.copy_threads, options.inline_copy_bytes);
     }
     if (p == "shm") {
       parts.paths.push_back(CreateShmPath(copier, options.agent_name, l));

@@ -56,8 +56,12 @@ constexpr const char* kSmall =
     "--ranks 3 --layers 3 --experts 16 --slots-per-rank 7 --expert-bytes 100K --steps 2";
 
 TEST(DemoTest, RearrangesAndVerifiesEveryByte) {
-  for (const char* transport : {"auto", "tcp"}) {
-    DemoRun r = Demo(std::string(kSmall) + " --transport " + transport);
+  // The weights live in shared memory: auto maps them (shm), tcp goes over UCX, and a
+  // list without shm copies them with CMA. Every byte moved is counted on the path used.
+  const std::pair<const char*, const char*> runs[] = {
+      {"--transport auto", "shm"}, {"--transport tcp", "ucx"}, {"--paths cma", "cma"}};
+  for (const auto& [transport, path] : runs) {
+    DemoRun r = Demo(std::string(kSmall) + " " + transport);
     ASSERT_FALSE(r.report.is_discarded()) << transport;
     EXPECT_EQ(r.exit_code, 0) << r.report.dump();
     EXPECT_TRUE(r.report["verified"].get<bool>()) << r.report.dump();
@@ -68,6 +72,10 @@ TEST(DemoTest, RearrangesAndVerifiesEveryByte) {
       EXPECT_GE(s["balancedness_after"].get<double>(),
                 s["balancedness_before"].get<double>() - 0.01);
       EXPECT_GT(s["gbps"].get<double>(), 0);
+      ASSERT_TRUE(s.contains("bytes_by_path")) << s.dump();
+      EXPECT_EQ(s["bytes_by_path"].size(), 1u) << transport << ": " << s.dump();
+      EXPECT_EQ(s["bytes_by_path"].value(path, uint64_t{0}), s["bytes_moved"].get<uint64_t>())
+          << transport << ": " << s.dump();
     }
     EXPECT_FALSE(r.report.contains("error"));
   }
@@ -176,6 +184,8 @@ TEST(DemoTest, BadFlagsAreRejectedBeforeAnythingStarts) {
       {"--deadline 0", "--deadline 0: expected > 0 seconds"},
       {"--expert-bytes 12Q", "--expert-bytes '12Q': expected bytes like 4096, 64K, 1M"},
       {"--transport ib", "--transport: unknown transport 'ib' (expected auto, shm or tcp)"},
+      {"--paths shm,rdma", "--paths: unknown data path 'rdma' (expected shm, cma or ucx)"},
+      {"--paths cma,cma", "--paths: 'cma' listed twice"},
   };
   // Numbers that are not numbers of the flag's kind: usage errors (exit 2), before anything.
   const std::pair<const char*, const char*> usage[] = {

@@ -14,7 +14,7 @@
 #include "common/bytes.h"
 #include "eplbx/bootstrap.h"
 #include "eplbx/rearrange.h"
-#include "rearrange/frames.h"
+#include "bootstrap/frames.h"
 #include "test_env.h"
 
 namespace eplbx {

@@ -128,7 +128,7 @@ void TouchPagesForRead(const void* p, size_t n) {
   (void)sink;
 }
 
-ShmCopier::ShmCopier(int threads) {
+ShmCopier::ShmCopier(int threads, uint64_t inline_max_bytes) : inline_max_bytes_(inline_max_bytes) {
   for (int i = 0; i < std::max(threads, 1); ++i) threads_.emplace_back([this] { Worker(); });
 }
 
@@ -174,6 +174,17 @@ void ShmCopier::Submit(CopyJob job) {
   r->job = std::move(job);
   if (r->chunks.empty()) {
     r->job.done(Status::OK());
+    return;
+  }
+  uint64_t total = 0;
+  for (const CopyPiece& p : r->job.pieces) total += p.bytes;
+  if (total <= inline_max_bytes_) {
+    for (const Chunk& c : r->chunks) {
+      RunChunk(*r, c);
+      if (!r->error.ok()) break;
+    }
+    Status s = r->error;  // only this thread ran the chunks
+    r->job.done(std::move(s));
     return;
   }
   {

@@ -63,11 +63,15 @@ struct CopyJob {
 
 class ShmCopier {
  public:
-  explicit ShmCopier(int threads);
+  // Jobs of at most `inline_max_bytes` are copied on the thread that submits them (no
+  // hand-off to a copy thread: lower latency for small transfers); larger ones are split
+  // over the `threads` copy threads.
+  explicit ShmCopier(int threads, uint64_t inline_max_bytes = 0);
   ~ShmCopier();  // finishes queued jobs as aborted
   ShmCopier(const ShmCopier&) = delete;
   ShmCopier& operator=(const ShmCopier&) = delete;
 
+  // Runs the job (inline, or queued); `done` may run before Submit returns.
   void Submit(CopyJob job);
   // The job ends with kAborted after the chunks already running; false if unknown.
   bool Cancel(uint64_t id);
@@ -101,6 +105,7 @@ class ShmCopier {
   std::deque<std::shared_ptr<Running>> queue_;
   std::vector<std::shared_ptr<Running>> active_;  // for Cancel
   bool stop_ = false;
+  const uint64_t inline_max_bytes_;
   std::vector<std::thread> threads_;
 };
 

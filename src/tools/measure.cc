@@ -1,4 +1,4 @@
-#include "transfer/shm/measure.h"
+#include "tools/measure.h"
 
 #include <algorithm>
 #include <chrono>

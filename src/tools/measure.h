@@ -1,7 +1,7 @@
 // Internal: the physical limits benchmarks and the demo compare against (used by the CLI
 // and the Python module).
-#ifndef EPLBX_SRC_TRANSFER_SHM_MEASURE_H_
-#define EPLBX_SRC_TRANSFER_SHM_MEASURE_H_
+#ifndef EPLBX_SRC_TOOLS_MEASURE_H_
+#define EPLBX_SRC_TOOLS_MEASURE_H_
 
 namespace eplbx::internal {
 
@@ -15,4 +15,4 @@ double MeasureCopyLimitGbps(int threads);
 
 }  // namespace eplbx::internal
 
-#endif  // EPLBX_SRC_TRANSFER_SHM_MEASURE_H_
+#endif  // EPLBX_SRC_TOOLS_MEASURE_H_

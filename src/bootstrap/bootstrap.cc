@@ -11,7 +11,7 @@
 
 #include "common/bytes.h"
 #include "common/strings.h"
-#include "rearrange/frames.h"
+#include "bootstrap/frames.h"
 
 namespace eplbx {
 namespace {

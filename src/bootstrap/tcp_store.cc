@@ -17,7 +17,7 @@
 #include "common/numbers.h"
 #include "common/strings.h"
 #include "eplbx/bootstrap.h"
-#include "rearrange/frames.h"
+#include "bootstrap/frames.h"
 
 namespace eplbx {
 namespace {

@@ -1,7 +1,7 @@
 // Internal: the framing shared by the bootstrap's socket transports: [u8 type][u32 length]
 // [body], little-endian; frames over 64 MiB are refused.
-#ifndef EPLBX_SRC_REARRANGE_FRAMES_H_
-#define EPLBX_SRC_REARRANGE_FRAMES_H_
+#ifndef EPLBX_SRC_BOOTSTRAP_FRAMES_H_
+#define EPLBX_SRC_BOOTSTRAP_FRAMES_H_
 
 #include <chrono>
 #include <cstdint>
@@ -29,4 +29,4 @@ bool ReadFrame(int fd, std::chrono::steady_clock::time_point deadline, uint8_t* 
 
 }  // namespace eplbx::internal
 
-#endif  // EPLBX_SRC_REARRANGE_FRAMES_H_
+#endif  // EPLBX_SRC_BOOTSTRAP_FRAMES_H_

@@ -6,7 +6,7 @@
 #include <optional>
 
 #include "common/strings.h"
-#include "eplbx/rearrange.h"
+#include "eplbx/bootstrap.h"
 
 namespace eplbx {
 

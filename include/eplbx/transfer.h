@@ -77,7 +77,8 @@ struct AgentConfig {
   int copy_threads = 0;
   // Same-host transfers (shm, cma) of at most this many bytes are copied on the calling
   // thread inside Read()/Write(), which then return with the transfer already done: no
-  // hand-off to a copy thread. -1: Agent::kDefaultInlineCopyBytes; 0: never.
+  // hand-off to a copy thread. -1: EPLBX_INLINE_COPY_BYTES from the Env if set, else
+  // Agent::kDefaultInlineCopyBytes (256 KiB); 0: never.
   int64_t inline_copy_bytes = -1;
   // Identity of this host. Empty: boot id + network and pid namespaces, so processes in
   // different network namespaces count as different hosts. EPLBX_HOST_ID overrides.
@@ -174,7 +175,7 @@ class Agent {
   // Limits on what crosses a process boundary.
   static constexpr size_t kMaxNameBytes = 256;
   static constexpr size_t kMaxNotificationBytes = 64 * 1024;
-  static constexpr uint64_t kDefaultInlineCopyBytes = 0;  // measured: docs/perf.md
+  static constexpr uint64_t kDefaultInlineCopyBytes = 256 << 10;  // measured: docs/perf.md
 
   // Starts the backend (for UCX: context, worker and a progress thread).
   // Fails with kInvalidArgument for an empty or too long name, an unknown backend or bad

@@ -38,7 +38,7 @@ struct XferOptions {
   std::string transport = "auto";
   std::string paths;         // data paths in order: one run with exactly these
   int64_t inline_copy = -1;  // AgentConfig::inline_copy_bytes
-  std::string sizes = "64K,1M,4M,16M,64M";
+  std::string sizes = "4K,64K,256K,1M,4M,16M,64M";
   std::string batches = "1,16";
   std::string ops = "read,write";
   double seconds = 0.4;  // per configuration

@@ -7,6 +7,7 @@
 #include <iostream>
 #include <thread>
 
+#include "common/numbers.h"
 #include "common/strings.h"
 
 namespace eplbx::internal {
@@ -123,9 +124,14 @@ Result<std::shared_ptr<AgentCore>> AgentCore::Create(std::string name, AgentConf
                                           config.inline_copy_bytes,
                                           "; expected -1 (default) or a byte count"));
   }
-  options.inline_copy_bytes = config.inline_copy_bytes < 0
-                                  ? Agent::kDefaultInlineCopyBytes
-                                  : static_cast<uint64_t>(config.inline_copy_bytes);
+  options.inline_copy_bytes = Agent::kDefaultInlineCopyBytes;
+  if (config.inline_copy_bytes >= 0) {
+    options.inline_copy_bytes = static_cast<uint64_t>(config.inline_copy_bytes);
+  } else if (std::string v = env->GetVar("EPLBX_INLINE_COPY_BYTES").value_or(""); !v.empty()) {
+    Result<uint64_t> n = ParseInteger<uint64_t>(v, "EPLBX_INLINE_COPY_BYTES", 0, uint64_t{1} << 40);
+    if (!n.ok()) return n.status().WithPrefix(StrCat("agent '", core->name_, "'"));
+    options.inline_copy_bytes = *n;
+  }
   core->control_slot_ = std::make_unique<ListenerSlot>(core.get());
   std::vector<CoreListener*> listeners;
   std::vector<ListenerSlot*> slots;

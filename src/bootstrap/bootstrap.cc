@@ -9,9 +9,9 @@
 #include <cstring>
 #include <optional>
 
+#include "bootstrap/frames.h"
 #include "common/bytes.h"
 #include "common/strings.h"
-#include "bootstrap/frames.h"
 
 namespace eplbx {
 namespace {

@@ -13,11 +13,11 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "bootstrap/frames.h"
 #include "common/bytes.h"
 #include "common/numbers.h"
 #include "common/strings.h"
 #include "eplbx/bootstrap.h"
-#include "bootstrap/frames.h"
 
 namespace eplbx {
 namespace {

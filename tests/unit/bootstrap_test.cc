@@ -11,10 +11,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "bootstrap/frames.h"
 #include "common/bytes.h"
 #include "eplbx/bootstrap.h"
 #include "eplbx/rearrange.h"
-#include "bootstrap/frames.h"
 #include "test_env.h"
 
 namespace eplbx {

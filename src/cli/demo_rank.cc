@@ -153,7 +153,7 @@ std::shared_ptr<internal::FaultPlan> DrillPlan(const DemoOptions& o) {
   };
   const bool commit = o.fault_phase == "commit";
   if (o.fault == "bad-notify") {
-    Fault f{Fault::Action::kCorrupt};
+    Fault f = Fault::Of(Fault::Action::kCorrupt);
     f.times = o.ranks - 1;  // one record to each peer
     f.match = [=](std::string_view p) {
       return is(p, commit ? RecordKind::kDone : RecordKind::kMaps);
@@ -173,14 +173,14 @@ std::shared_ptr<internal::FaultPlan> DrillPlan(const DemoOptions& o) {
       raise(SIGSTOP);
     });
   };
-  Fault note{Fault::Action::kRun};
+  Fault note = Fault::Of(Fault::Action::kRun);
   note.run = act;
   note.match = [=](std::string_view p) {
     return is(p, RecordKind::kDone) || (!commit && is(p, RecordKind::kReady));
   };
   plan->OnNotifications(note);
   if (!commit) {
-    Fault read{Fault::Action::kRun};
+    Fault read = Fault::Of(Fault::Action::kRun);
     read.op = internal::XferOp::kRead;
     read.run = act;
     plan->OnTransfers(read);

@@ -4,9 +4,9 @@
 #include "common/strings.h"
 #include "transfer/backend.h"
 #include "transfer/cma/cma_path.h"
-#include "transfer/loopback/loopback.h"
+#include "transfer/loopback/loopback_path.h"
 #include "transfer/shm/shm_path.h"
-#include "transfer/ucx/ucx.h"
+#include "transfer/ucx/ucx_path.h"
 #include "transfer/ucx/ucx_worker.h"
 
 namespace eplbx::internal {

@@ -6,7 +6,7 @@
 #include "transfer/cma/cma_path.h"
 #include "transfer/metadata.h"
 #include "transfer/shm/shm_path.h"
-#include "transfer/ucx/ucx.h"
+#include "transfer/ucx/ucx_path.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string_view in(reinterpret_cast<const char*>(data), size);

@@ -166,9 +166,8 @@ TEST(PathChoiceTest, ATransferSplitOverTwoPathsNotifiesOnceAfterBoth) {
   std::this_thread::sleep_for(milliseconds(50));
   EXPECT_TRUE(t.b->PollNotifications().empty());
   for (const PathTotals& p : t.a->PathBytes()) {
-    if (p.path == "shm") EXPECT_EQ(p.bytes, 50000u);
-    if (p.path == "cma") EXPECT_EQ(p.bytes, 40000u);
-    if (p.path == "ucx") EXPECT_EQ(p.bytes, 0u);
+    const uint64_t want = p.path == "shm" ? 50000 : p.path == "cma" ? 40000 : 0;
+    EXPECT_EQ(p.bytes, want) << p.path;
     EXPECT_EQ(p.transfers, p.bytes > 0 ? 1u : 0u) << p.path;
   }
 }
@@ -230,7 +229,7 @@ class FaultTest : public ::testing::Test {
 };
 
 TEST_F(FaultTest, AFailedTransferSendsNoNotification) {
-  plan_->OnTransfers({internal::Fault::Action::kFail, "fb", std::nullopt, 0, 1});
+  plan_->OnTransfers(internal::Fault::Of(internal::Fault::Action::kFail, "fb", 0, 1));
   auto x = Read(100, "note");
   ASSERT_TRUE(x.ok());
   TransferStatus s = a_->Wait(*x, milliseconds(1000));
@@ -246,7 +245,7 @@ TEST_F(FaultTest, AFailedTransferSendsNoNotification) {
 }
 
 TEST_F(FaultTest, ADuplicatedCompletionCompletesOnceAndNotifiesOnce) {
-  plan_->OnTransfers({internal::Fault::Action::kDuplicate});
+  plan_->OnTransfers(internal::Fault::Of(internal::Fault::Action::kDuplicate));
   auto x = Read(256, "once");
   ASSERT_TRUE(x.ok());
   EXPECT_EQ(a_->Wait(*x, milliseconds(1000)).state, TransferState::kDone);
@@ -258,7 +257,7 @@ TEST_F(FaultTest, ADuplicatedCompletionCompletesOnceAndNotifiesOnce) {
 }
 
 TEST_F(FaultTest, ADroppedCompletionWaitsUntilCancelled) {
-  plan_->OnTransfers({internal::Fault::Action::kDrop});
+  plan_->OnTransfers(internal::Fault::Of(internal::Fault::Action::kDrop));
   auto x = Read(64);
   ASSERT_TRUE(x.ok());
   EXPECT_EQ(a_->Wait(*x, milliseconds(100)).state, TransferState::kInProgress);
@@ -269,7 +268,7 @@ TEST_F(FaultTest, ADroppedCompletionWaitsUntilCancelled) {
 }
 
 TEST_F(FaultTest, ADelayedCompletionArrivesLate) {
-  internal::Fault f{internal::Fault::Action::kDelay};
+  internal::Fault f = internal::Fault::Of(internal::Fault::Action::kDelay);
   f.delay = milliseconds(150);
   plan_->OnTransfers(f);
   const auto start = std::chrono::steady_clock::now();
@@ -281,7 +280,7 @@ TEST_F(FaultTest, ADelayedCompletionArrivesLate) {
 }
 
 TEST_F(FaultTest, APeerLostAfterSomeBytesFailsByName) {
-  plan_->OnTransfers({internal::Fault::Action::kLosePeer, "fb", std::nullopt, 1000});
+  plan_->OnTransfers(internal::Fault::Of(internal::Fault::Action::kLosePeer, "fb", 1000));
   auto ok = Read(600);
   EXPECT_EQ(a_->Wait(*ok, milliseconds(1000)).state, TransferState::kDone);
   auto lost = Read(600);  // crosses 1000 bytes
@@ -295,13 +294,13 @@ TEST_F(FaultTest, APeerLostAfterSomeBytesFailsByName) {
 }
 
 TEST_F(FaultTest, NotificationsCanBeDroppedDuplicatedOrFailed) {
-  internal::Fault drop{internal::Fault::Action::kDrop};
+  internal::Fault drop = internal::Fault::Of(internal::Fault::Action::kDrop);
   drop.match = [](std::string_view p) { return p == "drop-me"; };
   plan_->OnNotifications(drop);
-  internal::Fault dup{internal::Fault::Action::kDuplicate};
+  internal::Fault dup = internal::Fault::Of(internal::Fault::Action::kDuplicate);
   dup.match = [](std::string_view p) { return p == "twice"; };
   plan_->OnNotifications(dup);
-  internal::Fault fail{internal::Fault::Action::kFail};
+  internal::Fault fail = internal::Fault::Of(internal::Fault::Action::kFail);
   fail.match = [](std::string_view p) { return p == "fail"; };
   plan_->OnNotifications(fail);
   ASSERT_TRUE(a_->Notify(peer_, "drop-me").ok());

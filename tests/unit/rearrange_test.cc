@@ -15,7 +15,7 @@
 #include "protocol/records.h"
 #include "test_env.h"
 #include "transfer/fault/fault_path.h"
-#include "transfer/loopback/loopback.h"
+#include "transfer/loopback/loopback_path.h"
 
 namespace eplbx {
 namespace {
@@ -317,7 +317,7 @@ TEST(RearrangerFaultTest, EveryPhaseRollsBackOnEveryRank) {
     std::string says;         // in the faulty rank's error
   };
   auto on_record = [](RecordKind kind, Fault::Action action) {
-    Fault f{action};
+    Fault f = Fault::Of(action);
     f.times = 1;
     f.match = [kind](std::string_view p) { return IsRecord(p, kind); };
     return f;
@@ -325,18 +325,14 @@ TEST(RearrangerFaultTest, EveryPhaseRollsBackOnEveryRank) {
   // Every rank's error is kAborted (the layer rolled back); rank 1's names the cause.
   const std::vector<Case> cases = {
       {"READ fails",
-       [](internal::FaultPlan& p) {
-         p.OnTransfers({Fault::Action::kFail, "", std::nullopt, 0, 1});
-       },
+       [](internal::FaultPlan& p) { p.OnTransfers(Fault::Of(Fault::Action::kFail, "", 0, 1)); },
        true, "READ of expert"},
       {"READ's completion dropped",
-       [](internal::FaultPlan& p) {
-         p.OnTransfers({Fault::Action::kDrop, "", std::nullopt, 0, 1});
-       },
+       [](internal::FaultPlan& p) { p.OnTransfers(Fault::Of(Fault::Action::kDrop, "", 0, 1)); },
        true, "deadline passed"},
       {"peer lost mid-layer",
        [](internal::FaultPlan& p) {
-         p.OnTransfers({Fault::Action::kLosePeer, "", std::nullopt, 200, 1});
+         p.OnTransfers(Fault::Of(Fault::Action::kLosePeer, "", 200, 1));
        },
        true, "peer unreachable"},
       {"READY dropped",
@@ -415,7 +411,7 @@ TEST(RearrangerFaultTest, DeadlinesFollowTheEnvClock) {
   const RandomMoves m(rng);
   ASSERT_TRUE(m.from.ok() && m.to.ok());
   auto faulty = std::make_shared<internal::FaultPlan>();
-  Fault drop{Fault::Action::kDrop};
+  Fault drop = Fault::Of(Fault::Action::kDrop);
   drop.match = [](std::string_view p) { return IsRecord(p, protocol::RecordKind::kReady); };
   faulty->OnNotifications(drop);
   SkewedClockEnv clock;
@@ -453,12 +449,12 @@ TEST(RearrangerFaultTest, DelaysAndDuplicatesChangeNothing) {
     std::vector<std::shared_ptr<internal::FaultPlan>> faults;
     for (int r = 0; r < kRanks; ++r) {
       auto p = std::make_shared<internal::FaultPlan>();
-      Fault late{Fault::Action::kDelay};
+      Fault late = Fault::Of(Fault::Action::kDelay);
       late.delay = std::chrono::milliseconds(20);
       late.times = 2;
       p->OnTransfers(late);
-      p->OnTransfers({Fault::Action::kDuplicate});
-      p->OnNotifications({Fault::Action::kDuplicate});
+      p->OnTransfers(Fault::Of(Fault::Action::kDuplicate));
+      p->OnNotifications(Fault::Of(Fault::Action::kDuplicate));
       faults.push_back(p);
     }
     std::vector<RearrangeReport> reports;

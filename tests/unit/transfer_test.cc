@@ -9,10 +9,10 @@
 #include "common/bytes.h"
 #include "eplbx/transfer.h"
 #include "transfer/cma/cma_path.h"
-#include "transfer/loopback/loopback.h"
+#include "transfer/loopback/loopback_path.h"
 #include "transfer/metadata.h"
 #include "transfer/shm/shm_path.h"
-#include "transfer/ucx/ucx.h"
+#include "transfer/ucx/ucx_path.h"
 
 namespace eplbx {
 namespace {

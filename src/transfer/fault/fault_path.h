@@ -47,6 +47,17 @@ struct Fault {
   std::function<bool(std::string_view payload)> match;
   std::function<void()> run;                        // kRun
   std::function<std::string(std::string)> rewrite;  // kCorrupt
+
+  // `action` for `peer` (empty: any), once `after` bytes or notifications went to it,
+  // `times` times (-1: always); set the other fields on the result.
+  static Fault Of(Action action, std::string peer = {}, uint64_t after = 0, int times = -1) {
+    Fault f;
+    f.action = action;
+    f.peer = std::move(peer);
+    f.after = after;
+    f.times = times;
+    return f;
+  }
 };
 
 // The rules one or more agents follow. Thread-safe; rules may change while agents run.

@@ -1,6 +1,6 @@
 // The UCX worker: set-up, the control channel's calls (each handed to the progress thread)
 // and the progress loop.
-#include "transfer/ucx/ucx.h"
+#include "transfer/ucx/ucx_path.h"
 
 #include <sys/epoll.h>
 #include <sys/eventfd.h>

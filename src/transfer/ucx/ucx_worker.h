@@ -1,6 +1,6 @@
 // Internal: one UCX context and worker, owned by a progress thread. It is the agent's
 // control channel (endpoints, active-message notifications, heartbeats and liveness:
-// ucx_worker.cc, ucx_peers.cc) and carries the "ucx" data path's RMA (ucx_rma.cc), which
+// ucx_worker.cc, ucx_peers.cc) and carries the "ucx" data path's RMA (ucx_path.cc), which
 // uses the same endpoints. No UCX call happens on user threads, so the worker runs in
 // single-thread mode. Not installed.
 #ifndef EPLBX_SRC_TRANSFER_UCX_UCX_WORKER_H_
@@ -90,7 +90,7 @@ class UcxWorker final : public ControlChannel {
   void Disconnect(PeerId id) override;
   Status Notify(PeerId peer, std::string payload, std::function<void(Status)> sent) override;
 
-  // For the "ucx" data path (ucx_rma.cc), which reports to `rma_listener`.
+  // For the "ucx" data path (ucx_path.cc), which reports to `rma_listener`.
   void set_rma_listener(CoreListener* listener) { rma_listener_ = listener; }
   Result<std::string> MapMemory(uint64_t region_id, void* ptr, size_t bytes);  // -> rkey
   void UnmapMemory(uint64_t region_id);

@@ -1,4 +1,4 @@
-#include "transfer/loopback/loopback.h"
+#include "transfer/loopback/loopback_path.h"
 
 #include <cstring>
 #include <map>

@@ -1,8 +1,8 @@
 // Internal: the "loopback" control channel and data path, for agents in one process (unit
 // tests of the layers above; never a substitute for real transfers). Data moves with
 // memmove inside Post, and notifications are delivered at once.
-#ifndef EPLBX_SRC_TRANSFER_LOOPBACK_LOOPBACK_H_
-#define EPLBX_SRC_TRANSFER_LOOPBACK_LOOPBACK_H_
+#ifndef EPLBX_SRC_TRANSFER_LOOPBACK_LOOPBACK_PATH_H_
+#define EPLBX_SRC_TRANSFER_LOOPBACK_LOOPBACK_PATH_H_
 
 #include <memory>
 #include <string>
@@ -21,4 +21,4 @@ void SetLoopbackReachable(std::string_view agent, bool reachable);
 
 }  // namespace eplbx::internal
 
-#endif  // EPLBX_SRC_TRANSFER_LOOPBACK_LOOPBACK_H_
+#endif  // EPLBX_SRC_TRANSFER_LOOPBACK_LOOPBACK_PATH_H_

@@ -1,7 +1,7 @@
 // Internal: the UCX parts of an agent. One worker (context, worker, progress thread) is the
 // control channel and carries the "ucx" data path (docs/transfer.md, "Data paths").
-#ifndef EPLBX_SRC_TRANSFER_UCX_UCX_H_
-#define EPLBX_SRC_TRANSFER_UCX_UCX_H_
+#ifndef EPLBX_SRC_TRANSFER_UCX_UCX_PATH_H_
+#define EPLBX_SRC_TRANSFER_UCX_UCX_PATH_H_
 
 #include <memory>
 #include <string>
@@ -27,4 +27,4 @@ Result<std::vector<std::string>> DecodeUcxSection(std::string_view section, size
 
 }  // namespace eplbx::internal
 
-#endif  // EPLBX_SRC_TRANSFER_UCX_UCX_H_
+#endif  // EPLBX_SRC_TRANSFER_UCX_UCX_PATH_H_

@@ -6,7 +6,7 @@
 #include <set>
 
 #include "common/bytes.h"
-#include "transfer/ucx/ucx.h"
+#include "transfer/ucx/ucx_path.h"
 #include "transfer/ucx/ucx_worker.h"
 
 namespace eplbx::internal {

@@ -38,8 +38,9 @@ struct Fault {
   Action action = Action::kFail;
   std::string peer;          // the peer agent's name; empty: any peer
   std::optional<XferOp> op;  // transfers: READ or WRITE only; nullopt: both
-  // Transfers: applies once this many bytes went to the peer through wrapped paths before
-  // the transfer. Notifications: once this many matching notifications went to the peer.
+  // Transfers: applies from the transfer that brings the bytes sent to the peer through
+  // wrapped paths (this one included) to `after` or more. Notifications: once `after`
+  // notifications (of any kind) went to the peer before this one.
   uint64_t after = 0;
   int times = -1;  // how many times it applies; -1: every time
   std::chrono::milliseconds delay{0};

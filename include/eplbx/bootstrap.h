@@ -34,7 +34,8 @@ class Bootstrap {
 // embedded rendezvous of `eplbx demo` (the coordinator runs ServeSocketBootstrap).
 class SocketBootstrap final : public Bootstrap {
  public:
-  SocketBootstrap(int fd, uint32_t rank, uint32_t size);  // takes ownership of fd
+  // Takes ownership of fd. Deadlines are measured on `env`'s clock (null: Env::Default()).
+  SocketBootstrap(int fd, uint32_t rank, uint32_t size, Env* env = nullptr);
   ~SocketBootstrap() override;
   SocketBootstrap(const SocketBootstrap&) = delete;
   SocketBootstrap& operator=(const SocketBootstrap&) = delete;
@@ -50,6 +51,7 @@ class SocketBootstrap final : public Bootstrap {
   int fd_;
   uint32_t rank_;
   uint32_t size_;
+  Env* env_;
 };
 
 // The coordinator: reads frames from the members' sockets (index = rank), answers each
@@ -61,11 +63,13 @@ class SocketBootstrap final : public Bootstrap {
 // `round_timeout` (if non-zero) fails for the members that contributed, naming the others.
 // `on_lost` (if set) hears of every member that closed its socket or missed a round's
 // timeout: one that will not report any more (a callback may come twice for one member).
+// Timeouts are measured on `env`'s clock (null: Env::Default()).
 Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::milliseconds idle_timeout,
                             const std::function<void(uint32_t, std::string)>& on_message,
                             const std::function<bool()>& stop = nullptr,
                             std::chrono::milliseconds round_timeout = std::chrono::milliseconds(0),
-                            const std::function<void(uint32_t)>& on_lost = nullptr);
+                            const std::function<void(uint32_t)>& on_lost = nullptr,
+                            Env* env = nullptr);
 
 // ---- TCP rendezvous (multi-host) -------------------------------------------------------
 //

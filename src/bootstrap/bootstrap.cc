@@ -97,8 +97,8 @@ using internal::kMessage;
 using internal::ReadFrame;
 using internal::WriteFrame;
 
-SocketBootstrap::SocketBootstrap(int fd, uint32_t rank, uint32_t size)
-    : fd_(fd), rank_(rank), size_(size) {}
+SocketBootstrap::SocketBootstrap(int fd, uint32_t rank, uint32_t size, Env* env)
+    : fd_(fd), rank_(rank), size_(size), env_(EnvOrDefault(env)) {}
 SocketBootstrap::~SocketBootstrap() {
   if (fd_ >= 0) close(fd_);
 }
@@ -118,7 +118,7 @@ Result<std::vector<std::string>> SocketBootstrap::AllGather(std::string_view min
   uint8_t type = 0;
   std::string body;
   bool timed_out = false;
-  if (!ReadFrame(fd_, Clock::now() + timeout, &type, &body, &timed_out)) {
+  if (!ReadFrame(fd_, env_->Now() + timeout, &type, &body, &timed_out, env_)) {
     if (timed_out) {
       return Status::Timeout(StrCat("rank ", rank_, ": all-gather did not complete within ",
                                     timeout.count(), " ms (a rank did not join)"));
@@ -146,7 +146,8 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
                             const std::function<void(uint32_t, std::string)>& on_message,
                             const std::function<bool()>& stop,
                             std::chrono::milliseconds round_timeout,
-                            const std::function<void(uint32_t)>& on_lost) {
+                            const std::function<void(uint32_t)>& on_lost, Env* env) {
+  env = EnvOrDefault(env);
   const size_t n = fds.size();
   auto lost = [&](size_t i) {
     if (on_lost) on_lost(static_cast<uint32_t>(i));
@@ -160,7 +161,7 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
       round[i].reset();
     }
   };
-  auto last_frame = Clock::now();
+  auto last_frame = env->Now();
   Clock::time_point round_started{};
   auto check_round = [&] {
     const bool pending =
@@ -169,8 +170,8 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
       round_started = {};
       return;
     }
-    if (round_started == Clock::time_point{}) round_started = Clock::now();
-    if (round_timeout.count() <= 0 || Clock::now() - round_started < round_timeout) return;
+    if (round_started == Clock::time_point{}) round_started = env->Now();
+    if (round_timeout.count() <= 0 || env->Now() - round_started < round_timeout) return;
     std::string missing;
     for (size_t i = 0; i < n; ++i) {
       if (round[i]) continue;
@@ -195,19 +196,19 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
     int r = poll(p.data(), p.size(), 200);
     if (r < 0 && errno != EINTR) return Status::IoError(StrCat("poll: ", std::strerror(errno)));
     if (r <= 0) {
-      if (Clock::now() - last_frame > idle_timeout) {
+      if (env->Now() - last_frame > idle_timeout) {
         return Status::Timeout(StrCat("no rank reported for ", idle_timeout.count(), " ms"));
       }
       continue;
     }
-    last_frame = Clock::now();
+    last_frame = env->Now();
     for (size_t k = 0; k < p.size(); ++k) {
       if ((p[k].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
       const size_t i = who[k];
       uint8_t type = 0;
       std::string body;
       bool timed_out = false;
-      if (!ReadFrame(fds[i], Clock::now() + std::chrono::seconds(5), &type, &body, &timed_out)) {
+      if (!ReadFrame(fds[i], env->Now() + std::chrono::seconds(5), &type, &body, &timed_out, env)) {
         open[i] = false;
         --open_count;
         lost(i);

@@ -215,7 +215,8 @@ Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
   if (round_timeout.count() > 0) {
     for (int fd : members_) KeepAlive(fd, round_timeout);
   }
-  return ServeSocketBootstrap(members_, idle_timeout, on_message, stop, round_timeout, on_lost);
+  return ServeSocketBootstrap(members_, idle_timeout, on_message, stop, round_timeout, on_lost,
+                              env_);
 }
 
 Result<std::unique_ptr<SocketBootstrap>> JoinTcpStore(const std::string& addr, uint16_t port,
@@ -240,7 +241,8 @@ Result<std::unique_ptr<SocketBootstrap>> JoinTcpStore(const std::string& addr, u
       bool timed_out = false;
       if (internal::WriteFrame(fd, internal::kHello, w.Take()) &&
           internal::ReadFrame(fd, deadline, &type, &body, &timed_out, env)) {
-        if (type == internal::kWelcome) return std::make_unique<SocketBootstrap>(fd, rank, world);
+        if (type == internal::kWelcome)
+          return std::make_unique<SocketBootstrap>(fd, rank, world, env);
         close(fd);
         return Status::Unavailable(StrCat("rank ", rank, ": the rendezvous store refused: ", body));
       }

@@ -23,6 +23,7 @@
 #include "cli/flags.h"
 #include "common/numbers.h"
 #include "common/strings.h"
+#include "eplbx/env.h"
 #include "eplbx/transfer.h"
 #include "tools/measure.h"
 
@@ -198,11 +199,11 @@ Result<Row> Measure(Agent& agent, PeerId peer, bool read, uint64_t remote_base, 
   };
   std::vector<Descriptor> l, r;
   std::vector<double> lat;
-  const auto start = Clock::now();
+  const auto start = Env::Default()->Now();
   double busy = 0;
   for (int it = 0;; ++it) {
     descriptors(it, &l, &r);
-    auto t0 = Clock::now();
+    auto t0 = Env::Default()->Now();
     auto id = read ? agent.Read(peer, l, r) : agent.Write(peer, l, r);
     if (!id.ok()) return id.status();
     TransferStatus s = agent.Wait(*id, std::chrono::seconds(60));
@@ -211,12 +212,12 @@ Result<Row> Measure(Agent& agent, PeerId peer, bool read, uint64_t remote_base, 
                                               : Status::Timeout("transfer did not finish in 60 s");
     }
     (void)agent.Release(*id);
-    const double us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+    const double us = std::chrono::duration<double, std::micro>(Env::Default()->Now() - t0).count();
     if (it >= 2) {  // two warm-up transfers
       lat.push_back(us);
       busy += us;
     }
-    const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+    const double elapsed = std::chrono::duration<double>(Env::Default()->Now() - start).count();
     if (lat.size() >= 3 && (elapsed > seconds || lat.size() >= 20000)) break;
   }
   std::sort(lat.begin(), lat.end());

@@ -8,6 +8,7 @@
 #include "cli/commands.h"
 #include "cli/flags.h"
 #include "common/strings.h"
+#include "eplbx/env.h"
 #include "eplbx/policy.h"
 #include "io/json_output.h"
 #include "io/load_file.h"
@@ -161,10 +162,10 @@ Status RunPlan(const PlanArgs& args) {
         "--policy incremental needs --previous FILE (the placement in force, e.g. an earlier "
         "plan's output)");
   }
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = Env::Default()->Now();
   Result<Placement> placement = Plan(*load, args.topology, options);
   const double plan_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+      std::chrono::duration<double, std::milli>(Env::Default()->Now() - start).count();
   if (!placement.ok()) return placement.status();
   Result<Balance> balance = ComputeBalance(*placement, *load, args.topology.ranks);
   if (!balance.ok()) return balance.status();

@@ -169,6 +169,39 @@ TEST(TcpStoreTest, MissingRanksTimeOutByName) {
             Code::kTimeout);
 }
 
+// The store's and the socket bootstrap's deadlines are measured on their Env's clock: with
+// 300 s join and all-gather timeouts, a clock moved an hour ahead ends both at once.
+TEST(TcpStoreTest, DeadlinesFollowTheEnvClock) {
+  SkewedClockEnv clock;
+  std::thread jump([&] {
+    std::this_thread::sleep_for(milliseconds(300));
+    clock.Advance(std::chrono::hours(1));
+  });
+  const auto start = std::chrono::steady_clock::now();
+  const uint16_t port = Port();
+  auto store = TcpStore::Listen("127.0.0.1", port, "t", 2, &clock);
+  ASSERT_TRUE(store.ok());
+  Status s = (*store)->Serve(std::chrono::seconds(300), std::chrono::seconds(300),
+                             [](uint32_t, std::string) {});
+  EXPECT_EQ(s.code(), Code::kTimeout) << s.ToString();
+  EXPECT_NE(s.message().find("ranks 0, 1 did not join"), std::string::npos) << s.ToString();
+  jump.join();
+  // A member's all-gather: the coordinator never answers.
+  int fds[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds), 0);
+  SkewedClockEnv member_clock;
+  SocketBootstrap member(fds[0], 0, 2, &member_clock);
+  std::thread jump2([&] {
+    std::this_thread::sleep_for(milliseconds(300));
+    member_clock.Advance(std::chrono::hours(1));
+  });
+  Result<std::vector<std::string>> got = member.AllGather("x", std::chrono::seconds(300));
+  jump2.join();
+  close(fds[1]);
+  EXPECT_EQ(got.status().code(), Code::kTimeout) << got.status().ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+}
+
 // A member that misses a round's timeout, or leaves, is reported lost, so that whoever
 // collects reports stops waiting for it (the worker's report with a dead link).
 TEST(TcpStoreTest, MembersThatMissARoundOrLeaveAreLost) {

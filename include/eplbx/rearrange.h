@@ -60,6 +60,54 @@ struct RearrangeReport {
   double seconds = 0;
 };
 
+// Asynchronous, pipelined rearrangement (docs/protocol.md, "Asynchronous commits"): Begin
+// starts it, the engine's thread drives it with Poll() whenever it likes (non-blocking) and
+// calls Commit() once per forward step, at a safe point, on every rank. READs run on the
+// data paths' own threads between calls; several layers are in flight at once.
+struct AsyncOptions {
+  // Bytes of READs this rank may post per step (between two Commit calls); 0: the busiest
+  // rank's bytes of this rearrangement / target_steps, so a full rebalance spreads over
+  // about target_steps steps. At least one READ is posted per step whatever the budget.
+  uint64_t step_budget_bytes = 0;
+  int target_steps = 5;
+  // Posted but not yet landed; 0: twice the step budget. At least one READ is in flight.
+  uint64_t max_bytes_in_flight = 0;
+  // Layers started and not yet committed; each holds one staging buffer of a layer.
+  int max_layers_in_flight = 4;
+  // The whole rearrangement (each layer also has RearrangeOptions::deadline); past it the
+  // rearrangement fails by name, ABORTs its peers and keeps the old maps in force.
+  std::chrono::milliseconds deadline{600000};
+};
+
+struct CommittedLayer {
+  uint32_t layer = 0;
+  std::vector<int32_t> phy2log;  // the layer's new map, slot -> logical expert
+};
+
+// What Commit() did at this step.
+struct CommitResult {
+  std::vector<CommittedLayer> layers;  // committed now: new rows in place, use these maps
+  bool finished = false;               // the rearrangement is over (status says how)
+  Status status;                       // not OK when it failed: uncommitted layers keep the old
+  // Seconds this call spent waiting for the peers' votes of the previous step (normally 0).
+  double wait_seconds = 0;
+  uint64_t bytes_copied = 0;  // staging -> weights and local copies, this call
+};
+
+// Progress of the rearrangement in flight (or the last one).
+struct AsyncProgress {
+  bool active = false;
+  uint32_t layers = 0;            // in the rearrangement
+  uint32_t layers_started = 0;    // protocol started on this rank
+  uint32_t layers_ready = 0;      // every rank's reads done (leading layers, in order)
+  uint32_t layers_committed = 0;  // agreed and applied
+  uint64_t bytes_in_flight = 0;   // posted READs not yet landed
+  uint64_t bytes_read = 0;        // landed, by this rank
+  uint64_t bytes_held = 0;        // READs waiting for the budget
+  int64_t steps = 0;              // Commit calls since Begin
+  int64_t steps_since_commit = 0;
+};
+
 namespace internal {
 class RearrangerImpl;
 }  // namespace internal
@@ -83,6 +131,26 @@ class Rearranger {
   // naming the layer and the first slot that would hold the wrong expert. REQUIRES: every
   // rank passes the same plan (a rank with another plan fails its peers' layer, by name).
   RearrangeReport Rearrange(const Placement& from, const Placement& to, const MigrationPlan& plan);
+
+  // Starts an asynchronous rearrangement of `plan` (checked as above; the same on every
+  // rank, begun at the same step). Fails when one is already running or the Rearranger
+  // failed. Then: Poll() from the engine's thread whenever convenient, Commit() once per
+  // step on every rank.
+  Status Begin(const Placement& from, const Placement& to, const MigrationPlan& plan,
+               AsyncOptions options = {});
+  // Non-blocking: takes the records that arrived, posts the READs the budget allows,
+  // starts layers as staging frees up, checks deadlines.
+  Status Poll();
+  // At a safe point between forward passes, on every rank at the same steps: votes which
+  // leading layers are ready here, and applies the layers every rank voted ready one step
+  // earlier (the vote of the previous step is normally there already; else it waits, up
+  // to the layer deadline). Every rank commits the same layers at the same step. With no
+  // rearrangement running it returns at once with nothing.
+  CommitResult Commit();
+  AsyncProgress progress() const;
+  bool busy() const;  // an asynchronous rearrangement is running
+  // Totals of the current (or last) asynchronous rearrangement.
+  RearrangeReport async_report() const;
 
   // After a failure the Rearranger refuses Rearrange() with this error until rebuilt.
   bool failed() const;

@@ -207,6 +207,8 @@ std::vector<Action> LayerProtocol::OnRecord(uint32_t from, const Record& r, Cloc
       break;
     case RecordKind::kAbort:
       return Abort(StrCat("aborted by rank ", from, " (", r.reason, ")"), false);
+    case RecordKind::kVote:  // the pipeline takes votes before any layer sees them
+      return Abort(StrCat("rank ", from, " sent a VOTE into the layer (misrouted record)"), true);
     case RecordKind::kMaps: {
       if (r.source != from || from == step_.self) {
         return Abort(StrCat("rank ", from, " sent misrouted MAPS (source ", r.source, ")"), true);

@@ -12,8 +12,8 @@ using internal::StrCat;
 
 namespace {
 constexpr char kMagic[4] = {'E', 'P', 'X', 'R'};
-// 2: MAPS records (map agreement before any READ).
-constexpr uint16_t kVersion = 2;
+// 2: MAPS records (map agreement before any READ). 3: VOTE records (asynchronous commits).
+constexpr uint16_t kVersion = 3;
 }  // namespace
 
 std::string_view KindName(RecordKind kind) {
@@ -28,6 +28,8 @@ std::string_view KindName(RecordKind kind) {
       return "ABORT";
     case RecordKind::kMaps:
       return "MAPS";
+    case RecordKind::kVote:
+      return "VOTE";
   }
   return "?";
 }
@@ -78,7 +80,7 @@ Result<Record> DecodeRecord(std::string_view bytes) {
     return Status::NotSupported(
         StrCat("protocol record: version ", version, " (this build speaks ", kVersion, ")"));
   }
-  if (kind < 1 || kind > 5)
+  if (kind < 1 || kind > 6)
     return Status::Corruption(StrCat("protocol record: unknown kind ", +kind));
   r.kind = static_cast<RecordKind>(kind);
   if (reserved != 0) return Status::Corruption("protocol record: reserved byte is not 0");
@@ -114,7 +116,7 @@ Result<Record> DecodeRecord(std::string_view bytes) {
     }
     return r;
   }
-  if (r.kind != RecordKind::kAbort && reason_len != 0) {
+  if (r.kind != RecordKind::kAbort && r.kind != RecordKind::kVote && reason_len != 0) {
     return Status::Corruption(StrCat("protocol record: ", KindName(r.kind), " carries a reason"));
   }
   (void)in.Raw("reason", reason_len, &r.reason);

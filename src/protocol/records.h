@@ -20,6 +20,10 @@ enum class RecordKind : uint8_t {
   kDone = 3,      // rank -> every rank: my reads and my readers' reads are complete
   kAbort = 4,     // rank -> every rank: the generation failed; reason attached
   kMaps = 5,      // rank -> every rank: a chunk of the layer's old (and new) map, first
+  // rank -> every rank, once per step of an asynchronous rearrangement: `generation` is the
+  // rearrangement, `layer` the step, `expert` how many leading layers are ready here,
+  // `reader` 1 when this rank failed (then `reason` says why).
+  kVote = 6,
 };
 std::string_view KindName(RecordKind kind);
 
@@ -35,7 +39,7 @@ struct Record {
   uint32_t expert = 0;
   uint32_t source = 0;  // the serving rank (READY, READ_DONE) or the sender (DONE, ABORT)
   uint32_t reader = 0;
-  std::string reason;  // ABORT only
+  std::string reason;  // ABORT, VOTE
   // MAPS only: `expert` is the chunk's first slot, `reader` the number of maps (1: old
   // only, 2: old and new); `map_slots` the layer's slots; `maps` the chunk's old entries
   // followed by the same slots' new entries.

@@ -11,6 +11,7 @@
 #include "eplbx/migration.h"
 #include "protocol/layer_protocol.h"
 #include "protocol/records.h"
+#include "rearrange/rearranger_impl.h"
 
 namespace eplbx {
 namespace internal {
@@ -21,78 +22,6 @@ using protocol::Clock;
 using protocol::LayerProtocol;
 using protocol::LayerState;
 using protocol::ReadTask;
-
-// The event loop's longest sleep: it wakes on every event, so this only paces deadline
-// checks (deadlines are seconds).
-constexpr int kTickMs = 10;
-
-class RearrangerImpl {
- public:
-  Agent* agent = nullptr;
-  Bootstrap* boot = nullptr;
-  RankLayout layout;
-  std::vector<RankLayout> all;
-  RearrangeOptions options;
-  Env* env = Env::Default();    // options.env or Env::Default()
-  std::vector<PeerId> peer_of;  // by rank; self unused
-  std::map<std::string, uint32_t> rank_of_name;
-  RegisteredRegion staging;
-  bool failed = false;
-  std::string failure;
-  uint64_t generation = 0;
-  std::deque<std::pair<uint32_t, protocol::Record>> deferred;
-
-  uint32_t self() const { return layout.rank; }
-  uint32_t world() const { return static_cast<uint32_t>(all.size()); }
-
-  Status Setup();
-  // The placements' shape against the layout; the plan against the placements.
-  Status CheckShapes(const Placement& from, const Placement& to) const;
-  Status CheckPlan(const Placement& from, const Placement& to, const MigrationPlan& plan) const;
-  // One layer of reads (from a migration plan, or from a communicator's add_recv calls).
-  struct JobRead {
-    ReadTask task;
-    uint64_t src_row = 0;
-    std::vector<uint8_t*> dst;  // one destination row per tensor
-  };
-  struct LayerJob {
-    uint32_t layer = 0;
-    std::vector<JobRead> reads;
-    std::vector<protocol::ServeTask> serves;
-    std::vector<int32_t> old_map, new_map;  // checked against every rank's before any READ
-    std::function<void()> commit;           // runs when every rank is done with the layer
-    Status refused;                         // set: this rank refuses the layer (peers are told)
-  };
-  LayerOutcome RunJob(LayerJob& job);
-  LayerOutcome RunLayer(uint32_t l, const LayerMigration& m, const Placement& from,
-                        const Placement& to);
-  uint64_t RowBytes(uint32_t layer) const {
-    uint64_t b = 0;
-    for (const TensorSpec& t : layout.layers[layer]) b += t.bytes_per_expert;
-    return b;
-  }
-
- private:
-  struct Pending {
-    TransferId id;
-    ReadTask task;
-  };
-  void Execute(LayerProtocol& p, LayerJob& job, std::vector<Pending>& pending,
-               LayerOutcome& outcome, std::vector<Action> actions);
-  uint8_t* StageRow(uint32_t layer, size_t t, int row) const {
-    uint64_t at = 0;
-    for (size_t k = 0; k < t; ++k)
-      at += static_cast<uint64_t>(layout.layers[layer][k].rows) *
-            layout.layers[layer][k].bytes_per_expert;
-    return static_cast<uint8_t*>(staging.data()) + at +
-           static_cast<uint64_t>(row) * layout.layers[layer][t].bytes_per_expert;
-  }
-  uint8_t* WeightRow(uint32_t layer, size_t t, int row) const {
-    const TensorSpec& s = layout.layers[layer][t];
-    return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(s.base)) +
-           static_cast<uint64_t>(row) * s.bytes_per_expert;
-  }
-};
 
 Status RearrangerImpl::CheckShapes(const Placement& from, const Placement& to) const {
   const int layers = static_cast<int>(layout.layers.size());
@@ -141,6 +70,16 @@ Status RearrangerImpl::CheckPlan(const Placement& from, const Placement& to,
   return Status::OK();
 }
 
+uint64_t RearrangerImpl::StagingBytes() const {
+  uint64_t most = 1;
+  for (const auto& tensors : layout.layers) {
+    uint64_t bytes = 0;
+    for (const TensorSpec& t : tensors) bytes += static_cast<uint64_t>(t.rows) * t.bytes_per_expert;
+    most = std::max(most, bytes);
+  }
+  return most;
+}
+
 Status RearrangerImpl::Setup() {
   ByteWriter w;
   w.Str32(agent->Metadata());
@@ -170,16 +109,10 @@ Status RearrangerImpl::Setup() {
     peer_of[r] = *p;
     rank_of_name[agent->Peer(*p)->name] = r;
   }
-  uint64_t most = 0;
-  for (const auto& tensors : layout.layers) {
-    uint64_t bytes = 0;
-    for (const TensorSpec& t : tensors) bytes += static_cast<uint64_t>(t.rows) * t.bytes_per_expert;
-    most = std::max(most, bytes);
-  }
-  Result<RegisteredRegion> s = agent->AllocateShared(std::max<uint64_t>(most, 1));
+  Result<RegisteredRegion> s = agent->AllocateShared(StagingBytes());
   if (!s.ok())
     return s.status().WithPrefix(StrCat("rank ", self(), ": staging buffer of one layer"));
-  staging = std::move(*s);
+  staging.push_back(std::move(*s));
   // Nobody starts moving bytes before every rank is connected to every other.
   Status ready = boot->Barrier(options.deadline);
   if (!ready.ok())
@@ -187,8 +120,9 @@ Status RearrangerImpl::Setup() {
   return Status::OK();
 }
 
-void RearrangerImpl::Execute(LayerProtocol& p, LayerJob& job, std::vector<Pending>& pending,
-                             LayerOutcome& outcome, std::vector<Action> actions) {
+void RearrangerImpl::Execute(Run& run, std::vector<Action> actions) {
+  LayerProtocol& p = *run.protocol;
+  LayerJob& job = run.job;
   std::deque<Action> work(actions.begin(), actions.end());
   auto more = [&](std::vector<Action> next) { work.insert(work.end(), next.begin(), next.end()); };
   while (!work.empty()) {
@@ -202,12 +136,17 @@ void RearrangerImpl::Execute(LayerProtocol& p, LayerJob& job, std::vector<Pendin
         break;
       }
       case ActionKind::kPostRead: {
+        if (run.gate != nullptr && !(*run.gate)(RowBytes(job.layer))) {
+          run.held.push_back(std::move(a));
+          break;
+        }
         const JobRead* jr = nullptr;
         for (const JobRead& r : job.reads) {
           if (r.task.expert == a.read.expert && r.task.source == a.read.source) jr = &r;
         }
         const auto& tensors = layout.layers[job.layer];
         std::vector<Descriptor> local, remote;
+        LayerOutcome& outcome = run.outcome;
         for (size_t t = 0; t < tensors.size(); ++t) {
           const TensorSpec& theirs = all[a.read.source].layers[job.layer][t];
           local.push_back(Descriptor::Of(jr->dst[t], tensors[t].bytes_per_expert));
@@ -223,15 +162,16 @@ void RearrangerImpl::Execute(LayerProtocol& p, LayerJob& job, std::vector<Pendin
             agent->Read(peer_of[a.read.source], local, remote, protocol::EncodeRecord(a.record));
         ++outcome.experts_read;
         if (id.ok()) {
-          pending.push_back({*id, a.read});
+          run.pending.push_back({*id, a.read, RowBytes(job.layer)});
         } else {
           more(p.OnReadComplete(a.read, id.status()));
         }
         break;
       }
       case ActionKind::kCommit:
-        if (job.commit) job.commit();
-        outcome.committed = true;
+        if (run.defer_commit) break;  // the pipeline applies it once the ranks agree
+        if (job.commit) run.outcome.bytes_copied += job.commit();
+        run.outcome.committed = true;
         break;
       case ActionKind::kAbort:
         break;
@@ -239,10 +179,77 @@ void RearrangerImpl::Execute(LayerProtocol& p, LayerJob& job, std::vector<Pendin
   }
 }
 
+void RearrangerImpl::Handle(std::vector<Notification> notes,
+                            const std::function<Run*(uint64_t)>& route,
+                            const std::function<void(uint32_t, const protocol::Record&)>& vote) {
+  for (Notification& n : notes) {
+    auto who = rank_of_name.find(n.peer);
+    if (who == rank_of_name.end()) continue;  // not a member of this group
+    Result<protocol::Record> rec = protocol::DecodeRecord(n.payload);
+    if (!rec.ok()) {
+      // Nothing in it can be trusted, not even its generation: every running layer fails.
+      for (uint64_t g = 0; Run* run = route(g); g = run->protocol->generation() + 1)
+        Execute(*run, run->protocol->OnMalformed(who->second, rec.status()));
+      continue;
+    }
+    if (rec->kind == protocol::RecordKind::kVote) {
+      if (vote) vote(who->second, *rec);
+      continue;
+    }
+    Run* run = route(rec->generation);
+    if (run == nullptr || run->protocol->generation() != rec->generation) {
+      if (run == nullptr) deferred.push_back({who->second, *rec});  // a later layer's
+      continue;                                                     // else stale
+    }
+    bool later = false;
+    Execute(*run, run->protocol->OnRecord(who->second, *rec, env->Now(), &later));
+  }
+}
+
+void RearrangerImpl::Reap(Run& run) {
+  for (size_t i = 0; i < run.pending.size();) {
+    TransferStatus s = agent->GetStatus(run.pending[i].id);
+    if (s.state == TransferState::kInProgress) {
+      ++i;
+      continue;
+    }
+    (void)agent->Release(run.pending[i].id);
+    const ReadTask task = run.pending[i].task;
+    run.pending.erase(run.pending.begin() + static_cast<long>(i));
+    Execute(run, run.protocol->OnReadComplete(
+                     task, s.state == TransferState::kDone ? Status::OK() : s.error));
+  }
+}
+
+void RearrangerImpl::CheckPeers(
+    const std::vector<Run*>& runs, const std::function<Run*(uint64_t)>& route,
+    const std::function<void(uint32_t, const protocol::Record&)>& vote) {
+  for (uint32_t r = 0; r < world(); ++r) {
+    if (r == self()) continue;
+    Result<PeerInfo> info = agent->Peer(peer_of[r]);
+    if (!info.ok() || info->reachable) continue;
+    // What the peer sent before it was lost (its DONE, say) is queued by now: take it
+    // first, so that a peer that finished and exited does not fail the layer.
+    Handle(agent->PollNotifications(), route, vote);
+    for (Run* run : runs) {
+      if (run->protocol->state() == LayerState::kRunning)
+        Execute(*run, run->protocol->OnPeerFailed(r, Status::Unavailable(info->failure)));
+    }
+  }
+}
+
+void RearrangerImpl::CancelPending(Run& run) {
+  // Nothing of this layer may land in a destination row after this.
+  for (const Pending& left : run.pending) {
+    (void)agent->Cancel(left.id);
+    (void)agent->Release(left.id);
+  }
+  run.pending.clear();
+}
+
 LayerOutcome RearrangerImpl::RunJob(LayerJob& job) {
-  LayerOutcome outcome;
-  outcome.layer = job.layer;
-  std::vector<Pending> pending;
+  Run run;
+  run.outcome.layer = job.layer;
   protocol::LayerStep step;
   step.generation = ++generation;
   step.layer = job.layer;
@@ -252,78 +259,45 @@ LayerOutcome RearrangerImpl::RunJob(LayerJob& job) {
   step.serves = job.serves;
   step.old_map = job.old_map;
   step.new_map = job.new_map;
-  LayerProtocol p(step, env->Now(), options.deadline);
-  if (!job.refused.ok()) {
-    std::string why = job.refused.message();
+  run.job = std::move(job);
+  run.protocol = std::make_unique<LayerProtocol>(step, env->Now(), options.deadline);
+  LayerProtocol& p = *run.protocol;
+  if (!run.job.refused.ok()) {
+    std::string why = run.job.refused.message();
     const std::string mine = StrCat("rank ", self(), ": ");
     if (why.rfind(mine, 0) == 0) why = why.substr(mine.size());  // Fail names this rank itself
-    Execute(p, job, pending, outcome, p.Fail(why));
-    outcome.error = p.error();
-    return outcome;
+    Execute(run, p.Fail(why));
+    run.outcome.error = p.error();
+    job = std::move(run.job);
+    return run.outcome;
   }
-  Execute(p, job, pending, outcome, p.Start());
+  Execute(run, p.Start());
   // Records that arrived early, during an earlier layer.
   std::deque<std::pair<uint32_t, protocol::Record>> later;
   for (auto& [from, rec] : deferred) {
     bool again = false;
-    Execute(p, job, pending, outcome, p.OnRecord(from, rec, env->Now(), &again));
+    Execute(run, p.OnRecord(from, rec, env->Now(), &again));
     if (again) later.push_back({from, rec});
   }
   deferred.swap(later);
-  auto handle = [&](std::vector<Notification> notes) {
-    for (Notification& n : notes) {
-      auto who = rank_of_name.find(n.peer);
-      if (who == rank_of_name.end()) continue;  // not a member of this group
-      Result<protocol::Record> rec = protocol::DecodeRecord(n.payload);
-      if (!rec.ok()) {
-        Execute(p, job, pending, outcome, p.OnMalformed(who->second, rec.status()));
-        continue;
-      }
-      bool later_gen = false;
-      Execute(p, job, pending, outcome, p.OnRecord(who->second, *rec, env->Now(), &later_gen));
-      if (later_gen) deferred.push_back({who->second, *rec});
-    }
-  };
+  auto route = [&](uint64_t g) -> Run* { return g <= p.generation() ? &run : nullptr; };
   while (p.state() == LayerState::kRunning) {
     // Wakes on a notification, a finished READ or a lost peer; the timeout only paces
     // deadline checks.
-    handle(agent->WaitEvents(std::chrono::milliseconds(kTickMs)));
-    for (size_t i = 0; i < pending.size();) {
-      TransferStatus s = agent->GetStatus(pending[i].id);
-      if (s.state == TransferState::kInProgress) {
-        ++i;
-        continue;
-      }
-      (void)agent->Release(pending[i].id);
-      const ReadTask task = pending[i].task;
-      pending.erase(pending.begin() + static_cast<long>(i));
-      Execute(p, job, pending, outcome,
-              p.OnReadComplete(task, s.state == TransferState::kDone ? Status::OK() : s.error));
-    }
-    for (uint32_t r = 0; r < world() && p.state() == LayerState::kRunning; ++r) {
-      if (r == self()) continue;
-      Result<PeerInfo> info = agent->Peer(peer_of[r]);
-      if (info.ok() && !info->reachable) {
-        // What the peer sent before it was lost (its DONE, say) is queued by now: take it
-        // first, so that a peer that finished and exited does not fail the layer.
-        handle(agent->PollNotifications());
-        if (p.state() != LayerState::kRunning) break;
-        Execute(p, job, pending, outcome, p.OnPeerFailed(r, Status::Unavailable(info->failure)));
-      }
-    }
-    Execute(p, job, pending, outcome, p.OnTick(env->Now()));
+    Handle(agent->WaitEvents(std::chrono::milliseconds(kTickMs)), route, {});
+    Reap(run);
+    CheckPeers({&run}, route, {});
+    Execute(run, p.OnTick(env->Now()));
   }
-  // Nothing of this layer may land in a destination row after we return.
-  for (const Pending& left : pending) {
-    (void)agent->Cancel(left.id);
-    (void)agent->Release(left.id);
-  }
-  if (p.state() == LayerState::kAborted) outcome.error = p.error();
-  return outcome;
+  CancelPending(run);
+  if (p.state() == LayerState::kAborted) run.outcome.error = p.error();
+  job = std::move(run.job);
+  return run.outcome;
 }
 
-LayerOutcome RearrangerImpl::RunLayer(uint32_t l, const LayerMigration& m, const Placement& from,
-                                      const Placement& to) {
+RearrangerImpl::LayerJob RearrangerImpl::MakeLayerJob(uint32_t l, const LayerMigration& m,
+                                                      const Placement& from, const Placement& to,
+                                                      int slot) const {
   LayerJob job;
   job.layer = l;
   for (int s = 0; s < from.slots(); ++s) {
@@ -337,7 +311,7 @@ LayerOutcome RearrangerImpl::RunLayer(uint32_t l, const LayerMigration& m, const
       JobRead jr;
       jr.task = {static_cast<uint32_t>(r.expert), static_cast<uint32_t>(r.src)};
       jr.src_row = static_cast<uint64_t>(r.src_row);
-      for (size_t t = 0; t < tensors; ++t) jr.dst.push_back(StageRow(l, t, r.dst_row));
+      for (size_t t = 0; t < tensors; ++t) jr.dst.push_back(StageRow(slot, l, t, r.dst_row));
       job.reads.push_back(std::move(jr));
       changed.push_back(r.dst_row);
     }
@@ -345,17 +319,22 @@ LayerOutcome RearrangerImpl::RunLayer(uint32_t l, const LayerMigration& m, const
       job.serves.push_back({static_cast<uint32_t>(r.expert), static_cast<uint32_t>(r.dst)});
     }
   }
-  uint64_t copied = 0;
-  job.commit = [&, l, tensors] {
+  std::vector<LocalCopy> copies;
+  for (const LocalCopy& c : m.local_copies) {
+    if (c.rank == static_cast<int32_t>(self())) copies.push_back(c);
+  }
+  job.commit = [this, l, tensors, slot, copies = std::move(copies),
+                changed = std::move(changed)]() mutable -> uint64_t {
     // Copies from old rows first (the weights are still the old ones), then from rows just
     // read; then every changed row goes from staging to the weights.
+    uint64_t copied = 0;
     for (CopySource pass : {CopySource::kOld, CopySource::kNew}) {
-      for (const LocalCopy& c : m.local_copies) {
-        if (c.rank != static_cast<int32_t>(self()) || c.source != pass) continue;
+      for (const LocalCopy& c : copies) {
+        if (c.source != pass) continue;
         for (size_t t = 0; t < tensors; ++t) {
-          const uint8_t* from =
-              pass == CopySource::kOld ? WeightRow(l, t, c.src_row) : StageRow(l, t, c.src_row);
-          std::memcpy(StageRow(l, t, c.dst_row), from, layout.layers[l][t].bytes_per_expert);
+          const uint8_t* src = pass == CopySource::kOld ? WeightRow(l, t, c.src_row)
+                                                        : StageRow(slot, l, t, c.src_row);
+          std::memcpy(StageRow(slot, l, t, c.dst_row), src, layout.layers[l][t].bytes_per_expert);
           copied += layout.layers[l][t].bytes_per_expert;
         }
         changed.push_back(c.dst_row);
@@ -363,14 +342,14 @@ LayerOutcome RearrangerImpl::RunLayer(uint32_t l, const LayerMigration& m, const
     }
     for (int row : changed) {
       for (size_t t = 0; t < tensors; ++t) {
-        std::memcpy(WeightRow(l, t, row), StageRow(l, t, row),
+        std::memcpy(WeightRow(l, t, row), StageRow(slot, l, t, row),
                     layout.layers[l][t].bytes_per_expert);
+        copied += layout.layers[l][t].bytes_per_expert;
       }
     }
+    return copied;
   };
-  LayerOutcome o = RunJob(job);
-  o.bytes_copied = copied;
-  return o;
+  return job;
 }
 
 }  // namespace internal
@@ -429,6 +408,13 @@ RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to
                                            d.failure, "); build a new one"));
     return report;
   }
+  if (d.Busy()) {
+    report.status =
+        Status::InProgress(StrCat("rank ", d.self(),
+                                  ": an asynchronous rearrangement is running; Commit() until it "
+                                  "finishes"));
+    return report;
+  }
   report.status = d.CheckShapes(from, to);
   if (!report.status.ok()) return report;
   const int layers = static_cast<int>(d.layout.layers.size());
@@ -436,7 +422,9 @@ RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to
   if (!report.status.ok()) return report;
   const std::vector<PathTotals> paths_before = d.agent->PathBytes();
   for (int l = 0; l < layers; ++l) {
-    LayerOutcome o = d.RunLayer(static_cast<uint32_t>(l), plan.layers[l], from, to);
+    internal::RearrangerImpl::LayerJob job =
+        d.MakeLayerJob(static_cast<uint32_t>(l), plan.layers[l], from, to, 0);
+    LayerOutcome o = d.RunJob(job);
     report.bytes_read += o.bytes_read;
     report.experts_read += o.experts_read;
     report.bytes_cross_node += o.bytes_cross_node;
@@ -458,6 +446,16 @@ RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to
   report.seconds = std::chrono::duration<double>(impl_->env->Now() - t0).count();
   return report;
 }
+
+Status Rearranger::Begin(const Placement& from, const Placement& to, const MigrationPlan& plan,
+                         AsyncOptions options) {
+  return impl_->Begin(from, to, plan, options);
+}
+Status Rearranger::Poll() { return impl_->Poll(); }
+CommitResult Rearranger::Commit() { return impl_->Commit(); }
+AsyncProgress Rearranger::progress() const { return impl_->Progress(); }
+bool Rearranger::busy() const { return impl_->Busy(); }
+RearrangeReport Rearranger::async_report() const { return impl_->PipelineReport(); }
 
 bool Rearranger::failed() const { return impl_->failed; }
 

@@ -60,6 +60,19 @@ TEST(RecordTest, MapsRoundTripAndMalformedMaps) {
             std::string::npos);
 }
 
+TEST(RecordTest, VotesRoundTripWithTheirReason) {
+  Record v{RecordKind::kVote, 7, 12, 3, 2, 1, "rank 2: layer 3 failed"};
+  Result<Record> d = DecodeRecord(EncodeRecord(v));
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->kind, RecordKind::kVote);
+  EXPECT_EQ(d->generation, 7u);
+  EXPECT_EQ(d->layer, 12u);  // the step
+  EXPECT_EQ(d->expert, 3u);  // layers ready
+  EXPECT_EQ(d->reader, 1u);  // failed
+  EXPECT_EQ(d->reason, "rank 2: layer 3 failed");
+  EXPECT_EQ(KindName(RecordKind::kVote), "VOTE");
+}
+
 TEST(RecordTest, RejectsEveryMalformedRecord) {
   const std::string good = EncodeRecord({RecordKind::kAbort, 5, 1, 2, 3, 4, "why"});
   for (size_t n = 0; n < good.size(); ++n) {
@@ -73,7 +86,8 @@ TEST(RecordTest, RejectsEveryMalformedRecord) {
   };
   EXPECT_NE(patched(0, 'X').message().find("bad magic"), std::string::npos);
   EXPECT_EQ(patched(4, 1).code(), Code::kNotSupported);  // version 1: before MAPS
-  EXPECT_EQ(patched(4, 3).code(), Code::kNotSupported);
+  EXPECT_EQ(patched(4, 2).code(), Code::kNotSupported);  // version 2: before VOTE
+  EXPECT_EQ(patched(4, 4).code(), Code::kNotSupported);
   EXPECT_NE(patched(6, 0).message().find("unknown kind 0"), std::string::npos);
   EXPECT_NE(patched(6, 9).message().find("unknown kind 9"), std::string::npos);
   EXPECT_NE(patched(7, 1).message().find("reserved"), std::string::npos);

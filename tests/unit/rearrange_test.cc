@@ -684,5 +684,259 @@ TEST(EplbCommunicatorTest, MisuseIsRejectedClearly) {
       std::string::npos);
 }
 
+// ---- asynchronous, pipelined rearrangement (issue 18) ------------------------------------
+
+// What one rank saw while serving: per step, a digest of the maps in force; per rebalance,
+// how it ended.
+struct ServeLog {
+  std::vector<uint64_t> maps_digest;
+  std::vector<std::string> endings;   // "ok" or the error
+  std::vector<int64_t> commit_steps;  // the step of every committed layer, in order
+  uint64_t rows_checked = 0;
+  uint64_t bytes_copied = 0;
+  int64_t max_steps_to_finish = 0;
+};
+
+uint64_t Digest(const std::vector<std::vector<int32_t>>& maps) {
+  uint64_t h = 1469598103934665603ull;
+  for (const auto& m : maps) {
+    for (int32_t e : m) h = (h ^ static_cast<uint64_t>(e + 1)) * 1099511628211ull;
+  }
+  return h;
+}
+
+// Rank `r` serves `steps` forward steps: before each, every row it holds must hold, byte for
+// byte, the expert the map in force names; every `every` steps it begins a rebalance to a
+// random placement (the same on every rank); `arm(rebalance)` may arm faults first.
+void ServeRank(Rank& rank, Bootstrap& boot, int steps, int every, const AsyncOptions& ao,
+               std::chrono::milliseconds layer_deadline, const std::function<void(int)>& arm,
+               ServeLog* log, std::vector<std::vector<int32_t>> maps) {
+  RearrangeOptions o;
+  o.deadline = layer_deadline;
+  auto re = Rearranger::Create(rank.agent.get(), &boot, rank.layout, o);
+  ASSERT_TRUE(re.ok()) << re.status().ToString();
+  const uint32_t r = rank.layout.rank;
+  int rebalances = 0;
+  int64_t began = 0;
+  for (int step = 0; step < steps; ++step) {
+    // The forward pass: every row agrees with the map it reads.
+    for (int l = 0; l < kLayers; ++l) {
+      for (int t = 0; t < 2; ++t) {
+        for (int row = 0; row < kRows; ++row) {
+          const int32_t e = maps[l][r * kRows + row];
+          const uint8_t* w = rank.weights[l][t].data() + row * kBytes[t];
+          for (uint64_t i = 0; i < kBytes[t]; ++i) {
+            ASSERT_EQ(w[i], Byte(l, e, t, i)) << "rank " << r << " step " << step << " layer " << l
+                                              << " row " << row << " (expert " << e << ")";
+          }
+          ++log->rows_checked;
+        }
+      }
+    }
+    log->maps_digest.push_back(Digest(maps));
+    if (step % every == 1 && !(*re)->busy()) {
+      std::mt19937 rng(1000 + rebalances);
+      std::vector<int32_t> flat_from, flat_to;
+      for (int l = 0; l < kLayers; ++l) {
+        flat_from.insert(flat_from.end(), maps[l].begin(), maps[l].end());
+        const auto next = RandomMap(rng);
+        flat_to.insert(flat_to.end(), next.begin(), next.end());
+      }
+      auto from = Placement::FromPhy2Log(kLayers, kRanks * kRows, kExperts, flat_from);
+      auto to = Placement::FromPhy2Log(kLayers, kRanks * kRows, kExperts, flat_to);
+      ASSERT_TRUE(from.ok() && to.ok());
+      MigrationOptions mo;
+      mo.ranks = kRanks;
+      auto plan = PlanMigration(*from, *to, mo);
+      ASSERT_TRUE(plan.ok());
+      if (arm) arm(rebalances);
+      ++rebalances;
+      Status b = (*re)->Begin(*from, *to, *plan, ao);
+      ASSERT_TRUE(b.ok()) << b.ToString();
+      began = step;
+    }
+    (void)(*re)->Poll();  // as an engine would, between its layers
+    CommitResult c = (*re)->Commit();
+    for (const CommittedLayer& cl : c.layers) {
+      maps[cl.layer] = cl.phy2log;
+      log->commit_steps.push_back(step);
+    }
+    log->bytes_copied += c.bytes_copied;
+    if (c.finished) {
+      log->endings.push_back(c.status.ok() ? "ok" : c.status.message());
+      log->max_steps_to_finish = std::max(log->max_steps_to_finish, step - began);
+      ASSERT_FALSE((*re)->failed()) << c.status.ToString();  // agreed: usable again
+    }
+  }
+  // Let a rebalance in flight end, so that no rank waits for a vote that never comes.
+  while ((*re)->busy()) {
+    CommitResult c = (*re)->Commit();
+    for (const CommittedLayer& cl : c.layers) maps[cl.layer] = cl.phy2log;
+    if (c.finished) log->endings.push_back(c.status.ok() ? "ok" : c.status.message());
+  }
+}
+
+std::vector<ServeLog> ServeOnThreads(std::vector<std::unique_ptr<Rank>>& ranks,
+                                     const std::vector<std::vector<int32_t>>& maps, int steps,
+                                     int every, const AsyncOptions& ao,
+                                     std::chrono::milliseconds layer_deadline,
+                                     const std::vector<std::function<void(int)>>& arm = {}) {
+  InMemoryGroup group(kRanks);
+  std::vector<ServeLog> logs(kRanks);
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      auto boot = group.Member(r);
+      ServeRank(*ranks[r], *boot, steps, every, ao, layer_deadline,
+                r < arm.size() ? arm[r] : nullptr, &logs[r], maps);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return logs;
+}
+
+// Every rank commits the same layers at the same step, every byte lands, and the budget
+// spreads a rebalance over several steps.
+TEST(PipelineTest, EveryRankCommitsTheSameLayersAtTheSameStep) {
+  std::mt19937 rng(31);
+  const RandomMoves m(rng);
+  std::vector<std::unique_ptr<Rank>> ranks;
+  for (uint32_t r = 0; r < kRanks; ++r) ranks.push_back(MakeRank(r, m.before));
+  AsyncOptions ao;
+  ao.step_budget_bytes = kBytes[0] + kBytes[1];  // one expert row a step
+  ao.max_layers_in_flight = 2;
+  auto logs = ServeOnThreads(ranks, m.before, 60, 1000, ao, std::chrono::seconds(10));
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    ASSERT_EQ(logs[r].endings, std::vector<std::string>{"ok"}) << "rank " << r;
+    EXPECT_EQ(logs[r].commit_steps, logs[0].commit_steps) << "rank " << r;
+    EXPECT_EQ(logs[r].maps_digest, logs[0].maps_digest) << "rank " << r;
+    EXPECT_GT(logs[r].rows_checked, 0u);
+  }
+  ASSERT_EQ(logs[0].commit_steps.size(), static_cast<size_t>(kLayers));
+  // One row a step: the busiest rank's reads take several steps.
+  EXPECT_GT(logs[0].max_steps_to_finish, 3);
+}
+
+// The map never lies while serving (issue 18, item 5): thousands of steps, a rebalance
+// every 25, some rolled back by faults on rank 1 (a READ fails, MAPS cannot leave), some
+// slowed (a completion 5 ms late); before every step every rank checks every row it holds against
+// the map in force, and every rank has the same maps at every step.
+TEST(PipelineTest, TheMapNeverLiesWhileServing) {
+  using internal::Fault;
+  std::mt19937 rng(41);
+  const RandomMoves m(rng);
+  std::vector<std::unique_ptr<Rank>> ranks;
+  auto faults = std::make_shared<internal::FaultPlan>();
+  for (uint32_t r = 0; r < kRanks; ++r)
+    ranks.push_back(MakeRank(r, m.before, r == 1 ? faults : nullptr));
+  AsyncOptions ao;
+  ao.target_steps = 3;
+  ao.max_layers_in_flight = 2;
+  auto arm = [&](int rebalance) {
+    faults->Clear();
+    if (rebalance % 10 == 3) faults->OnTransfers(Fault::Of(Fault::Action::kFail, "", 0, 1));
+    if (rebalance % 10 == 6) {
+      Fault f = Fault::Of(Fault::Action::kDelay, "", 0, 1);
+      f.delay = std::chrono::milliseconds(5);
+      faults->OnTransfers(f);
+    }
+    if (rebalance % 10 == 8) {
+      Fault f = Fault::Of(Fault::Action::kFail, "", 0, 1);
+      f.match = [](std::string_view p) { return IsRecord(p, protocol::RecordKind::kMaps); };
+      faults->OnNotifications(f);
+    }
+  };
+  const int steps = 2000;
+  auto logs = ServeOnThreads(ranks, m.before, steps, 25, ao, std::chrono::milliseconds(200),
+                             {nullptr, arm, nullptr});
+  int ok = 0, rolled_back = 0;
+  for (const std::string& e : logs[0].endings) (e == "ok" ? ok : rolled_back)++;
+  EXPECT_GE(ok, 40);
+  EXPECT_GE(rolled_back, 12);
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    EXPECT_EQ(logs[r].rows_checked, static_cast<uint64_t>(steps) * kLayers * 2 * kRows);
+    EXPECT_EQ(logs[r].maps_digest, logs[0].maps_digest) << "rank " << r;
+    EXPECT_EQ(logs[r].commit_steps, logs[0].commit_steps) << "rank " << r;
+    ASSERT_EQ(logs[r].endings.size(), logs[0].endings.size());
+    for (size_t i = 0; i < logs[r].endings.size(); ++i)
+      EXPECT_EQ(logs[r].endings[i] == "ok", logs[0].endings[i] == "ok") << "rebalance " << i;
+  }
+  bool named = false;
+  for (const std::string& e : logs[1].endings)
+    named |= e.find("READ of expert") != std::string::npos;
+  EXPECT_TRUE(named) << "rank 1 never named the failed READ";
+}
+
+// A stalled rebalance (a READ that never completes, a layer deadline far away) ends at the
+// rebalance deadline on every rank, by name, with the old maps in force; the progress
+// counters say where it stood.
+TEST(PipelineTest, AStalledRebalanceEndsAtItsDeadlineByName) {
+  using internal::Fault;
+  std::mt19937 rng(51);
+  const RandomMoves m(rng);
+  std::vector<std::unique_ptr<Rank>> ranks;
+  auto faults = std::make_shared<internal::FaultPlan>();
+  faults->OnTransfers(Fault::Of(Fault::Action::kDrop, "", 0, -1));
+  for (uint32_t r = 0; r < kRanks; ++r)
+    ranks.push_back(MakeRank(r, m.before, r == 2 ? faults : nullptr));
+  AsyncOptions ao;
+  ao.deadline = std::chrono::milliseconds(300);
+  const auto start = std::chrono::steady_clock::now();
+  auto logs = ServeOnThreads(ranks, m.before, 40, 1000, ao, std::chrono::seconds(300));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    ASSERT_EQ(logs[r].endings.size(), 1u) << "rank " << r;
+    EXPECT_NE(logs[r].endings[0].find("passed its deadline of 300 ms"), std::string::npos)
+        << "rank " << r << ": " << logs[r].endings[0];
+    EXPECT_TRUE(logs[r].commit_steps.empty()) << "rank " << r;
+    EXPECT_EQ(logs[r].maps_digest.back(), Digest(m.before)) << "rank " << r;
+  }
+  ExpectLayerAtomic(ranks, std::vector<RearrangeReport>(kRanks), m, "stalled");
+}
+
+// Begin checks the plan as Rearrange does, and refuses a second rebalance while one runs.
+TEST(PipelineTest, BeginRefusesAPlanThatDoesNotMatchAndASecondRebalance) {
+  std::mt19937 rng(61);
+  const RandomMoves m(rng);
+  ASSERT_TRUE(m.from.ok() && m.to.ok());
+  MigrationOptions mo;
+  mo.ranks = kRanks;
+  auto good = PlanMigration(*m.from, *m.to, mo);
+  ASSERT_TRUE(good.ok());
+  MigrationPlan bad = *good;
+  bad.layers.pop_back();
+  std::vector<RearrangeReport> reports;
+  RearrangeOnThreads(
+      m.before,
+      [&](Rearranger& re) {
+        RearrangeReport out;
+        Status s = re.Begin(*m.from, *m.to, bad);
+        EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.ToString();
+        EXPECT_NE(s.message().find("the migration plan has 2 layers, the placements 3"),
+                  std::string::npos)
+            << s.ToString();
+        EXPECT_FALSE(re.busy());
+        EXPECT_TRUE(re.Begin(*m.from, *m.to, *good).ok());
+        Status again = re.Begin(*m.from, *m.to, *good);
+        EXPECT_EQ(again.code(), Code::kInProgress) << again.ToString();
+        EXPECT_NE(again.message().find("call Commit() until it finishes"), std::string::npos);
+        EXPECT_EQ(re.Rearrange(*m.from, *m.to).status.code(), Code::kInProgress);
+        while (re.busy()) {
+          CommitResult c = re.Commit();
+          if (c.finished) out.status = c.status;
+        }
+        AsyncProgress p = re.progress();
+        EXPECT_EQ(p.layers_committed, static_cast<uint32_t>(kLayers));
+        EXPECT_EQ(p.bytes_in_flight, 0u);
+        out = re.async_report();
+        return out;
+      },
+      &reports);
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    EXPECT_TRUE(reports[r].status.ok()) << reports[r].status.ToString();
+    EXPECT_EQ(reports[r].layers.size(), static_cast<size_t>(kLayers));
+  }
+}
+
 }  // namespace
 }  // namespace eplbx

@@ -1,0 +1,426 @@
+// The asynchronous, pipelined rearrangement (docs/protocol.md, "Asynchronous commits").
+//
+// Each layer runs the same protocol as the synchronous loop (MAPS, READY, READ with
+// READ_DONE, DONE), into its own staging buffer; up to max_layers_in_flight layers run at
+// once. A layer whose protocol reaches its commit point (every rank's reads done) is
+// *ready*; it is applied only when every rank voted it ready. Votes: at each Commit() call
+// (step s) a rank sends VOTE(s, how many leading layers are ready here, failed?) to every
+// rank, then applies the layers that every rank's VOTE(s - 1) says are ready. The vote of
+// the previous step was sent a whole step earlier, so it is normally there already; the
+// commit of a layer lags its readiness by one step, and every rank applies the same layers
+// at the same step. A failure on any rank reaches every rank in the next VOTE: all of them
+// end the rearrangement at the same step with the same layers committed.
+//
+// Who drives: the engine's thread, in Poll() and Commit() (non-blocking but for the vote
+// wait). The bytes move on the data paths' threads (shm and cma copy threads, UCX's progress
+// thread) between calls; records are handled only inside calls, so a layer needs a few
+// calls from each rank (MAPS and READY, then READ_DONE, then DONE).
+#include <algorithm>
+#include <optional>
+
+#include "common/strings.h"
+#include "rearrange/rearranger_impl.h"
+
+namespace eplbx::internal {
+
+using protocol::Action;
+using protocol::LayerState;
+using protocol::Record;
+using protocol::RecordKind;
+
+struct RearrangerImpl::Pipeline {
+  uint64_t id = 0;  // the same on every rank: the n-th Begin
+  // Layer l runs as generation first_generation + l on every rank, however far each got.
+  uint64_t first_generation = 0;
+  Placement from, to;
+  MigrationPlan plan;
+  AsyncOptions opt;
+  uint64_t budget = 0, cap = 0;
+  std::vector<std::unique_ptr<Run>> runs;  // started layers; runs[i] is layer i
+  uint32_t layers = 0, applied = 0;
+  int64_t step = 0, last_commit_step = 0;
+  uint64_t posted_this_step = 0;
+  // Votes by (pipeline, step), per rank; kept for a later pipeline too (a faster peer may
+  // vote in the next one before this rank began it).
+  std::map<std::pair<uint64_t, int64_t>, std::vector<std::optional<Record>>> votes;
+  bool active = false;
+  Status failure;  // this rank failed: its next vote says so
+  protocol::Clock::time_point deadline, started;
+  std::vector<int> free_slots;
+  RearrangeReport report;
+  std::vector<PathTotals> paths_before;
+  std::function<bool(uint64_t)> gate;
+
+  uint64_t InFlight() const {
+    uint64_t b = 0;
+    for (const auto& r : runs) {
+      for (const Pending& p : r->pending) b += p.bytes;
+    }
+    return b;
+  }
+  bool Fits(uint64_t bytes) const {
+    const uint64_t flight = InFlight();
+    return (posted_this_step == 0 || posted_this_step + bytes <= budget) &&
+           (flight == 0 || flight + bytes <= cap);
+  }
+  uint32_t ReadyPrefix() const {
+    uint32_t n = applied;
+    while (n < runs.size() && runs[n]->protocol->state() == LayerState::kCommitted) ++n;
+    return n;
+  }
+  std::vector<Run*> Running() const {
+    std::vector<Run*> out;
+    for (const auto& r : runs) {
+      if (r->protocol->state() == LayerState::kRunning) out.push_back(r.get());
+    }
+    return out;
+  }
+  void TakeVote(uint32_t from, const Record& r, uint32_t world) {
+    if (r.generation < id || from >= world) return;
+    auto& v = votes[{r.generation, static_cast<int64_t>(r.layer)}];
+    v.resize(world);
+    if (!v[from]) v[from] = r;  // a duplicate changes nothing
+  }
+  // The run with the smallest generation >= g.
+  Run* Route(uint64_t g) const {
+    for (const auto& r : runs) {
+      if (r->protocol->generation() >= g) return r.get();
+    }
+    return nullptr;
+  }
+};
+
+RearrangerImpl::RearrangerImpl() = default;
+RearrangerImpl::~RearrangerImpl() = default;
+
+bool RearrangerImpl::Busy() const { return pipe != nullptr && pipe->active; }
+
+Status RearrangerImpl::Begin(const Placement& from, const Placement& to, const MigrationPlan& plan,
+                             const AsyncOptions& opt) {
+  if (failed) {
+    return Status::Aborted(StrCat("rank ", self(), ": this Rearranger failed earlier (", failure,
+                                  "); build a new one"));
+  }
+  if (Busy()) {
+    return Status::InProgress(
+        StrCat("rank ", self(), ": an asynchronous rearrangement is running (", pipe->applied,
+               " of ", pipe->layers, " layers committed); call Commit() until it finishes"));
+  }
+  if (opt.target_steps < 1 || opt.max_layers_in_flight < 1) {
+    return Status::InvalidArgument(StrCat("rank ", self(), ": AsyncOptions target_steps ",
+                                          opt.target_steps, " and max_layers_in_flight ",
+                                          opt.max_layers_in_flight, " must be >= 1"));
+  }
+  EPLBX_RETURN_IF_ERROR(CheckShapes(from, to));
+  EPLBX_RETURN_IF_ERROR(CheckPlan(from, to, plan));
+  auto p = std::make_unique<Pipeline>();
+  p->id = pipe ? pipe->id + 1 : 1;
+  if (pipe) {
+    for (auto& [key, v] : pipe->votes) {
+      if (key.first >= p->id) p->votes[key] = std::move(v);
+    }
+  }
+  p->from = from;
+  p->to = to;
+  p->plan = plan;
+  p->opt = opt;
+  p->layers = static_cast<uint32_t>(layout.layers.size());
+  p->first_generation = generation + 1;
+  generation += p->layers;
+  // The default budget: the busiest rank's bytes over target_steps (every rank computes the
+  // same from the same plan).
+  std::vector<uint64_t> in(world(), 0);
+  for (uint32_t l = 0; l < p->layers; ++l) {
+    for (const RemoteRead& r : plan.layers[l].transfers) in[r.dst] += RowBytes(l);
+  }
+  const uint64_t busiest = *std::max_element(in.begin(), in.end());
+  p->budget = opt.step_budget_bytes != 0
+                  ? opt.step_budget_bytes
+                  : std::max<uint64_t>(1, (busiest + opt.target_steps - 1) / opt.target_steps);
+  p->cap = opt.max_bytes_in_flight != 0 ? opt.max_bytes_in_flight : 2 * p->budget;
+  const size_t slots = std::min<size_t>(opt.max_layers_in_flight, std::max(p->layers, 1u));
+  while (staging.size() < slots) {
+    Result<RegisteredRegion> s = agent->AllocateShared(StagingBytes());
+    if (!s.ok()) {
+      return s.status().WithPrefix(
+          StrCat("rank ", self(), ": staging buffer ", staging.size() + 1, " of ", slots));
+    }
+    staging.push_back(std::move(*s));
+  }
+  for (size_t i = 0; i < slots; ++i) p->free_slots.push_back(static_cast<int>(slots - 1 - i));
+  Pipeline* raw = p.get();
+  p->gate = [raw](uint64_t bytes) {
+    if (!raw->Fits(bytes)) return false;
+    raw->posted_this_step += bytes;
+    return true;
+  };
+  p->started = env->Now();
+  p->deadline = p->started + opt.deadline;
+  p->paths_before = agent->PathBytes();
+  p->active = true;
+  pipe = std::move(p);
+  (void)Poll();  // a failure from here on reaches every rank through the votes (Commit)
+  return Status::OK();
+}
+
+namespace {
+
+// Marks every running layer failed (ABORT to the peers) and stops its READs.
+void StopRuns(RearrangerImpl& d, RearrangerImpl::Pipeline& p, const std::string& why) {
+  for (RearrangerImpl::Run* run : p.Running()) d.Execute(*run, run->protocol->Fail(why));
+  for (auto& run : p.runs) {
+    d.CancelPending(*run);
+    run->held.clear();
+  }
+}
+
+}  // namespace
+
+Status RearrangerImpl::Poll() {
+  if (!Busy()) return Status::OK();
+  Pipeline& p = *pipe;
+  auto route = [&p](uint64_t g) { return p.Route(g); };
+  auto vote = [&p, this](uint32_t from, const Record& r) { p.TakeVote(from, r, world()); };
+  // Start layers while staging is free.
+  while (p.failure.ok() && p.runs.size() < p.layers && !p.free_slots.empty()) {
+    const uint32_t l = static_cast<uint32_t>(p.runs.size());
+    auto run = std::make_unique<Run>();
+    run->slot = p.free_slots.back();
+    p.free_slots.pop_back();
+    run->job = MakeLayerJob(l, p.plan.layers[l], p.from, p.to, run->slot);
+    run->defer_commit = true;
+    run->gate = &p.gate;
+    run->outcome.layer = l;
+    protocol::LayerStep step;
+    step.generation = p.first_generation + l;
+    step.layer = l;
+    step.self = self();
+    step.world = world();
+    for (const JobRead& r : run->job.reads) step.reads.push_back(r.task);
+    step.serves = run->job.serves;
+    step.old_map = run->job.old_map;
+    step.new_map = run->job.new_map;
+    run->protocol = std::make_unique<protocol::LayerProtocol>(step, env->Now(), options.deadline);
+    Run& r = *run;
+    p.runs.push_back(std::move(run));
+    Execute(r, r.protocol->Start());
+    std::deque<std::pair<uint32_t, Record>> keep;
+    for (auto& [from, rec] : deferred) {
+      if (rec.generation == step.generation) {
+        bool later = false;
+        Execute(r, r.protocol->OnRecord(from, rec, env->Now(), &later));
+      } else if (rec.generation > step.generation) {
+        keep.push_back({from, rec});
+      }
+    }
+    deferred.swap(keep);
+  }
+  Handle(agent->PollNotifications(), route, vote);
+  for (Run* run : p.Running()) Reap(*run);
+  CheckPeers(p.Running(), route, vote);
+  const auto now = env->Now();
+  for (Run* run : p.Running()) Execute(*run, run->protocol->OnTick(now));
+  // READs the budget held back, oldest layer first.
+  for (Run* run : p.Running()) {
+    while (!run->held.empty() && p.Fits(RowBytes(run->job.layer))) {
+      Action a = std::move(run->held.front());
+      run->held.pop_front();
+      Execute(*run, {std::move(a)});
+    }
+  }
+  if (p.failure.ok()) {
+    for (const auto& run : p.runs) {
+      if (run->protocol->state() == LayerState::kAborted) {
+        p.failure = Status::Aborted(StrCat("rank ", self(), ": ", run->protocol->error()));
+        break;
+      }
+    }
+  }
+  if (p.failure.ok() && now > p.deadline) {
+    p.failure = Status::Timeout(
+        StrCat("rank ", self(), ": the rearrangement passed its deadline of ",
+               p.opt.deadline.count(), " ms after ", p.step, " steps with ", p.applied, " of ",
+               p.layers, " layers committed (", p.ReadyPrefix(), " ready here)"));
+  }
+  if (!p.failure.ok()) StopRuns(*this, p, p.failure.message());
+  return p.failure;
+}
+
+CommitResult RearrangerImpl::Commit() {
+  CommitResult out;
+  if (!Busy()) return out;
+  Pipeline& p = *pipe;
+  (void)Poll();
+  ++p.step;
+  p.posted_this_step = 0;
+  Record mine;
+  mine.kind = RecordKind::kVote;
+  mine.generation = p.id;
+  mine.layer = static_cast<uint32_t>(p.step);
+  mine.expert = p.ReadyPrefix();
+  mine.source = self();
+  mine.reader = p.failure.ok() ? 0 : 1;
+  mine.reason = p.failure.ok() ? "" : p.failure.message().substr(0, protocol::kMaxReasonBytes);
+  {
+    auto& v = p.votes[{p.id, p.step}];
+    v.resize(world());
+    v[self()] = mine;
+  }
+  const std::string wire = protocol::EncodeRecord(mine);
+  for (uint32_t r = 0; r < world(); ++r) {
+    if (r == self()) continue;
+    Status s = agent->Notify(peer_of[r], wire);
+    if (!s.ok() && p.failure.ok()) {
+      p.failure =
+          Status::Unavailable(StrCat("rank ", self(), ": rank ", r, " unreachable: ", s.message()));
+      StopRuns(*this, p, p.failure.message());
+    }
+  }
+  // `agreed`: every rank ends the same way at this step, so the Rearranger stays usable;
+  // otherwise (a vote missing) the ranks may disagree and it must be rebuilt.
+  auto finish = [&](Status status, bool agreed) {
+    out.finished = true;
+    out.status = status;
+    if (!status.ok()) StopRuns(*this, p, status.message());
+    if (!agreed) {
+      failed = true;
+      failure = status.message();
+    }
+    for (const auto& run : p.runs) {
+      if (run->protocol->state() == LayerState::kAborted && run->outcome.error.empty())
+        run->outcome.error = run->protocol->error();
+    }
+    p.report = PipelineReport();
+    p.report.status = status;
+    p.active = false;
+    // Old votes are of no use now.
+    for (auto it = p.votes.begin(); it != p.votes.end();)
+      it = it->first.first <= p.id ? p.votes.erase(it) : std::next(it);
+  };
+  if (p.step == 1) {
+    (void)Poll();
+    return out;
+  }
+  // The votes of the previous step, from every rank.
+  const auto key = std::make_pair(p.id, p.step - 1);
+  const auto t0 = env->Now();
+  const auto wait_until = t0 + options.deadline;  // a failure by deadline comes in a vote
+  auto route = [&p](uint64_t g) { return p.Route(g); };
+  auto vote = [&p, this](uint32_t from, const Record& r) { p.TakeVote(from, r, world()); };
+  Status lost;
+  for (;;) {
+    auto& v = p.votes[key];
+    v.resize(world());
+    int missing = -1;
+    for (uint32_t r = 0; r < world() && missing < 0; ++r) {
+      if (!v[r]) missing = static_cast<int>(r);
+    }
+    if (missing < 0) break;
+    Result<PeerInfo> info = agent->Peer(peer_of[missing]);
+    if (info.ok() && !info->reachable) {
+      Handle(agent->PollNotifications(), route, vote);
+      if (v[missing]) continue;
+      lost = Status::Unavailable(StrCat("rank ", self(), ": rank ", missing,
+                                        " unreachable before its vote of step ", p.step - 1, ": ",
+                                        info->failure));
+      break;
+    }
+    if (env->Now() > wait_until) {
+      lost = Status::Timeout(StrCat("rank ", self(),
+                                    ": deadline passed waiting for the vote of "
+                                    "step ",
+                                    p.step - 1, " from rank ", missing));
+      break;
+    }
+    Handle(agent->WaitEvents(std::chrono::milliseconds(kTickMs)), route, vote);
+    for (Run* run : p.Running()) Reap(*run);
+  }
+  out.wait_seconds = std::chrono::duration<double>(env->Now() - t0).count();
+  if (!lost.ok()) {
+    // Some ranks may have every vote and commit further (a partition: docs/protocol.md).
+    const std::string why = StrCat(lost.message(), "; committed ", p.applied, " of ", p.layers,
+                                   " layers, the rest keep their old weights and maps");
+    finish(lost.code() == Code::kTimeout ? Status::Timeout(why) : Status::Unavailable(why), false);
+    return out;
+  }
+  const auto& v = p.votes[key];
+  uint32_t agreed = p.layers;
+  const Record* failed_vote = nullptr;
+  for (uint32_t r = 0; r < world(); ++r) {
+    agreed = std::min(agreed, v[r]->expert);
+    if (v[r]->reader != 0 && failed_vote == nullptr) failed_vote = &*v[r];
+  }
+  for (uint32_t l = p.applied; l < agreed && l < p.runs.size(); ++l) {
+    Run& run = *p.runs[l];
+    const uint64_t copied = run.job.commit();
+    run.outcome.bytes_copied += copied;
+    run.outcome.committed = true;
+    out.bytes_copied += copied;
+    p.free_slots.push_back(run.slot);
+    CommittedLayer c;
+    c.layer = l;
+    for (int s = 0; s < p.to.slots(); ++s)
+      c.phy2log.push_back(p.to.phy2log(static_cast<int>(l), s));
+    out.layers.push_back(std::move(c));
+    p.applied = l + 1;
+    p.last_commit_step = p.step;
+  }
+  if (p.applied == p.layers) {
+    finish(Status::OK(), true);
+  } else if (failed_vote != nullptr) {
+    const std::string who = failed_vote->source == self()
+                                ? failed_vote->reason
+                                : StrCat("rank ", self(), ": rank ", failed_vote->source,
+                                         " failed (", failed_vote->reason, ")");
+    finish(Status::Aborted(StrCat(who, "; committed ", p.applied, " of ", p.layers,
+                                  " layers, the rest keep their old weights and maps")),
+           true);
+  } else {
+    (void)Poll();
+  }
+  return out;
+}
+
+AsyncProgress RearrangerImpl::Progress() const {
+  AsyncProgress a;
+  if (!pipe) return a;
+  const Pipeline& p = *pipe;
+  a.active = p.active;
+  a.layers = p.layers;
+  a.layers_started = static_cast<uint32_t>(p.runs.size());
+  a.layers_ready = p.ReadyPrefix();
+  a.layers_committed = p.applied;
+  a.bytes_in_flight = p.InFlight();
+  for (const auto& run : p.runs) {
+    uint64_t pending = 0;
+    for (const Pending& x : run->pending) pending += x.bytes;
+    a.bytes_read += run->outcome.bytes_read - pending;
+    a.bytes_held += run->held.size() * RowBytes(run->job.layer);
+  }
+  a.steps = p.step;
+  a.steps_since_commit = p.step - p.last_commit_step;
+  return a;
+}
+
+RearrangeReport RearrangerImpl::PipelineReport() const {
+  RearrangeReport report;
+  if (!pipe) return report;
+  const Pipeline& p = *pipe;
+  if (!p.active) return p.report;
+  for (const auto& run : p.runs) {
+    report.layers.push_back(run->outcome);
+    report.bytes_read += run->outcome.bytes_read;
+    report.experts_read += run->outcome.experts_read;
+    report.bytes_cross_node += run->outcome.bytes_cross_node;
+  }
+  report.status = p.failure;
+  report.bytes_by_path = agent->PathBytes();
+  for (size_t i = 0; i < report.bytes_by_path.size() && i < p.paths_before.size(); ++i) {
+    report.bytes_by_path[i].bytes -= p.paths_before[i].bytes;
+    report.bytes_by_path[i].transfers -= p.paths_before[i].transfers;
+  }
+  report.seconds = std::chrono::duration<double>(env->Now() - p.started).count();
+  return report;
+}
+
+}  // namespace eplbx::internal

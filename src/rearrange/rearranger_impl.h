@@ -1,0 +1,139 @@
+// Internal: the state behind Rearranger and EplbCommunicator. The synchronous layer loop is
+// in rearranger.cc, the asynchronous pipeline in pipeline.cc (docs/protocol.md).
+#ifndef EPLBX_SRC_REARRANGE_REARRANGER_IMPL_H_
+#define EPLBX_SRC_REARRANGE_REARRANGER_IMPL_H_
+
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "eplbx/rearrange.h"
+#include "protocol/layer_protocol.h"
+#include "protocol/records.h"
+
+namespace eplbx::internal {
+
+// The event loop's longest sleep: it wakes on every event, so this only paces deadline
+// checks (deadlines are seconds).
+constexpr int kTickMs = 10;
+
+class RearrangerImpl {
+ public:
+  Agent* agent = nullptr;
+  Bootstrap* boot = nullptr;
+  RankLayout layout;
+  std::vector<RankLayout> all;
+  RearrangeOptions options;
+  Env* env = Env::Default();    // options.env or Env::Default()
+  std::vector<PeerId> peer_of;  // by rank; self unused
+  std::map<std::string, uint32_t> rank_of_name;
+  // Staging buffers of one layer each: [0] for the synchronous loop, more for the pipeline.
+  std::vector<RegisteredRegion> staging;
+  bool failed = false;
+  std::string failure;
+  uint64_t generation = 0;
+  std::deque<std::pair<uint32_t, protocol::Record>> deferred;
+
+  uint32_t self() const { return layout.rank; }
+  uint32_t world() const { return static_cast<uint32_t>(all.size()); }
+
+  Status Setup();
+  // The placements' shape against the layout; the plan against the placements.
+  Status CheckShapes(const Placement& from, const Placement& to) const;
+  Status CheckPlan(const Placement& from, const Placement& to, const MigrationPlan& plan) const;
+  // One layer of reads (from a migration plan, or from a communicator's add_recv calls).
+  struct JobRead {
+    protocol::ReadTask task;
+    uint64_t src_row = 0;
+    std::vector<uint8_t*> dst;  // one destination row per tensor
+  };
+  struct LayerJob {
+    uint32_t layer = 0;
+    std::vector<JobRead> reads;
+    std::vector<protocol::ServeTask> serves;
+    std::vector<int32_t> old_map, new_map;  // checked against every rank's before any READ
+    // Runs when every rank is done with the layer (synchronous) or when the ranks agreed
+    // to commit it (pipeline); returns the bytes copied within this rank.
+    std::function<uint64_t()> commit;
+    Status refused;  // set: this rank refuses the layer (peers are told)
+  };
+  struct Pending {
+    TransferId id;
+    protocol::ReadTask task;
+    uint64_t bytes = 0;
+  };
+  // A layer's protocol and what it has in flight.
+  struct Run {
+    LayerJob job;
+    std::unique_ptr<protocol::LayerProtocol> protocol;
+    std::vector<Pending> pending;
+    LayerOutcome outcome;
+    bool defer_commit = false;          // pipeline: kCommit marks the layer ready, Commit() applies
+    std::deque<protocol::Action> held;  // READs waiting for the budget (pipeline)
+    int slot = 0;                       // staging buffer
+    // Pipeline: may a READ of this many bytes be posted now? (null: always)
+    const std::function<bool(uint64_t)>* gate = nullptr;
+  };
+  LayerOutcome RunJob(LayerJob& job);
+  // The job of layer `l` of `m`, reading into staging buffer `slot`.
+  LayerJob MakeLayerJob(uint32_t l, const LayerMigration& m, const Placement& from,
+                        const Placement& to, int slot) const;
+  uint64_t RowBytes(uint32_t layer) const {
+    uint64_t b = 0;
+    for (const TensorSpec& t : layout.layers[layer]) b += t.bytes_per_expert;
+    return b;
+  }
+  // Bytes of one staging buffer (the largest layer).
+  uint64_t StagingBytes() const;
+
+  // ---- pipeline (pipeline.cc) ----
+  struct Pipeline;
+  std::unique_ptr<Pipeline> pipe;
+  Status Begin(const Placement& from, const Placement& to, const MigrationPlan& plan,
+               const AsyncOptions& options);
+  Status Poll();
+  CommitResult Commit();
+  AsyncProgress Progress() const;
+  RearrangeReport PipelineReport() const;
+  bool Busy() const;
+  RearrangerImpl();
+  ~RearrangerImpl();
+
+  // Runs `actions` of `run`: sends records, posts READs (through run.gate when set: a READ
+  // it refuses waits in run.held), commits.
+  void Execute(Run& run, std::vector<protocol::Action> actions);
+  // Handles the records in `notes`: route(g) is the run with the smallest generation >= g
+  // (null: none started yet). A record goes to the run of its generation; one later than
+  // every run is deferred; an older one is stale. Votes go to `vote` when set.
+  void Handle(std::vector<Notification> notes, const std::function<Run*(uint64_t)>& route,
+              const std::function<void(uint32_t, const protocol::Record&)>& vote);
+  // Polls `run`'s READs; finished ones go to its protocol.
+  void Reap(Run& run);
+  // Lost peers fail `run` (after their last records are taken).
+  void CheckPeers(const std::vector<Run*>& runs, const std::function<Run*(uint64_t)>& route,
+                  const std::function<void(uint32_t, const protocol::Record&)>& vote);
+  void CancelPending(Run& run);
+
+ private:
+  uint8_t* StageRow(int slot, uint32_t layer, size_t t, int row) const {
+    uint64_t at = 0;
+    for (size_t k = 0; k < t; ++k)
+      at += static_cast<uint64_t>(layout.layers[layer][k].rows) *
+            layout.layers[layer][k].bytes_per_expert;
+    return static_cast<uint8_t*>(staging[slot].data()) + at +
+           static_cast<uint64_t>(row) * layout.layers[layer][t].bytes_per_expert;
+  }
+  uint8_t* WeightRow(uint32_t layer, size_t t, int row) const {
+    const TensorSpec& s = layout.layers[layer][t];
+    return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(s.base)) +
+           static_cast<uint64_t>(row) * s.bytes_per_expert;
+  }
+};
+
+}  // namespace eplbx::internal
+
+#endif  // EPLBX_SRC_REARRANGE_REARRANGER_IMPL_H_

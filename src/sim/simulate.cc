@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "common/strings.h"
+#include "eplbx/balancer.h"
 #include "eplbx/migration.h"
 
 namespace eplbx {
@@ -118,50 +119,36 @@ Result<SimulateResult> Simulate(const LoadTrace& trace, const SimulateOptions& o
       trace.layers, trace.experts,
       std::vector<double>(static_cast<size_t>(trace.layers) * trace.experts, 1.0));
   EPLBX_ASSIGN_OR_RETURN(Placement current, Plan(uniform, t, {.policy = first_policy}));
-  EPLBX_ASSIGN_OR_RETURN(LoadRecorder recorder,
-                         LoadRecorder::Create(trace.layers, trace.experts, o.window));
+  // The Balancer without a Rearranger: plans only; a new placement takes effect at the
+  // Commit that follows the step that decided it.
+  BalancerOptions bo;
+  bo.topology = t;
+  bo.policy = o.policy;
+  bo.tolerance = o.tolerance;
+  bo.window = o.window;
+  bo.trigger = o.trigger;
+  bo.bytes_per_expert = o.bytes_per_expert;
+  bo.link_gbps = o.link_gbps;
+  EPLBX_ASSIGN_OR_RETURN(std::unique_ptr<Balancer> balancer,
+                         Balancer::Create(std::move(current), bo));
   SimulateResult r;
   r.steps.reserve(static_cast<size_t>(steps));
-  const MigrationOptions mig{.ranks = t.ranks,
-                             .nodes = t.nodes,
-                             .bytes_per_expert = o.bytes_per_expert,
-                             .link_gbps = o.link_gbps};
   for (int64_t step = 0; step < steps; ++step) {
-    const std::span<const double> counts = trace.step(step);
-    EPLBX_ASSIGN_OR_RETURN(LoadMatrix load, LoadMatrix::Create(trace.layers, trace.experts,
-                                                               {counts.begin(), counts.end()}));
-    EPLBX_ASSIGN_OR_RETURN(Balance b, ComputeBalance(current, load, t.ranks));
-    r.steps.push_back({step, b.total, false});
-    EPLBX_RETURN_IF_ERROR(recorder.Record(counts));
-    if (!Due(o.trigger, step + 1)) continue;
-    ++r.considered;
-    EPLBX_ASSIGN_OR_RETURN(const LoadMatrix window, recorder.Window());
-    EPLBX_ASSIGN_OR_RETURN(const Balance on_window, ComputeBalance(current, window, t.ranks));
-    const double before = on_window.total;
-    if (Decide(o.trigger, before, 0) == TriggerDecision::kSkipBalanced) {
-      ++r.skipped_balanced;
-      continue;
-    }
-    EPLBX_ASSIGN_OR_RETURN(
-        Placement next,
-        Plan(window, t, {.policy = o.policy, .previous = &current, .tolerance = o.tolerance}));
-    EPLBX_ASSIGN_OR_RETURN(const Balance planned, ComputeBalance(next, window, t.ranks));
-    const double after = planned.total;
-    if (Decide(o.trigger, before, after) != TriggerDecision::kRebalance) {
-      ++r.skipped_small_gain;
-      continue;
-    }
-    EPLBX_ASSIGN_OR_RETURN(MigrationPlan m, PlanMigration(current, next, mig));
-    RebalanceEvent ev{step, before, after, 0, m.summary.bytes_moved, m.summary.time_lower_bound_s};
-    EPLBX_ASSIGN_OR_RETURN(const Moves moves, CountMoves(current, next, t.ranks));
-    ev.copies = moves.total.remote_copies;
-    r.copies += ev.copies;
-    r.bytes_moved += ev.bytes;
-    r.stall_seconds_est += ev.stall_s;
-    r.events.push_back(ev);
-    r.steps.back().rebalanced = true;
+    EPLBX_ASSIGN_OR_RETURN(const BalancerStep b, balancer->Step(trace.step(step)));
+    r.steps.push_back({step, b.balancedness, b.began});
+    (void)balancer->Commit();
+  }
+  const BalancerReport& report = balancer->report();
+  r.considered = report.considered;
+  r.skipped_balanced = report.skipped_balanced;
+  r.skipped_small_gain = report.skipped_small_gain;
+  for (const RebalanceRecord& e : report.rebalances) {
+    r.events.push_back(
+        {e.step, e.window_before, e.window_after, e.copies, e.bytes, e.stall_estimate_s});
+    r.copies += e.copies;
+    r.bytes_moved += e.bytes;
+    r.stall_seconds_est += e.stall_estimate_s;
     ++r.rebalances;
-    current = std::move(next);
   }
   auto summarize = [](std::vector<double> bal, double& mean, double& p5) {
     mean = std::accumulate(bal.begin(), bal.end(), 0.0) / static_cast<double>(bal.size());

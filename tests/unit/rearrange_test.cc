@@ -13,12 +13,15 @@
 #include "eplbx/migration.h"
 #include "eplbx/rearrange.h"
 #include "protocol/records.h"
+#include "rank_fixture.h"
 #include "test_env.h"
 #include "transfer/fault/fault_path.h"
 #include "transfer/loopback/loopback_path.h"
 
 namespace eplbx {
 namespace {
+
+using namespace eplbx::fixture;  // NOLINT: the fixture
 
 RankLayout SampleLayout(uint32_t rank, int layers = 2) {
   RankLayout l;
@@ -89,80 +92,6 @@ TEST(LayoutTest, MismatchMessagesNameRankLayerTensorBothValuesAndCause) {
   EXPECT_NE(ValidateLayouts(all, 0).message().find("has 9 local experts there and 8 on rank 0"),
             std::string::npos);
 }
-
-// A rank as a thread: loopback agent, weights, layout.
-struct Rank {
-  std::unique_ptr<Agent> agent;
-  std::vector<std::vector<std::vector<uint8_t>>> weights;  // [layer][tensor] rows * bytes
-  RegisteredRegion region_store[8];
-  RankLayout layout;
-};
-
-constexpr int kRanks = 3, kLayers = 3, kRows = 4, kExperts = 9;
-const uint64_t kBytes[2] = {96, 40};
-
-uint8_t Byte(int layer, int expert, int tensor, uint64_t i) {
-  return static_cast<uint8_t>((layer * 131 + expert * 17 + tensor * 7 + i * 3) & 0xff);
-}
-
-std::vector<int32_t> RandomMap(std::mt19937& rng) {
-  std::vector<int32_t> map(kRanks * kRows);
-  for (int s = 0; s < kRanks * kRows; ++s)
-    map[s] = s < kExperts ? s : static_cast<int32_t>(rng() % kExperts);
-  std::shuffle(map.begin(), map.end(), rng);
-  return map;
-}
-
-// With `faults`, the rank's agent follows it (transfer/fault/fault_path.h).
-std::unique_ptr<Rank> MakeRank(uint32_t r, const std::vector<std::vector<int32_t>>& map,
-                               std::shared_ptr<internal::FaultPlan> faults = nullptr) {
-  auto rank = std::make_unique<Rank>();
-  AgentConfig config;
-  config.backend = "loopback";
-  std::string name =
-      "r" + std::to_string(r) + "_" + std::to_string(reinterpret_cast<uintptr_t>(rank.get()));
-  rank->agent = std::move(faults ? *internal::CreateFaultyAgent(name, config, faults)
-                                 : *Agent::Create(name, config));
-  rank->layout.rank = r;
-  rank->weights.resize(kLayers);
-  int region = 0;
-  for (int l = 0; l < kLayers; ++l) {
-    std::vector<TensorSpec> tensors;
-    for (int t = 0; t < 2; ++t) {
-      auto& w = rank->weights[l].emplace_back(kRows * kBytes[t]);
-      for (int row = 0; row < kRows; ++row) {
-        for (uint64_t i = 0; i < kBytes[t]; ++i)
-          w[row * kBytes[t] + i] = Byte(l, map[l][r * kRows + row], t, i);
-      }
-      rank->region_store[region++] = std::move(*rank->agent->RegisterMemory(w.data(), w.size()));
-      tensors.push_back({t ? "w2" : "w13",
-                         "bf16",
-                         {static_cast<int64_t>(kBytes[t] / 2)},
-                         reinterpret_cast<uintptr_t>(w.data()),
-                         kBytes[t],
-                         kRows});
-    }
-    rank->layout.layers.push_back(tensors);
-  }
-  return rank;
-}
-
-// Random old and new maps of every layer, and their placements.
-struct RandomMoves {
-  std::vector<std::vector<int32_t>> before, after;
-  Result<Placement> from = Status::Internal("unset"), to = Status::Internal("unset");
-  explicit RandomMoves(std::mt19937& rng) {
-    std::vector<int32_t> flat_before, flat_after;
-    for (int l = 0; l < kLayers; ++l) {
-      before.push_back(RandomMap(rng));
-      after.push_back(RandomMap(rng));
-      flat_before.insert(flat_before.end(), before[l].begin(), before[l].end());
-      flat_after.insert(flat_after.end(), after[l].begin(), after[l].end());
-    }
-    from = Placement::FromPhy2Log(kLayers, kRanks * kRows, kExperts, flat_before);
-    to = Placement::FromPhy2Log(kLayers, kRanks * kRows, kExperts, flat_after);
-  }
-};
 
 // kRanks ranks as threads, each with weights under `before`, a Rearranger, and `run` on it.
 // `faults[r]`, where given, drives rank r's agent.
@@ -283,7 +212,8 @@ void ExpectLayerAtomic(const std::vector<std::unique_ptr<Rank>>& ranks,
   for (uint32_t r = 0; r < kRanks; ++r) {
     for (int l = 0; l < kLayers; ++l) {
       bool committed = false;
-      for (const LayerOutcome& o : reports[r].layers) committed |= o.layer == l && o.committed;
+      for (const LayerOutcome& o : reports[r].layers)
+        committed |= o.layer == static_cast<uint32_t>(l) && o.committed;
       const auto& want = committed ? m.after : m.before;
       for (int t = 0; t < 2; ++t) {
         for (int row = 0; row < kRows; ++row) {

@@ -1,0 +1,130 @@
+// The EPLB loop in one object: load window -> trigger -> plan -> migration plan ->
+// rearrangement, committed at the engine's safe points (docs/architecture.md, "Balancer").
+//
+//   auto b = *eplbx::Balancer::Create(initial, options, rearranger);  // rearranger: optional
+//   for (;;) {
+//     ... forward pass with b->placement() ...
+//     b->Step(token_counts);        // after the step: load per logical expert
+//     eplbx::BalancerCommit c = b->Commit();  // safe point: layers whose new rows are in place
+//     for (auto& l : c.layers) engine.SetMap(l.layer, l.phy2log);
+//   }
+//
+// Every rank of a group calls Step and Commit the same number of times with the same load
+// (the engine's all-reduced counts), so every rank decides the same rebalances at the same
+// steps and commits the same layers at the same step. Without a Rearranger the Balancer only
+// plans (what-if replays: eplbx simulate): a new placement takes effect at the next Commit.
+#ifndef EPLBX_BALANCER_H_
+#define EPLBX_BALANCER_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "eplbx/load.h"
+#include "eplbx/placement.h"
+#include "eplbx/policy.h"
+#include "eplbx/rearrange.h"
+#include "eplbx/status.h"
+
+namespace eplbx {
+
+enum class BalancerMode {
+  kAsynchronous,  // Begin at the trigger, READs while serving, layers commit at safe points
+  kSynchronous,   // the whole rearrangement runs inside Step (the engine stalls)
+};
+
+struct BalancerOptions {
+  Topology topology;
+  Policy policy = Policy::kDeepSeek;
+  double tolerance = 0.002;  // incremental only
+  int window = 1000;         // steps of load a plan is built from
+  TriggerOptions trigger;
+  BalancerMode mode = BalancerMode::kAsynchronous;
+  AsyncOptions async;
+  // For the migration planner's estimates (the Rearranger moves the layout's real rows).
+  uint64_t bytes_per_expert = 44040192;
+  double link_gbps = 400.0;
+};
+
+// One rebalance, as this rank saw it.
+struct RebalanceRecord {
+  int64_t step = 0;           // the step whose Step() decided it
+  int64_t finished_step = 0;  // the step whose Commit() (or Step(), synchronous) ended it
+  double window_before = 0, window_after = 0;  // balancedness on the window
+  int64_t copies = 0;                          // (rank, expert) pairs gained remotely, all ranks
+  uint64_t bytes = 0;                          // bytes the plan moves, all ranks
+  double stall_estimate_s = 0;                 // the migration's lower bound at link_gbps
+  Status status;                               // how it ended
+  uint32_t layers_committed = 0;
+  // Seconds on this rank: planning, migration planning, the synchronous rearrangement (the
+  // stall), and for an asynchronous one the time inside Poll, waiting for votes, committing.
+  double plan_s = 0, migration_plan_s = 0, rearrange_s = 0, poll_s = 0, wait_s = 0, commit_s = 0;
+  uint64_t bytes_read = 0;    // by this rank from peers
+  uint64_t bytes_copied = 0;  // within this rank (staging -> weights, local copies)
+  std::vector<PathTotals> bytes_by_path;
+};
+
+struct BalancerReport {
+  int64_t steps = 0;
+  int64_t considered = 0, skipped_balanced = 0, skipped_small_gain = 0;
+  int64_t failed = 0;  // rebalances that ended with an error (old maps kept where uncommitted)
+  std::vector<RebalanceRecord> rebalances;
+};
+
+struct BalancerProgress {
+  bool rebalancing = false;
+  AsyncProgress rearrangement;  // of the rebalance in flight (or the last)
+  int64_t steps = 0;
+  int64_t steps_since_commit = 0;  // since a layer last changed its map (or since the start)
+  int64_t layers_committed = 0;    // over all rebalances
+};
+
+struct BalancerStep {
+  double balancedness = 1.0;  // of the placement in force, on this step's load
+  TriggerDecision decision = TriggerDecision::kNotDue;
+  bool began = false;  // a rebalance began (asynchronous) or ran (synchronous, plan only)
+};
+
+struct BalancerCommit {
+  std::vector<CommittedLayer> layers;  // whose new rows are in place: use these maps now
+  bool finished = false;               // a rebalance ended at this call
+  Status status;                       // how, when finished
+};
+
+class Balancer {
+ public:
+  // `initial`: the placement in force. `rearranger` (optional, not owned) moves the weights;
+  // without it the Balancer only plans. Errors: a topology that does not fit the placement,
+  // window or interval < 1.
+  static Result<std::unique_ptr<Balancer>> Create(Placement initial, BalancerOptions options,
+                                                  Rearranger* rearranger = nullptr);
+  ~Balancer();
+
+  // After a forward step: its token counts per logical expert (layers x experts,
+  // row-major). Records them, drives a rebalance in flight, and when the trigger is due
+  // plans and begins (or, synchronous, runs) a rebalance. Errors name the bad count or the
+  // planner's problem; nothing is recorded then.
+  Result<BalancerStep> Step(std::span<const double> expert_counts);
+  // The same with counts per physical slot (layers x slots) under the placement in force.
+  Result<BalancerStep> StepSlots(std::span<const double> slot_counts);
+  // At a safe point between forward passes, once per step: the layers to switch to now.
+  BalancerCommit Commit();
+
+  const Placement& placement() const;  // in force (committed layers only)
+  BalancerProgress progress() const;
+  const BalancerReport& report() const;
+
+ private:
+  struct State;
+  explicit Balancer(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+// The report and progress in Prometheus' text format (counters and gauges named eplbx_*).
+std::string PrometheusText(const BalancerReport& report, const BalancerProgress& progress);
+
+}  // namespace eplbx
+
+#endif  // EPLBX_BALANCER_H_

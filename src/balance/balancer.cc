@@ -1,0 +1,301 @@
+#include "eplbx/balancer.h"
+
+#include <chrono>
+#include <optional>
+
+#include "common/strings.h"
+#include "eplbx/migration.h"
+
+namespace eplbx {
+
+using internal::StrCat;
+
+namespace {
+
+using SteadyClock = std::chrono::steady_clock;
+
+double Since(SteadyClock::time_point t0) {
+  return std::chrono::duration<double>(SteadyClock::now() - t0).count();
+}
+
+}  // namespace
+
+struct Balancer::State {
+  BalancerOptions o;
+  Rearranger* rearranger = nullptr;
+  Placement current;
+  std::vector<int32_t> flat;  // current's phy2log
+  LoadRecorder recorder;
+  BalancerReport report;
+  std::optional<Placement> next;       // plan only: takes effect at the next Commit
+  std::vector<CommittedLayer> synced;  // synchronous: committed in Step, reported by Commit
+  bool synced_finished = false;
+  Status synced_status;
+  bool active = false;  // an asynchronous rebalance is running
+  int64_t last_commit_step = 0, layers_committed = 0;
+
+  State(BalancerOptions options, Rearranger* r, Placement initial, LoadRecorder rec)
+      : o(std::move(options)),
+        rearranger(r),
+        current(std::move(initial)),
+        flat(current.phy2log().begin(), current.phy2log().end()),
+        recorder(std::move(rec)) {}
+
+  RebalanceRecord& last() { return report.rebalances.back(); }
+
+  // Layer `l` now holds `map`.
+  void Apply(const CommittedLayer& c) {
+    const int slots = current.slots();
+    std::copy(c.phy2log.begin(), c.phy2log.end(),
+              flat.begin() + static_cast<long>(c.layer) * slots);
+    ++layers_committed;
+    last_commit_step = report.steps;
+  }
+  void Rebuild() {
+    current = *Placement::FromPhy2Log(current.layers(), current.slots(), current.experts(), flat);
+  }
+  void Finished(const Status& s, const RearrangeReport& r) {
+    RebalanceRecord& rec = last();
+    rec.status = s;
+    rec.finished_step = report.steps - 1;
+    rec.bytes_read = r.bytes_read;
+    rec.bytes_by_path = r.bytes_by_path;
+    for (const LayerOutcome& o : r.layers) {
+      if (!o.committed) continue;
+      ++rec.layers_committed;
+      rec.bytes_copied += o.bytes_copied;
+    }
+    if (!s.ok()) ++report.failed;
+  }
+};
+
+Balancer::Balancer(std::unique_ptr<State> state) : state_(std::move(state)) {}
+Balancer::~Balancer() = default;
+
+Result<std::unique_ptr<Balancer>> Balancer::Create(Placement initial, BalancerOptions options,
+                                                   Rearranger* rearranger) {
+  if (options.window < 1 || options.trigger.interval < 1) {
+    return Status::InvalidArgument(StrCat("window (", options.window, ") and interval (",
+                                          options.trigger.interval, ") must be >= 1 steps"));
+  }
+  EPLBX_RETURN_IF_ERROR(options.topology.Validate(initial.experts()));
+  if (options.topology.slots != initial.slots()) {
+    return Status::InvalidArgument(StrCat("the topology has ", options.topology.slots,
+                                          " slots, the initial placement ", initial.slots()));
+  }
+  EPLBX_ASSIGN_OR_RETURN(LoadRecorder rec,
+                         LoadRecorder::Create(initial.layers(), initial.experts(), options.window));
+  return std::unique_ptr<Balancer>(new Balancer(
+      std::make_unique<State>(std::move(options), rearranger, std::move(initial), std::move(rec))));
+}
+
+const Placement& Balancer::placement() const { return state_->current; }
+const BalancerReport& Balancer::report() const { return state_->report; }
+
+BalancerProgress Balancer::progress() const {
+  const State& s = *state_;
+  BalancerProgress p;
+  p.rebalancing = s.active || s.next.has_value();
+  if (s.rearranger != nullptr) p.rearrangement = s.rearranger->progress();
+  p.steps = s.report.steps;
+  p.steps_since_commit = s.report.steps - s.last_commit_step;
+  p.layers_committed = s.layers_committed;
+  return p;
+}
+
+Result<BalancerStep> Balancer::StepSlots(std::span<const double> slot_counts) {
+  State& s = *state_;
+  const Placement& p = s.current;
+  const size_t want = static_cast<size_t>(p.layers()) * p.slots();
+  if (slot_counts.size() != want) {
+    return Status::InvalidArgument(StrCat("step ", s.report.steps, ": ", slot_counts.size(),
+                                          " slot counts, expected ", want, " (", p.layers(),
+                                          " layers x ", p.slots(), " slots)"));
+  }
+  std::vector<double> counts(static_cast<size_t>(p.layers()) * p.experts(), 0.0);
+  for (int l = 0; l < p.layers(); ++l) {
+    for (int slot = 0; slot < p.slots(); ++slot) {
+      const double c = slot_counts[static_cast<size_t>(l) * p.slots() + slot];
+      const int32_t e = p.phy2log(l, slot);
+      if (e >= 0) counts[static_cast<size_t>(l) * p.experts() + e] += c;
+    }
+  }
+  return Step(counts);
+}
+
+Result<BalancerStep> Balancer::Step(std::span<const double> expert_counts) {
+  State& s = *state_;
+  const Topology& t = s.o.topology;
+  EPLBX_ASSIGN_OR_RETURN(LoadMatrix load,
+                         LoadMatrix::Create(s.current.layers(), s.current.experts(),
+                                            {expert_counts.begin(), expert_counts.end()}));
+  BalancerStep out;
+  EPLBX_ASSIGN_OR_RETURN(Balance b, ComputeBalance(s.current, load, t.ranks));
+  out.balancedness = b.total;
+  EPLBX_RETURN_IF_ERROR(s.recorder.Record(expert_counts));
+  ++s.report.steps;
+  if (s.active) {
+    const auto t0 = SteadyClock::now();
+    (void)s.rearranger->Poll();  // its failure comes to every rank through Commit
+    s.last().poll_s += Since(t0);
+  }
+  if (!Due(s.o.trigger, s.report.steps) || s.active || s.next) return out;
+  ++s.report.considered;
+  EPLBX_ASSIGN_OR_RETURN(const LoadMatrix window, s.recorder.Window());
+  EPLBX_ASSIGN_OR_RETURN(const Balance on_window, ComputeBalance(s.current, window, t.ranks));
+  const double before = on_window.total;
+  out.decision = Decide(s.o.trigger, before, 0);
+  if (out.decision == TriggerDecision::kSkipBalanced) {
+    ++s.report.skipped_balanced;
+    return out;
+  }
+  RebalanceRecord rec;
+  rec.step = s.report.steps - 1;  // 0-based, like the steps of a trace
+  auto t0 = SteadyClock::now();
+  EPLBX_ASSIGN_OR_RETURN(
+      Placement next,
+      Plan(window, t, {.policy = s.o.policy, .previous = &s.current, .tolerance = s.o.tolerance}));
+  rec.plan_s = Since(t0);
+  EPLBX_ASSIGN_OR_RETURN(const Balance planned, ComputeBalance(next, window, t.ranks));
+  const double after = planned.total;
+  out.decision = Decide(s.o.trigger, before, after);
+  if (out.decision != TriggerDecision::kRebalance) {
+    ++s.report.skipped_small_gain;
+    return out;
+  }
+  t0 = SteadyClock::now();
+  const MigrationOptions mig{.ranks = t.ranks,
+                             .nodes = t.nodes,
+                             .bytes_per_expert = s.o.bytes_per_expert,
+                             .link_gbps = s.o.link_gbps};
+  EPLBX_ASSIGN_OR_RETURN(MigrationPlan m, PlanMigration(s.current, next, mig));
+  rec.migration_plan_s = Since(t0);
+  EPLBX_ASSIGN_OR_RETURN(const Moves moves, CountMoves(s.current, next, t.ranks));
+  rec.window_before = before;
+  rec.window_after = after;
+  rec.copies = moves.total.remote_copies;
+  rec.bytes = m.summary.bytes_moved;
+  rec.stall_estimate_s = m.summary.time_lower_bound_s;
+  rec.finished_step = rec.step;
+  s.report.rebalances.push_back(std::move(rec));
+  out.began = true;
+  if (s.rearranger == nullptr) {
+    s.next = std::move(next);
+    return out;
+  }
+  if (s.o.mode == BalancerMode::kSynchronous) {
+    t0 = SteadyClock::now();
+    RearrangeReport r = s.rearranger->Rearrange(s.current, next, m);
+    s.last().rearrange_s = Since(t0);
+    for (const LayerOutcome& o : r.layers) {
+      if (!o.committed) continue;
+      CommittedLayer c;
+      c.layer = o.layer;
+      for (int slot = 0; slot < next.slots(); ++slot)
+        c.phy2log.push_back(next.phy2log(static_cast<int>(o.layer), slot));
+      s.Apply(c);
+      s.synced.push_back(std::move(c));
+    }
+    s.Rebuild();
+    s.Finished(r.status, r);
+    s.synced_finished = true;
+    s.synced_status = r.status;
+    return out;
+  }
+  t0 = SteadyClock::now();
+  Status begun = s.rearranger->Begin(s.current, next, m, s.o.async);
+  s.last().poll_s += Since(t0);
+  if (!begun.ok()) {
+    s.Finished(begun, {});
+    s.synced_finished = true;
+    s.synced_status = begun;
+    return out;
+  }
+  s.active = true;
+  return out;
+}
+
+BalancerCommit Balancer::Commit() {
+  State& s = *state_;
+  BalancerCommit out;
+  if (s.next) {  // plan only
+    for (int l = 0; l < s.next->layers(); ++l) {
+      CommittedLayer c;
+      c.layer = static_cast<uint32_t>(l);
+      for (int slot = 0; slot < s.next->slots(); ++slot)
+        c.phy2log.push_back(s.next->phy2log(l, slot));
+      s.Apply(c);
+      out.layers.push_back(std::move(c));
+    }
+    s.current = std::move(*s.next);
+    s.next.reset();
+    s.last().layers_committed = static_cast<uint32_t>(out.layers.size());
+    out.finished = true;
+    return out;
+  }
+  if (s.synced_finished) {
+    out.layers = std::move(s.synced);
+    s.synced.clear();
+    out.finished = true;
+    out.status = s.synced_status;
+    s.synced_finished = false;
+    return out;
+  }
+  if (!s.active) return out;
+  const auto t0 = SteadyClock::now();
+  CommitResult c = s.rearranger->Commit();
+  RebalanceRecord& rec = s.last();
+  rec.wait_s += c.wait_seconds;
+  rec.commit_s += Since(t0) - c.wait_seconds;
+  for (const CommittedLayer& l : c.layers) s.Apply(l);
+  if (!c.layers.empty()) s.Rebuild();
+  out.layers = std::move(c.layers);
+  if (c.finished) {
+    s.active = false;
+    s.Finished(c.status, s.rearranger->async_report());
+    out.finished = true;
+    out.status = c.status;
+  }
+  return out;
+}
+
+std::string PrometheusText(const BalancerReport& r, const BalancerProgress& p) {
+  uint64_t bytes_read = 0, bytes_copied = 0;
+  double stall = 0, wait = 0, commit = 0, poll = 0;
+  for (const RebalanceRecord& x : r.rebalances) {
+    bytes_read += x.bytes_read;
+    bytes_copied += x.bytes_copied;
+    stall += x.rearrange_s;
+    wait += x.wait_s;
+    commit += x.commit_s;
+    poll += x.poll_s;
+  }
+  std::string out;
+  auto metric = [&out](const char* name, const char* type, const char* help, auto value) {
+    out += StrCat("# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n", name, " ", value,
+                  "\n");
+  };
+  metric("eplbx_steps_total", "counter", "Forward steps seen.", r.steps);
+  metric("eplbx_rebalances_total", "counter", "Rebalances begun.", r.rebalances.size());
+  metric("eplbx_rebalances_failed_total", "counter", "Rebalances that ended with an error.",
+         r.failed);
+  metric("eplbx_rebalances_skipped_total", "counter", "Due rebalances skipped by the trigger.",
+         r.skipped_balanced + r.skipped_small_gain);
+  metric("eplbx_bytes_read_total", "counter", "Bytes this rank read from peers.", bytes_read);
+  metric("eplbx_bytes_copied_total", "counter", "Bytes copied within this rank.", bytes_copied);
+  metric("eplbx_stall_seconds_total", "counter", "Seconds inside synchronous rearrangements.",
+         stall);
+  metric("eplbx_poll_seconds_total", "counter", "Seconds inside asynchronous polls.", poll);
+  metric("eplbx_vote_wait_seconds_total", "counter", "Seconds waiting for peers' votes.", wait);
+  metric("eplbx_commit_seconds_total", "counter", "Seconds applying committed layers.", commit);
+  metric("eplbx_layers_committed_total", "counter", "Layers switched to a new map.",
+         p.layers_committed);
+  metric("eplbx_rebalancing", "gauge", "1 while a rebalance is in flight.", p.rebalancing ? 1 : 0);
+  metric("eplbx_bytes_in_flight", "gauge", "READs posted and not yet landed.",
+         p.rearrangement.bytes_in_flight);
+  metric("eplbx_steps_since_commit", "gauge", "Steps since a layer last changed its map.",
+         p.steps_since_commit);
+  return out;
+}
+
+}  // namespace eplbx

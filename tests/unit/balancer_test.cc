@@ -1,0 +1,204 @@
+// The Balancer: the EPLB loop (window -> trigger -> plan -> migration plan -> rearrangement)
+// driven like an engine drives it, with ranks as threads on loopback agents.
+#include "eplbx/balancer.h"
+
+#include <cmath>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "eplbx/simulate.h"
+#include "rank_fixture.h"
+
+namespace eplbx {
+namespace {
+
+using namespace eplbx::fixture;  // NOLINT: the fixture
+
+// Tokens per logical expert at `step`: Zipf over a permutation redrawn every 60 steps (the
+// hot experts move), the same on every rank.
+std::vector<double> Load(int step) {
+  std::vector<double> out;
+  for (int l = 0; l < kLayers; ++l) {
+    std::mt19937 rng(static_cast<uint32_t>(l * 7919 + step / 60));
+    std::vector<int> perm(kExperts);
+    for (int e = 0; e < kExperts; ++e) perm[e] = e;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    std::vector<double> layer(kExperts);
+    for (int k = 0; k < kExperts; ++k) layer[perm[k]] = std::round(1000.0 / (k + 1));
+    out.insert(out.end(), layer.begin(), layer.end());
+  }
+  return out;
+}
+
+struct BalancerLog {
+  std::vector<std::vector<int32_t>> maps;  // per step: the placement in force
+  std::vector<double> balancedness;
+  BalancerReport report;
+  std::string prometheus;
+  uint64_t rows_checked = 0;
+};
+
+void RunRank(Rank& rank, Bootstrap& boot, BalancerMode mode, int steps, BalancerLog* log) {
+  auto re = Rearranger::Create(rank.agent.get(), &boot, rank.layout);
+  ASSERT_TRUE(re.ok()) << re.status().ToString();
+  std::vector<int32_t> first(static_cast<size_t>(kLayers) * kRanks * kRows);
+  for (size_t s = 0; s < first.size(); ++s)
+    first[s] = static_cast<int32_t>(s % (kRanks * kRows) % kExperts);
+  auto initial = Placement::FromPhy2Log(kLayers, kRanks * kRows, kExperts, first);
+  ASSERT_TRUE(initial.ok());
+  BalancerOptions o;
+  o.topology = {.ranks = kRanks, .nodes = 1, .slots = kRanks * kRows, .groups = 1};
+  o.policy = Policy::kBalanced;
+  o.window = 20;
+  o.trigger.interval = 20;
+  o.mode = mode;
+  o.async.target_steps = 3;
+  auto b = Balancer::Create(*initial, o, re->get());
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  const uint32_t r = rank.layout.rank;
+  for (int step = 0; step < steps; ++step) {
+    const Placement& p = (*b)->placement();
+    for (int l = 0; l < kLayers; ++l) {
+      for (int t = 0; t < 2; ++t) {
+        for (int row = 0; row < kRows; ++row) {
+          const int32_t e = p.phy2log(l, static_cast<int>(r) * kRows + row);
+          ASSERT_EQ(rank.weights[l][t][row * kBytes[t] + 5], Byte(l, e, t, 5))
+              << "rank " << r << " step " << step << " layer " << l << " row " << row;
+          ++log->rows_checked;
+        }
+      }
+    }
+    log->maps.emplace_back(p.phy2log().begin(), p.phy2log().end());
+    auto s = (*b)->Step(Load(step));
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    log->balancedness.push_back(s->balancedness);
+    BalancerCommit c = (*b)->Commit();
+    if (c.finished) {
+      ASSERT_TRUE(c.status.ok()) << c.status.ToString();
+    }
+  }
+  while ((*b)->progress().rebalancing) (void)(*b)->Commit();
+  log->report = (*b)->report();
+  log->prometheus = PrometheusText((*b)->report(), (*b)->progress());
+}
+
+std::vector<BalancerLog> RunBalancers(BalancerMode mode, int steps) {
+  std::vector<std::unique_ptr<Rank>> ranks;
+  std::vector<std::vector<int32_t>> maps(kLayers);
+  for (int l = 0; l < kLayers; ++l) {
+    for (int s = 0; s < kRanks * kRows; ++s) maps[l].push_back(s % kExperts);
+  }
+  for (uint32_t r = 0; r < kRanks; ++r) ranks.push_back(MakeRank(r, maps));
+  InMemoryGroup group(kRanks);
+  std::vector<BalancerLog> logs(kRanks);
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      auto boot = group.Member(r);
+      RunRank(*ranks[r], *boot, mode, steps, &logs[r]);
+    });
+  }
+  for (auto& t : threads) t.join();
+  return logs;
+}
+
+// The engine's loop: forward pass on the placement in force (every row checked), Step with
+// the step's load, Commit at the safe point. Rebalances happen when the hot experts move,
+// every rank has the same placement at every step, and balance improves over the uniform
+// start.
+TEST(BalancerTest, AsynchronousAndSynchronousRebalanceWhileServing) {
+  for (BalancerMode mode : {BalancerMode::kAsynchronous, BalancerMode::kSynchronous}) {
+    SCOPED_TRACE(mode == BalancerMode::kAsynchronous ? "asynchronous" : "synchronous");
+    const int steps = 400;
+    auto logs = RunBalancers(mode, steps);
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      EXPECT_EQ(logs[r].maps, logs[0].maps) << "rank " << r;
+      EXPECT_EQ(logs[r].rows_checked, static_cast<uint64_t>(steps) * kLayers * 2 * kRows);
+      EXPECT_EQ(logs[r].report.rebalances.size(), logs[0].report.rebalances.size());
+    }
+    const BalancerReport& rep = logs[0].report;
+    EXPECT_GE(rep.rebalances.size(), 5u);
+    EXPECT_EQ(rep.failed, 0);
+    EXPECT_EQ(rep.considered, steps / 20);
+    for (const RebalanceRecord& x : rep.rebalances) {
+      EXPECT_TRUE(x.status.ok()) << x.status.ToString();
+      EXPECT_EQ(x.layers_committed, static_cast<uint32_t>(kLayers));
+      EXPECT_GT(x.window_after, x.window_before);
+      if (mode == BalancerMode::kSynchronous) {
+        EXPECT_EQ(x.finished_step, x.step);
+        EXPECT_GT(x.rearrange_s, 0);
+      } else {
+        EXPECT_GT(x.finished_step, x.step);  // it spans steps: the engine served meanwhile
+        EXPECT_EQ(x.rearrange_s, 0);
+      }
+    }
+    uint64_t read = 0;
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      for (const RebalanceRecord& x : logs[r].report.rebalances) read += x.bytes_read;
+    }
+    EXPECT_GT(read, 0u);
+    // Balance after the first rebalance beats the uniform start on average.
+    const size_t first = static_cast<size_t>(rep.rebalances[0].finished_step + 1);
+    double before = 0, after = 0;
+    for (size_t i = 0; i < first; ++i) before += logs[0].balancedness[i];
+    for (size_t i = first; i < logs[0].balancedness.size(); ++i) after += logs[0].balancedness[i];
+    EXPECT_GT(after / static_cast<double>(steps - first), before / static_cast<double>(first));
+    EXPECT_NE(logs[0].prometheus.find("eplbx_rebalances_total " +
+                                      std::to_string(rep.rebalances.size()) + "\n"),
+              std::string::npos)
+        << logs[0].prometheus;
+    EXPECT_NE(logs[0].prometheus.find("# TYPE eplbx_bytes_in_flight gauge"), std::string::npos);
+  }
+}
+
+// Without a Rearranger the Balancer only plans: what eplbx simulate replays.
+TEST(BalancerTest, PlanOnlyIsWhatSimulateReplays) {
+  SynthOptions so;
+  so.layers = 2;
+  so.experts = 16;
+  so.steps = 300;
+  so.phase_steps = 100;
+  auto trace = SynthTrace(so);
+  ASSERT_TRUE(trace.ok());
+  SimulateOptions sim;
+  sim.topology = {.ranks = 4, .nodes = 1, .slots = 20, .groups = 1};
+  sim.window = 50;
+  sim.trigger.interval = 50;
+  auto r = Simulate(*trace, sim);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_GE(r->rebalances, 1);
+  EXPECT_EQ(r->considered, 6);
+  ASSERT_EQ(r->events.size(), static_cast<size_t>(r->rebalances));
+  for (const RebalanceEvent& e : r->events) {
+    EXPECT_TRUE(r->steps[static_cast<size_t>(e.step)].rebalanced);
+    EXPECT_EQ((e.step + 1) % 50, 0);
+  }
+}
+
+// Counts per physical slot go to the slot's expert; a wrong count of counts is named.
+TEST(BalancerTest, StepSlotsMapsSlotsToExpertsAndRejectsBadInput) {
+  auto p = Placement::FromPhy2Log(1, 4, 3, {0, 1, 2, 0});
+  ASSERT_TRUE(p.ok());
+  BalancerOptions o;
+  o.topology = {.ranks = 2, .nodes = 1, .slots = 4, .groups = 1};
+  o.window = 4;
+  o.trigger.interval = 100;
+  auto b = Balancer::Create(*p, o);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  auto bad = (*b)->StepSlots(std::vector<double>{1, 2, 3});
+  EXPECT_EQ(bad.status().message(), "step 0: 3 slot counts, expected 4 (1 layers x 4 slots)");
+  auto neg = (*b)->StepSlots(std::vector<double>{1, -2, 3, 4});
+  EXPECT_FALSE(neg.ok());
+  // Slots 0 and 3 hold expert 0 (replicas): 5 + 5 tokens; ranks {0,1} and {2,0}.
+  auto ok = (*b)->StepSlots(std::vector<double>{5, 10, 10, 5});
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_DOUBLE_EQ(ok->balancedness, 1.0);  // 5 + 10 and 10 + 5 tokens
+  EXPECT_EQ((*b)->report().steps, 1);       // the bad steps recorded nothing
+  auto bad_topology = o;
+  bad_topology.topology.slots = 6;
+  EXPECT_FALSE(Balancer::Create(*p, bad_topology).ok());
+}
+
+}  // namespace
+}  // namespace eplbx

@@ -16,7 +16,10 @@
 #include <nlohmann/json.hpp>
 
 #include "eplbx/bootstrap.h"
+#include "eplbx/layout.h"
+#include "eplbx/placement.h"
 #include "eplbx/status.h"
+#include "eplbx/transfer.h"
 #include "tools/measure.h"
 
 namespace eplbx::cli {
@@ -40,7 +43,46 @@ struct DemoOptions {
   std::string fault;  // kind of --inject
   int fault_rank = -1;
   std::string fault_phase;  // exchange, transfer (default) or commit
+  // --serve: forward steps of real expert work with EPLB off, synchronous, asynchronous.
+  bool serve = false;
+  bool steps_given = false;      // --steps was passed (else 3, or 300 with --serve)
+  int interval = 50;             // steps between rebalances considered (and the window)
+  int tokens = 512;              // tokens per forward step
+  int top_k = 8;                 // experts per token
+  std::string work_bytes = "4K";  // bytes of an expert's row one routed token works over
+  std::string modes = "off,sync,async";
+  std::string policy = "incremental";
+  std::string plot;  // SVG file: step time over steps per mode
+  uint64_t work_bytes_value = 0;
+  std::vector<std::string> mode_list;
 };
+
+// One rank's weights: every layer and tensor in one shared region, rows contiguous per
+// tensor; row `row` of (layer, tensor) holds the pattern of the expert the map puts there.
+struct Weights {
+  RegisteredRegion region;
+  RankLayout layout;            // true layout
+  std::vector<uint64_t> bytes;  // per tensor bytes per expert
+  int rows = 0;
+};
+Result<Weights> MakeWeights(const DemoOptions& o, int rank, Agent& agent);
+// This rank's agent (with the drill's fault wrappers when `drill`).
+Result<std::unique_ptr<Agent>> MakeDemoAgent(const DemoOptions& o, int rank, bool drill);
+// The 8-byte word at byte `offset` (a multiple of 8) of the row of (layer, expert, tensor):
+// a pattern anyone can recompute.
+uint64_t PatternKey(uint32_t layer, uint32_t expert, uint32_t tensor);
+uint64_t Mix(uint64_t x);
+inline uint64_t PatternWord(uint64_t key, uint64_t offset) { return Mix(key + offset); }
+void FillLayer(Weights& w, const Placement& map, int layer, int rank);
+// Checks every row of `layer` against `map`; returns the first wrong (row, tensor) or "".
+std::string VerifyLayer(const Weights& w, const Placement& map, int layer, int rank);
+
+// One rank of `eplbx demo --serve`: forward steps of real expert work, EPLB off, synchronous
+// and asynchronous (serve_rank.cc). Returns the process exit code.
+int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot);
+// The serving comparison from the ranks' reports (serve_report.cc).
+Status ReportServing(const DemoOptions& o, const std::map<int, nlohmann::json>& reports,
+                     double wall_seconds, const Status& coordinator);
 
 // One rank's life, in its own process; reports to the coordinator through `boot`. Returns
 // the process exit code.

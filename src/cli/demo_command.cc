@@ -23,6 +23,7 @@
 #include "common/strings.h"
 #include "eplbx/bootstrap.h"
 #include "eplbx/env.h"
+#include "eplbx/policy.h"
 #include "eplbx/transfer.h"
 
 namespace eplbx::cli {
@@ -30,9 +31,50 @@ namespace {
 
 using internal::StrCat;
 
+// "4096", "64K", "1M" -> bytes, at most 256 MiB.
+Result<uint64_t> ParseBytes(const std::string& text, const char* flag) {
+  std::string b = text;
+  uint64_t mult = 1;
+  if (!b.empty() && (b.back() == 'K' || b.back() == 'k')) mult = 1ull << 10;
+  if (!b.empty() && (b.back() == 'M' || b.back() == 'm')) mult = 1ull << 20;
+  if (mult != 1) b.pop_back();
+  Result<uint64_t> v = internal::ParseInteger<uint64_t>(b, flag, 1, 256ull << 20);
+  if (!v.ok() || *v > (256ull << 20) / mult) {
+    return Status::InvalidArgument(
+        StrCat(flag, " '", text, "': expected bytes like 4096, 64K, 1M (at most 256M)"));
+  }
+  return *v * mult;
+}
+
 }  // namespace
 
 Status ParseDemo(DemoOptions& o) {
+  if (!o.steps_given) o.steps = o.serve ? 300 : 3;
+  if (o.serve) {
+    if (!o.inject.empty())
+      return Status::InvalidArgument("--inject drills the rearrangement demo; not with --serve");
+    if (o.interval < 1 || o.interval > o.steps) {
+      return Status::InvalidArgument(
+          StrCat("--interval ", o.interval, ": expected 1..--steps (", o.steps, ")"));
+    }
+    if (o.tokens < 1 || o.top_k < 1 || o.top_k > o.experts) {
+      return Status::InvalidArgument(StrCat("--tokens ", o.tokens, " and --top-k ", o.top_k,
+                                            ": expected >= 1, and top-k <= --experts"));
+    }
+    Result<Policy> policy = ParsePolicy(o.policy);
+    if (!policy.ok()) return policy.status().WithPrefix("--policy");
+    o.mode_list = SplitPaths(o.modes);
+    if (o.mode_list.empty()) return Status::InvalidArgument("--modes: expected off, sync, async");
+    for (size_t i = 0; i < o.mode_list.size(); ++i) {
+      const std::string& m = o.mode_list[i];
+      if (m != "off" && m != "sync" && m != "async") {
+        return Status::InvalidArgument(StrCat("--modes: unknown mode ", internal::Printable(m),
+                                              " (expected off, sync, async)"));
+      }
+      if (std::find(o.mode_list.begin(), o.mode_list.begin() + i, m) != o.mode_list.begin() + i)
+        return Status::InvalidArgument(StrCat("--modes: '", m, "' listed twice"));
+    }
+  }
   if (o.ranks < 2 || o.ranks > 64)
     return Status::InvalidArgument(StrCat("--ranks ", o.ranks, ": expected 2..64"));
   if (o.layers < 1 || o.layers > 4096)
@@ -74,20 +116,21 @@ Status ParseDemo(DemoOptions& o) {
                                           o.slots_per_rank, " slots cannot hold --experts ",
                                           o.experts));
   }
-  std::string b = o.expert_bytes;
-  uint64_t mult = 1;
-  if (!b.empty() && (b.back() == 'K' || b.back() == 'k')) mult = 1ull << 10;
-  if (!b.empty() && (b.back() == 'M' || b.back() == 'm')) mult = 1ull << 20;
-  if (mult != 1) b.pop_back();
-  Result<uint64_t> v = internal::ParseInteger<uint64_t>(b, "--expert-bytes", 1, 256ull << 20);
-  if (!v.ok() || *v > (256ull << 20) / mult) {
-    return Status::InvalidArgument(StrCat("--expert-bytes '", o.expert_bytes,
-                                          "': expected bytes like 4096, 64K, 1M (at most 256M)"));
-  }
-  o.expert_bytes_value = *v * mult;
+  Result<uint64_t> v = ParseBytes(o.expert_bytes, "--expert-bytes");
+  if (!v.ok()) return v.status();
+  o.expert_bytes_value = *v;
   if (o.expert_bytes_value < 8ull * o.tensors || o.expert_bytes_value > (256ull << 20)) {
     return Status::InvalidArgument(
         StrCat("--expert-bytes ", o.expert_bytes_value, ": expected ", 8 * o.tensors, " .. 256M"));
+  }
+  if (o.serve) {
+    Result<uint64_t> wb = ParseBytes(o.work_bytes, "--work-bytes");
+    if (!wb.ok()) return wb.status();
+    if (*wb < 8) {
+      return Status::InvalidArgument(
+          StrCat("--work-bytes ", *wb, ": expected at least 8 (one word of a row)"));
+    }
+    o.work_bytes_value = *wb;
   }
   const uint64_t per_rank = o.expert_bytes_value * o.slots_per_rank * o.layers;
   if (per_rank * o.ranks > (16ull << 30)) {
@@ -148,12 +191,18 @@ Status RunDemo(DemoOptions o) {
       close(sv[0]);
       for (int k = 0; k < r; ++k) close(fds[k]);
       SocketBootstrap boot(sv[1], static_cast<uint32_t>(r), static_cast<uint32_t>(o.ranks));
-      _exit(RunDemoRank(o, r, boot));
+      _exit(o.serve ? RunServeRank(o, r, boot) : RunDemoRank(o, r, boot));
     }
     close(sv[1]);
     fds[r] = sv[0];
   }
-  if (!o.json) {
+  if (!o.json && o.serve) {
+    std::cerr << "eplbx demo --serve: " << o.ranks << " ranks, " << o.layers << " layers x "
+              << o.experts << " experts, " << o.slots_per_rank << " slots per rank, "
+              << o.expert_bytes_value << " bytes per expert, " << o.steps << " steps of "
+              << o.tokens << " tokens x top-" << o.top_k << ", rebalance every " << o.interval
+              << " steps (" << o.policy << "), modes " << o.modes << "\n";
+  } else if (!o.json) {
     std::cerr << "eplbx demo: " << o.ranks << " ranks, " << o.layers << " layers x " << o.experts
               << " experts, " << o.slots_per_rank << " slots per rank, " << o.tensors
               << " tensors, " << o.expert_bytes_value << " bytes per expert, " << o.steps
@@ -201,6 +250,7 @@ Status RunDemo(DemoOptions o) {
     if (!reaped[r]) waitpid(pids[r], nullptr, 0);
   }
   const double wall = std::chrono::duration<double>(Env::Default()->Now() - t0).count();
+  if (o.serve) return ReportServing(o, collector.Reports(), wall, served);
   return ReportDemo(o, collector.Reports(), memcpy_gbps, wall, served);
 }
 
@@ -474,9 +524,10 @@ void AddDemoFlags(CLI::App& cmd, DemoOptions& o) {
       ->check(IntIn<int>(0, 1 << 20));
   cmd.add_option("--expert-bytes", o.expert_bytes, "bytes per expert, all tensors (K, M)")
       ->capture_default_str();
-  cmd.add_option("--steps", o.steps, "rebalancing steps")
+  cmd.add_option("--steps", o.steps, "rebalancing steps (with --serve: forward steps, 300)")
       ->capture_default_str()
-      ->check(IntIn<int>(0, 1 << 30));
+      ->check(IntIn<int>(0, 1 << 30))
+      ->each([&o](const std::string&) { o.steps_given = true; });
   // Every wait has a deadline (docs/protocol.md): no limit (inf) is not offered.
   cmd.add_option("--deadline", o.deadline_s, "seconds every phase may take (0.1 .. 86400)")
       ->capture_default_str()
@@ -501,6 +552,26 @@ void AddDemoCommand(CLI::App& app, Action& run) {
       ->capture_default_str()
       ->check(IntIn<int>(0, 1 << 20));
   AddDemoFlags(*demo, *o);
+  demo->add_flag("--serve", o->serve,
+                 "serving mode: forward steps of real expert work with EPLB off, synchronous "
+                 "and asynchronous; prints throughput and step times");
+  demo->add_option("--interval", o->interval, "--serve: steps between rebalances (and window)")
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 1 << 30));
+  demo->add_option("--tokens", o->tokens, "--serve: tokens per forward step")
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 1 << 24));
+  demo->add_option("--top-k", o->top_k, "--serve: experts per token")
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 1 << 20));
+  demo->add_option("--work-bytes", o->work_bytes,
+                   "--serve: bytes of an expert's row one routed token works over (K, M)")
+      ->capture_default_str();
+  demo->add_option("--modes", o->modes, "--serve: modes to run, of off, sync, async")
+      ->capture_default_str();
+  demo->add_option("--policy", o->policy, "--serve: deepseek, balanced or incremental")
+      ->capture_default_str();
+  demo->add_option("--plot", o->plot, "--serve: write an SVG of step time over steps");
   demo->callback([&run, o] { run = [o] { return RunDemo(*o); }; });
 }
 

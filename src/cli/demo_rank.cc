@@ -28,7 +28,6 @@
 #include "transfer/fault/fault_path.h"
 
 namespace eplbx::cli {
-namespace {
 
 using internal::StrCat;
 
@@ -39,10 +38,15 @@ uint64_t Mix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// The bytes of (layer, expert, tensor): a pattern anyone can recompute.
+uint64_t PatternKey(uint32_t layer, uint32_t expert, uint32_t tensor) {
+  return Mix((static_cast<uint64_t>(layer) << 42) ^ (static_cast<uint64_t>(expert) << 21) ^ tensor);
+}
+
+namespace {
+
+// The bytes of (layer, expert, tensor): word i is PatternWord(key, 8 i).
 void Pattern(uint8_t* out, uint64_t n, uint32_t layer, uint32_t expert, uint32_t tensor) {
-  const uint64_t key =
-      Mix((static_cast<uint64_t>(layer) << 42) ^ (static_cast<uint64_t>(expert) << 21) ^ tensor);
+  const uint64_t key = PatternKey(layer, expert, tensor);
   uint64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const uint64_t w = Mix(key + i);
@@ -75,12 +79,7 @@ void Drift(std::vector<double>& load, std::mt19937_64& rng) {
   }
 }
 
-struct Weights {
-  RegisteredRegion region;
-  RankLayout layout;            // true layout
-  std::vector<uint64_t> bytes;  // per tensor bytes per expert
-  int rows = 0;
-};
+}  // namespace
 
 void FillLayer(Weights& w, const Placement& map, int layer, int rank) {
   for (int row = 0; row < w.rows; ++row) {
@@ -112,6 +111,8 @@ std::string VerifyLayer(const Weights& w, const Placement& map, int layer, int r
   }
   return "";
 }
+
+namespace {
 
 // Resident memory of this process, MiB (/proc/self/statm).
 double ResidentMiB() {
@@ -190,6 +191,54 @@ std::shared_ptr<internal::FaultPlan> DrillPlan(const DemoOptions& o) {
 
 }  // namespace
 
+Result<Weights> MakeWeights(const DemoOptions& o, int rank, Agent& agent) {
+  // Every layer and tensor in one shared region, rows contiguous per tensor.
+  Weights w;
+  w.rows = o.slots_per_rank;
+  uint64_t left = o.expert_bytes_value;
+  for (int t = 0; t < o.tensors; ++t) {
+    const uint64_t b = t + 1 < o.tensors
+                           ? std::max<uint64_t>(8, (o.expert_bytes_value / o.tensors) & ~7ull)
+                           : left;
+    w.bytes.push_back(b);
+    left -= std::min(left, b);
+  }
+  const uint64_t per_layer = o.expert_bytes_value * w.rows;
+  EPLBX_ASSIGN_OR_RETURN(w.region, agent.AllocateShared(per_layer * o.layers));
+  w.layout.rank = static_cast<uint32_t>(rank);
+  uint64_t cursor = w.region.addr();
+  static const char* kNames[] = {"w13", "w2", "w13_scale", "w2_scale"};
+  for (int l = 0; l < o.layers; ++l) {
+    std::vector<TensorSpec> tensors;
+    for (int t = 0; t < o.tensors; ++t) {
+      TensorSpec s;
+      s.name = t < 4 ? kNames[t] : StrCat("t", t);
+      s.dtype = t < 2 ? "bf16" : "f32";
+      s.expert_shape = {static_cast<int64_t>(w.bytes[t] / (t < 2 ? 2 : 4))};
+      s.base = cursor;
+      s.bytes_per_expert = w.bytes[t];
+      s.rows = static_cast<uint32_t>(w.rows);
+      cursor += w.bytes[t] * w.rows;
+      tensors.push_back(std::move(s));
+    }
+    w.layout.layers.push_back(std::move(tensors));
+  }
+  return w;
+}
+
+Result<std::unique_ptr<Agent>> MakeDemoAgent(const DemoOptions& o, int rank, bool drill) {
+  const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
+  AgentConfig config;
+  config.peer_timeout = std::min<std::chrono::milliseconds>(deadline / 2, std::chrono::seconds(30));
+  Result<Transport> transport = ParseTransport(o.transport);
+  config.transport = transport.ok() ? *transport : Transport::kAuto;
+  config.paths = SplitPaths(o.paths);
+  // A drill during the rearrangement runs inside this rank's transfer engine, through the
+  // fault-injecting wrappers: no protocol record is forged and the Rearranger has no hooks.
+  return drill ? internal::CreateFaultyAgent(StrCat("rank", rank), config, DrillPlan(o))
+               : Agent::Create(StrCat("rank", rank), config);
+}
+
 int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann::json* sent) {
   nlohmann::json report = {{"rank", rank},
                            {"verified", false},
@@ -209,60 +258,21 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann:
     return code;
   };
   const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
-  AgentConfig config;
-  config.peer_timeout = std::min<std::chrono::milliseconds>(deadline / 2, std::chrono::seconds(30));
-  Result<Transport> transport = ParseTransport(o.transport);
-  config.transport = transport.ok() ? *transport : Transport::kAuto;
-  config.paths = SplitPaths(o.paths);
-  // A drill during the rearrangement runs inside this rank's transfer engine, through the
-  // fault-injecting wrappers: no protocol record is forged and the Rearranger has no hooks.
   const bool drill = o.fault_rank == rank && !o.fault.empty() && o.fault_phase != "exchange" &&
                      (o.fault == "kill" || o.fault == "stall" || o.fault == "bad-notify");
-  Result<std::unique_ptr<Agent>> agent =
-      drill ? internal::CreateFaultyAgent(StrCat("rank", rank), config, DrillPlan(o))
-            : Agent::Create(StrCat("rank", rank), config);
+  Result<std::unique_ptr<Agent>> agent = MakeDemoAgent(o, rank, drill);
   if (!agent.ok()) {
     report["error"] = agent.status().message();
     return finish(1);
   }
 
-  // Weights: every layer and tensor in one shared region, rows contiguous per tensor.
-  Weights w;
-  w.rows = o.slots_per_rank;
-  uint64_t left = o.expert_bytes_value;
-  for (int t = 0; t < o.tensors; ++t) {
-    const uint64_t b = t + 1 < o.tensors
-                           ? std::max<uint64_t>(8, (o.expert_bytes_value / o.tensors) & ~7ull)
-                           : left;
-    w.bytes.push_back(b);
-    left -= std::min(left, b);
-  }
-  const uint64_t per_layer = o.expert_bytes_value * w.rows;
-  Result<RegisteredRegion> region = (*agent)->AllocateShared(per_layer * o.layers);
-  if (!region.ok()) {
-    report["error"] = region.status().message();
+  Result<Weights> made = MakeWeights(o, rank, **agent);
+  if (!made.ok()) {
+    report["error"] = made.status().message();
     return finish(1);
   }
-  w.region = std::move(*region);
+  Weights w = std::move(*made);
   report["weights_created"] = true;
-  w.layout.rank = static_cast<uint32_t>(rank);
-  uint64_t cursor = w.region.addr();
-  static const char* kNames[] = {"w13", "w2", "w13_scale", "w2_scale"};
-  for (int l = 0; l < o.layers; ++l) {
-    std::vector<TensorSpec> tensors;
-    for (int t = 0; t < o.tensors; ++t) {
-      TensorSpec s;
-      s.name = t < 4 ? kNames[t] : StrCat("t", t);
-      s.dtype = t < 2 ? "bf16" : "f32";
-      s.expert_shape = {static_cast<int64_t>(w.bytes[t] / (t < 2 ? 2 : 4))};
-      s.base = cursor;
-      s.bytes_per_expert = w.bytes[t];
-      s.rows = static_cast<uint32_t>(w.rows);
-      cursor += w.bytes[t] * w.rows;
-      tensors.push_back(std::move(s));
-    }
-    w.layout.layers.push_back(std::move(tensors));
-  }
 
   // The same loads and plans on every rank (same seed, deterministic planners).
   std::mt19937_64 rng(o.seed);

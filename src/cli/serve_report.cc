@@ -1,0 +1,265 @@
+// The serving comparison of `eplbx demo --serve`, built from the ranks' reports.
+//
+// A step's time, per mode: the slowest rank's expert work (thread CPU time: expert
+// parallelism's all-to-all makes the slowest rank set the pace) plus the Balancer's cost at
+// that step, from the moment the last rank entered Step/Commit to the moment the last one
+// left (CLOCK_MONOTONIC; a synchronous rearrangement is all of it, an asynchronous one only
+// its polls and commits). The oracle is the same work perfectly balanced (the ranks' mean)
+// with no cost of moving anything.
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/demo.h"
+#include "common/strings.h"
+
+namespace eplbx::cli {
+namespace {
+
+using internal::StrCat;
+using nlohmann::json;
+
+double Percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t k = static_cast<size_t>(q * static_cast<double>(v.size() - 1) + 0.5);
+  return v[std::min(k, v.size() - 1)];
+}
+
+// A number array of `n` entries at rep[mode][key], or empty when absent or malformed.
+std::vector<double> Numbers(const json& rep, const std::string& mode, const char* key, size_t n) {
+  std::vector<double> out;
+  if (!rep.contains("modes") || !rep["modes"].is_object() || !rep["modes"].contains(mode)) return out;
+  const json& m = rep["modes"][mode];
+  if (!m.is_object() || !m.contains(key) || !m[key].is_array() || m[key].size() != n) return out;
+  for (const json& v : m[key]) {
+    if (!v.is_number()) return {};
+    out.push_back(v.get<double>());
+  }
+  return out;
+}
+
+struct ModeSummary {
+  std::string mode;
+  std::vector<double> step_ms, balancedness;
+  std::vector<int> rebalancing, commits;
+  double tokens_per_s = 0, p50 = 0, p99 = 0, p99_rebalancing = 0, p99_quiet = 0;
+  double stall_ms = 0;  // mean over rebalances of the largest per-step cost during it
+  double mean_balancedness = 0;
+  uint64_t bytes_read = 0, bytes_copied = 0, rows_checked = 0, bad_rows = 0;
+  int rebalances = 0, failed = 0;
+};
+
+// The plot: step time (ms) over steps, one line per mode, rebalances marked.
+void WriteSvg(const std::string& file, const std::vector<ModeSummary>& modes, int steps) {
+  const double w = 900, h = 380, left = 60, right = 20, top = 30, bottom = 40;
+  double most = 1;
+  for (const auto& m : modes) {
+    for (double v : m.step_ms) most = std::max(most, v);
+  }
+  most = std::min(most, 3 * std::max(1.0, modes.empty() ? 1.0 : modes[0].p99));
+  auto x = [&](double i) { return left + (w - left - right) * i / std::max(1, steps - 1); };
+  auto y = [&](double v) { return top + (h - top - bottom) * (1 - std::min(v, most) / most); };
+  static const char* kColours[] = {"#888888", "#d62728", "#1f77b4", "#2ca02c"};
+  std::ofstream out(file);
+  out << "<svg xmlns='http://www.w3.org/2000/svg' width='" << w << "' height='" << h
+      << "' font-family='sans-serif' font-size='12'>\n<rect width='100%' height='100%' "
+         "fill='white'/>\n";
+  out << "<text x='" << left << "' y='18'>eplbx demo --serve: step time (ms) over steps; "
+      << "ticks: layers committed</text>\n";
+  out << "<line x1='" << left << "' y1='" << y(0) << "' x2='" << w - right << "' y2='" << y(0)
+      << "' stroke='black'/>\n<line x1='" << left << "' y1='" << top << "' x2='" << left
+      << "' y2='" << y(0) << "' stroke='black'/>\n";
+  for (int k = 0; k <= 4; ++k) {
+    const double v = most * k / 4;
+    out << "<text x='4' y='" << y(v) + 4 << "'>" << StrCat(static_cast<int>(v * 10) / 10.0)
+        << "</text>\n";
+  }
+  out << "<text x='" << w / 2 << "' y='" << h - 8 << "'>step</text>\n";
+  for (size_t i = 0; i < modes.size(); ++i) {
+    const char* c = kColours[i % 4];
+    out << "<polyline fill='none' stroke='" << c << "' stroke-width='1' points='";
+    for (size_t s = 0; s < modes[i].step_ms.size(); ++s)
+      out << x(static_cast<double>(s)) << "," << y(modes[i].step_ms[s]) << " ";
+    out << "'/>\n";
+    for (size_t s = 0; s < modes[i].commits.size(); ++s) {
+      if (modes[i].commits[s] == 0) continue;
+      out << "<line x1='" << x(static_cast<double>(s)) << "' y1='" << top + 4 * i << "' x2='"
+          << x(static_cast<double>(s)) << "' y2='" << top + 4 * i + 8 << "' stroke='" << c
+          << "'/>\n";
+    }
+    out << "<text x='" << w - right - 220 << "' y='" << top + 16 * (i + 1) << "' fill='" << c
+        << "'>" << modes[i].mode << ": " << static_cast<int64_t>(modes[i].tokens_per_s)
+        << " tokens/s</text>\n";
+  }
+  out << "</svg>\n";
+}
+
+}  // namespace
+
+Status ReportServing(const DemoOptions& o, const std::map<int, json>& reports, double wall,
+                     const Status& served) {
+  std::string error;
+  for (int r = 0; r < o.ranks && error.empty(); ++r) {
+    if (reports.count(r) == 0) {
+      error = StrCat("rank ", r, " exited without a report");
+    } else if (std::string e = reports.at(r).value("error", ""); !e.empty()) {
+      error = StrCat("rank ", r, ": ", e);
+    }
+  }
+  if (!served.ok()) error = error.empty() ? served.message() : StrCat(served.message(), "; ", error);
+  const size_t n = static_cast<size_t>(o.steps);
+  const double routed = static_cast<double>(o.tokens);  // tokens per step (each to top_k experts)
+  std::vector<ModeSummary> modes;
+  std::vector<double> oracle_ms(n, 0);
+  for (const std::string& mode : o.mode_list) {
+    ModeSummary m;
+    m.mode = mode;
+    std::vector<std::vector<double>> cpu, enter, exit;
+    for (int r = 0; r < o.ranks && error.empty(); ++r) {
+      const json& rep = reports.at(r);
+      cpu.push_back(Numbers(rep, mode, "cpu_s", n));
+      enter.push_back(Numbers(rep, mode, "enter_ns", n));
+      exit.push_back(Numbers(rep, mode, "exit_ns", n));
+      if (cpu.back().empty() || enter.back().empty() || exit.back().empty()) {
+        error = StrCat("rank ", r, " sent no per-step figures for mode ", mode);
+        break;
+      }
+      const json& mj = rep["modes"][mode];
+      m.bytes_read += mj.value("bytes_read", uint64_t{0});
+      m.bytes_copied += mj.value("bytes_copied", uint64_t{0});
+      m.rows_checked += mj.value("rows_checked", uint64_t{0});
+      m.bad_rows += mj.value("bad_rows", uint64_t{0});
+      if (r == 0) {
+        m.balancedness = Numbers(rep, mode, "balancedness", n);
+        for (double v : Numbers(rep, mode, "rebalancing", n)) m.rebalancing.push_back(v != 0);
+        for (double v : Numbers(rep, mode, "committed", n))
+          m.commits.push_back(static_cast<int>(v));
+        if (mj.contains("rebalances") && mj["rebalances"].is_array())
+          m.rebalances = static_cast<int>(mj["rebalances"].size());
+        m.failed = mj.value("failed", 0);
+      }
+    }
+    if (!error.empty()) break;
+    double total_s = 0;
+    std::vector<double> cost_ms(n);
+    for (size_t s = 0; s < n; ++s) {
+      double slowest = 0, mean = 0, last_in = 0, last_out = 0;
+      for (int r = 0; r < o.ranks; ++r) {
+        slowest = std::max(slowest, cpu[r][s]);
+        mean += cpu[r][s] / o.ranks;
+        last_in = std::max(last_in, enter[r][s]);
+        last_out = std::max(last_out, exit[r][s]);
+      }
+      cost_ms[s] = std::max(0.0, (last_out - last_in) * 1e-6);
+      m.step_ms.push_back(slowest * 1e3 + cost_ms[s]);
+      total_s += m.step_ms.back() * 1e-3;
+      if (modes.empty()) oracle_ms[s] = mean * 1e3;
+    }
+    m.tokens_per_s = total_s > 0 ? routed * static_cast<double>(n) / total_s : 0;
+    m.p50 = Percentile(m.step_ms, 0.5);
+    m.p99 = Percentile(m.step_ms, 0.99);
+    std::vector<double> busy, quiet;
+    double stall_sum = 0, stall_now = 0;
+    int stalls = 0;
+    for (size_t s = 0; s < n; ++s) {
+      const bool reb = s < m.rebalancing.size() && m.rebalancing[s];
+      (reb ? busy : quiet).push_back(m.step_ms[s]);
+      if (reb) stall_now = std::max(stall_now, cost_ms[s]);
+      if (!reb && stall_now > 0) {
+        stall_sum += stall_now;
+        ++stalls;
+        stall_now = 0;
+      }
+    }
+    if (stall_now > 0) {
+      stall_sum += stall_now;
+      ++stalls;
+    }
+    m.stall_ms = stalls > 0 ? stall_sum / stalls : 0;
+    m.p99_rebalancing = Percentile(busy, 0.99);
+    m.p99_quiet = Percentile(quiet, 0.99);
+    for (double b : m.balancedness) m.mean_balancedness += b / static_cast<double>(n);
+    modes.push_back(std::move(m));
+  }
+  json out;
+  out["ranks"] = o.ranks;
+  out["steps"] = o.steps;
+  out["tokens_per_step"] = o.tokens;
+  out["top_k"] = o.top_k;
+  out["work_bytes_per_token"] = o.work_bytes_value;
+  out["expert_bytes"] = o.expert_bytes_value;
+  out["interval"] = o.interval;
+  out["policy"] = o.policy;
+  out["wall_seconds"] = wall;
+  out["step_time_model"] =
+      "slowest rank's expert work (thread CPU time) + Balancer cost (last rank in to last rank "
+      "out of Step/Commit, CLOCK_MONOTONIC)";
+  double oracle_s = 0;
+  for (double v : oracle_ms) oracle_s += v * 1e-3;
+  const double oracle_tps = oracle_s > 0 ? routed * static_cast<double>(n) / oracle_s : 0;
+  json jm = json::object();
+  double off_tps = 0;
+  uint64_t bad = 0;
+  for (const ModeSummary& m : modes) {
+    if (m.mode == "off") off_tps = m.tokens_per_s;
+    bad += m.bad_rows;
+    jm[m.mode] = {{"tokens_per_s", m.tokens_per_s},
+                  {"vs_off", 0.0},
+                  {"vs_oracle", oracle_tps > 0 ? m.tokens_per_s / oracle_tps : 0.0},
+                  {"step_ms_p50", m.p50},
+                  {"step_ms_p99", m.p99},
+                  {"step_ms_p99_rebalancing", m.p99_rebalancing},
+                  {"step_ms_p99_quiet", m.p99_quiet},
+                  {"stall_ms_per_rebalance", m.stall_ms},
+                  {"mean_balancedness", m.mean_balancedness},
+                  {"rebalances", m.rebalances},
+                  {"failed_rebalances", m.failed},
+                  {"bytes_read", m.bytes_read},
+                  {"bytes_copied", m.bytes_copied},
+                  {"rows_checked", m.rows_checked},
+                  {"bad_rows", m.bad_rows},
+                  {"step_ms", m.step_ms},
+                  {"balancedness", m.balancedness},
+                  {"layers_committed", m.commits}};
+  }
+  for (const ModeSummary& m : modes) {
+    if (off_tps > 0) jm[m.mode]["vs_off"] = m.tokens_per_s / off_tps;
+  }
+  out["modes"] = jm;
+  out["oracle"] = {{"tokens_per_s", oracle_tps},
+                   {"design", "the same work spread evenly over the ranks, nothing moved"}};
+  const bool verified = error.empty() && bad == 0 && modes.size() == o.mode_list.size();
+  out["verified"] = verified;
+  if (!error.empty()) out["error"] = error;
+  if (!o.plot.empty() && !modes.empty()) WriteSvg(o.plot, modes, o.steps);
+  if (o.json) {
+    std::cout << out.dump(1) << "\n";
+  } else if (!modes.empty()) {
+    std::printf("%-7s %10s %7s %9s %8s %13s %11s %13s %6s %10s %12s\n", "mode", "tokens/s",
+                "vs off", "p50 ms", "p99 ms", "p99 rebal ms", "stall ms", "balancedness",
+                "rebal", "MiB moved", "rows checked");
+    for (const ModeSummary& m : modes) {
+      std::printf("%-7s %10.0f %7.2f %9.2f %8.2f %13.2f %11.2f %13.3f %6d %10.1f %12llu\n",
+                  m.mode.c_str(), m.tokens_per_s, off_tps > 0 ? m.tokens_per_s / off_tps : 0.0,
+                  m.p50, m.p99, m.p99_rebalancing, m.stall_ms, m.mean_balancedness,
+                  m.rebalances, static_cast<double>(m.bytes_read) / 1048576.0,
+                  static_cast<unsigned long long>(m.rows_checked));
+    }
+    std::printf("%-7s %10.0f %7.2f   (the same work perfectly balanced, nothing moved)\n",
+                "oracle", oracle_tps, off_tps > 0 ? oracle_tps / off_tps : 0.0);
+    std::printf(
+        "step time = slowest rank's expert work (thread CPU time) + the Balancer's cost (last "
+        "rank in to last rank out); every row a step used checked against its map: %s; wall "
+        "%.1f s%s\n",
+        bad == 0 ? "yes" : "NO", wall, o.plot.empty() ? "" : StrCat(", plot: ", o.plot).c_str());
+  }
+  if (!error.empty()) return Status::Aborted(error);
+  if (!verified) return Status::Internal("the serving demo did not verify (see the report)");
+  return Status::OK();
+}
+
+}  // namespace eplbx::cli

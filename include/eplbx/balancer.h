@@ -43,6 +43,11 @@ struct BalancerOptions {
   TriggerOptions trigger;
   BalancerMode mode = BalancerMode::kAsynchronous;
   AsyncOptions async;
+  // Asynchronous mode: the plan and the migration plan are computed on a thread of their
+  // own from the step the trigger is due, and the rebalance begins plan_lag_steps steps
+  // later (every rank at the same step; a rank whose plan is not ready by then waits for
+  // it there). 0: planned inside Step, as in the other modes.
+  int plan_lag_steps = 2;
   // For the migration planner's estimates (the Rearranger moves the layout's real rows).
   uint64_t bytes_per_expert = 44040192;
   double link_gbps = 400.0;
@@ -50,7 +55,7 @@ struct BalancerOptions {
 
 // One rebalance, as this rank saw it.
 struct RebalanceRecord {
-  int64_t step = 0;           // the step whose Step() decided it
+  int64_t step = 0;           // the step whose Step() decided it (began it, asynchronous)
   int64_t finished_step = 0;  // the step whose Commit() (or Step(), synchronous) ended it
   double window_before = 0, window_after = 0;  // balancedness on the window
   int64_t copies = 0;                          // (rank, expert) pairs gained remotely, all ranks
@@ -58,9 +63,12 @@ struct RebalanceRecord {
   double stall_estimate_s = 0;                 // the migration's lower bound at link_gbps
   Status status;                               // how it ended
   uint32_t layers_committed = 0;
-  // Seconds on this rank: planning, migration planning, the synchronous rearrangement (the
-  // stall), and for an asynchronous one the time inside Poll, waiting for votes, committing.
-  double plan_s = 0, migration_plan_s = 0, rearrange_s = 0, poll_s = 0, wait_s = 0, commit_s = 0;
+  // Seconds on this rank: planning, migration planning (on the planning thread when
+  // plan_lag_steps > 0), waiting for that thread at the begin step, the synchronous
+  // rearrangement (the stall), and for an asynchronous one the time inside Poll (posting
+  // READs, taking records), waiting for votes, committing (applying layers).
+  double plan_s = 0, migration_plan_s = 0, plan_wait_s = 0, rearrange_s = 0, poll_s = 0, wait_s = 0,
+         commit_s = 0;
   uint64_t bytes_read = 0;    // by this rank from peers
   uint64_t bytes_copied = 0;  // within this rank (staging -> weights, local copies)
   std::vector<PathTotals> bytes_by_path;
@@ -74,7 +82,11 @@ struct BalancerReport {
 };
 
 struct BalancerProgress {
+  // A rebalance is in flight: Commit() calls (one per step, every rank) finish it.
   bool rebalancing = false;
+  // A plan is being computed (asynchronous); it begins at a later Step. An engine that
+  // stops serving may drop it.
+  bool planning = false;
   AsyncProgress rearrangement;  // of the rebalance in flight (or the last)
   int64_t steps = 0;
   int64_t steps_since_commit = 0;  // since a layer last changed its map (or since the start)

@@ -138,6 +138,9 @@ class Rearranger {
   // step on every rank.
   Status Begin(const Placement& from, const Placement& to, const MigrationPlan& plan,
                AsyncOptions options = {});
+  // Allocates (and touches) the staging buffers an asynchronous rearrangement with `options`
+  // needs, so that the first Begin does not pay for them while serving. Optional.
+  Status Reserve(const AsyncOptions& options);
   // Non-blocking: takes the records that arrived, posts the READs the budget allows,
   // starts layers as staging frees up, checks deadlines.
   Status Poll();

@@ -1,6 +1,7 @@
 #include "eplbx/balancer.h"
 
 #include <chrono>
+#include <future>
 #include <optional>
 
 #include "common/strings.h"
@@ -20,6 +21,58 @@ double Since(SteadyClock::time_point t0) {
 
 }  // namespace
 
+// What the planning step decides, on the serving thread or on a planning thread.
+struct Planned {
+  Status status;
+  TriggerDecision decision = TriggerDecision::kRebalance;
+  std::optional<Placement> next;
+  MigrationPlan migration;
+  RebalanceRecord record;  // window balances, copies, bytes, plan and migration-plan times
+};
+
+// From the window and the placement in force: the next placement, whether it is worth it,
+// and the migration plan. Pure; runs on any thread.
+Planned PlanRebalance(const BalancerOptions& o, const LoadMatrix& window, const Placement& current,
+                      double before) {
+  Planned out;
+  const Topology& t = o.topology;
+  auto t0 = SteadyClock::now();
+  Result<Placement> next =
+      Plan(window, t, {.policy = o.policy, .previous = &current, .tolerance = o.tolerance});
+  out.record.plan_s = Since(t0);
+  if (!next.ok()) {
+    out.status = next.status();
+    return out;
+  }
+  Result<Balance> planned = ComputeBalance(*next, window, t.ranks);
+  if (!planned.ok()) {
+    out.status = planned.status();
+    return out;
+  }
+  out.record.window_before = before;
+  out.record.window_after = planned->total;
+  out.decision = Decide(o.trigger, before, planned->total);
+  if (out.decision != TriggerDecision::kRebalance) return out;
+  t0 = SteadyClock::now();
+  const MigrationOptions mig{.ranks = t.ranks,
+                             .nodes = t.nodes,
+                             .bytes_per_expert = o.bytes_per_expert,
+                             .link_gbps = o.link_gbps};
+  Result<MigrationPlan> m = PlanMigration(current, *next, mig);
+  out.record.migration_plan_s = Since(t0);
+  Result<Moves> moves = m.ok() ? CountMoves(current, *next, t.ranks) : Result<Moves>(m.status());
+  if (!moves.ok()) {
+    out.status = moves.status();
+    return out;
+  }
+  out.record.copies = moves->total.remote_copies;
+  out.record.bytes = m->summary.bytes_moved;
+  out.record.stall_estimate_s = m->summary.time_lower_bound_s;
+  out.migration = std::move(*m);
+  out.next = std::move(*next);
+  return out;
+}
+
 struct Balancer::State {
   BalancerOptions o;
   Rearranger* rearranger = nullptr;
@@ -31,7 +84,9 @@ struct Balancer::State {
   std::vector<CommittedLayer> synced;  // synchronous: committed in Step, reported by Commit
   bool synced_finished = false;
   Status synced_status;
-  bool active = false;  // an asynchronous rebalance is running
+  bool active = false;            // an asynchronous rebalance is running
+  std::future<Planned> planning;  // asynchronous: the plan being computed
+  int64_t begin_at = 0;           // the step (count) at which it begins
   int64_t last_commit_step = 0, layers_committed = 0;
 
   State(BalancerOptions options, Rearranger* r, Placement initial, LoadRecorder rec)
@@ -42,6 +97,8 @@ struct Balancer::State {
         recorder(std::move(rec)) {}
 
   RebalanceRecord& last() { return report.rebalances.back(); }
+  // Begins (or runs, or schedules) the rebalance `planned` decided.
+  Result<BalancerStep> Start(Planned planned, BalancerStep out);
 
   // Layer `l` now holds `map`.
   void Apply(const CommittedLayer& c) {
@@ -85,6 +142,9 @@ Result<std::unique_ptr<Balancer>> Balancer::Create(Placement initial, BalancerOp
   }
   EPLBX_ASSIGN_OR_RETURN(LoadRecorder rec,
                          LoadRecorder::Create(initial.layers(), initial.experts(), options.window));
+  if (rearranger != nullptr && options.mode == BalancerMode::kAsynchronous) {
+    EPLBX_RETURN_IF_ERROR(rearranger->Reserve(options.async));
+  }
   return std::unique_ptr<Balancer>(new Balancer(
       std::make_unique<State>(std::move(options), rearranger, std::move(initial), std::move(rec))));
 }
@@ -96,6 +156,7 @@ BalancerProgress Balancer::progress() const {
   const State& s = *state_;
   BalancerProgress p;
   p.rebalancing = s.active || s.next.has_value();
+  p.planning = s.planning.valid();
   if (s.rearranger != nullptr) p.rearrangement = s.rearranger->progress();
   p.steps = s.report.steps;
   p.steps_since_commit = s.report.steps - s.last_commit_step;
@@ -139,9 +200,23 @@ Result<BalancerStep> Balancer::Step(std::span<const double> expert_counts) {
     (void)s.rearranger->Poll();  // its failure comes to every rank through Commit
     s.last().poll_s += Since(t0);
   }
+  if (s.planning.valid()) {
+    if (s.report.steps < s.begin_at) return out;
+    const auto t0 = SteadyClock::now();
+    Planned planned = s.planning.get();  // ready by now, normally
+    const double waited = Since(t0);
+    out.decision = planned.decision;
+    EPLBX_RETURN_IF_ERROR(planned.status);
+    if (planned.decision != TriggerDecision::kRebalance) {
+      ++s.report.skipped_small_gain;
+      return out;
+    }
+    planned.record.plan_wait_s = waited;
+    return s.Start(std::move(planned), out);
+  }
   if (!Due(s.o.trigger, s.report.steps) || s.active || s.next) return out;
   ++s.report.considered;
-  EPLBX_ASSIGN_OR_RETURN(const LoadMatrix window, s.recorder.Window());
+  EPLBX_ASSIGN_OR_RETURN(LoadMatrix window, s.recorder.Window());
   EPLBX_ASSIGN_OR_RETURN(const Balance on_window, ComputeBalance(s.current, window, t.ranks));
   const double before = on_window.total;
   out.decision = Decide(s.o.trigger, before, 0);
@@ -149,42 +224,41 @@ Result<BalancerStep> Balancer::Step(std::span<const double> expert_counts) {
     ++s.report.skipped_balanced;
     return out;
   }
-  RebalanceRecord rec;
-  rec.step = s.report.steps - 1;  // 0-based, like the steps of a trace
-  auto t0 = SteadyClock::now();
-  EPLBX_ASSIGN_OR_RETURN(
-      Placement next,
-      Plan(window, t, {.policy = s.o.policy, .previous = &s.current, .tolerance = s.o.tolerance}));
-  rec.plan_s = Since(t0);
-  EPLBX_ASSIGN_OR_RETURN(const Balance planned, ComputeBalance(next, window, t.ranks));
-  const double after = planned.total;
-  out.decision = Decide(s.o.trigger, before, after);
-  if (out.decision != TriggerDecision::kRebalance) {
+  if (s.rearranger != nullptr && s.o.mode == BalancerMode::kAsynchronous &&
+      s.o.plan_lag_steps > 0) {
+    s.planning = std::async(std::launch::async,
+                            [o = s.o, window = std::move(window), current = s.current, before] {
+                              return PlanRebalance(o, window, current, before);
+                            });
+    s.begin_at = s.report.steps + s.o.plan_lag_steps;
+    out.decision = TriggerDecision::kNotDue;  // decided at the begin step
+    return out;
+  }
+  Planned planned = PlanRebalance(s.o, window, s.current, before);
+  EPLBX_RETURN_IF_ERROR(planned.status);
+  out.decision = planned.decision;
+  if (planned.decision != TriggerDecision::kRebalance) {
     ++s.report.skipped_small_gain;
     return out;
   }
-  t0 = SteadyClock::now();
-  const MigrationOptions mig{.ranks = t.ranks,
-                             .nodes = t.nodes,
-                             .bytes_per_expert = s.o.bytes_per_expert,
-                             .link_gbps = s.o.link_gbps};
-  EPLBX_ASSIGN_OR_RETURN(MigrationPlan m, PlanMigration(s.current, next, mig));
-  rec.migration_plan_s = Since(t0);
-  EPLBX_ASSIGN_OR_RETURN(const Moves moves, CountMoves(s.current, next, t.ranks));
-  rec.window_before = before;
-  rec.window_after = after;
-  rec.copies = moves.total.remote_copies;
-  rec.bytes = m.summary.bytes_moved;
-  rec.stall_estimate_s = m.summary.time_lower_bound_s;
+  return s.Start(std::move(planned), out);
+}
+
+Result<BalancerStep> Balancer::State::Start(Planned planned, BalancerStep out) {
+  State& s = *this;
+  RebalanceRecord rec = std::move(planned.record);
+  rec.step = s.report.steps - 1;  // 0-based, like the steps of a trace
   rec.finished_step = rec.step;
   s.report.rebalances.push_back(std::move(rec));
   out.began = true;
+  Placement next = std::move(*planned.next);
+  const MigrationPlan& m = planned.migration;
   if (s.rearranger == nullptr) {
     s.next = std::move(next);
     return out;
   }
   if (s.o.mode == BalancerMode::kSynchronous) {
-    t0 = SteadyClock::now();
+    const auto t0 = SteadyClock::now();
     RearrangeReport r = s.rearranger->Rearrange(s.current, next, m);
     s.last().rearrange_s = Since(t0);
     for (const LayerOutcome& o : r.layers) {
@@ -202,7 +276,7 @@ Result<BalancerStep> Balancer::Step(std::span<const double> expert_counts) {
     s.synced_status = r.status;
     return out;
   }
-  t0 = SteadyClock::now();
+  const auto t0 = SteadyClock::now();
   Status begun = s.rearranger->Begin(s.current, next, m, s.o.async);
   s.last().poll_s += Since(t0);
   if (!begun.ok()) {

@@ -45,16 +45,19 @@ struct DemoOptions {
   std::string fault_phase;  // exchange, transfer (default) or commit
   // --serve: forward steps of real expert work with EPLB off, synchronous, asynchronous.
   bool serve = false;
-  bool steps_given = false;      // --steps was passed (else 3, or 300 with --serve)
-  int interval = 50;             // steps between rebalances considered (and the window)
-  int tokens = 512;              // tokens per forward step
-  int top_k = 8;                 // experts per token
+  bool steps_given = false;       // --steps was passed (else 3, or 300 with --serve)
+  int interval = 50;              // steps between rebalances considered (and the window)
+  int tokens = 512;               // tokens per forward step
+  int top_k = 8;                  // experts per token
   std::string work_bytes = "4K";  // bytes of an expert's row one routed token works over
   std::string modes = "off,sync,async";
   std::string policy = "incremental";
   std::string plot;  // SVG file: step time over steps per mode
   uint64_t work_bytes_value = 0;
   std::vector<std::string> mode_list;
+  // A process-shared semaphore (value 1) the coordinator creates before forking: ranks do
+  // their expert work one at a time, so that a rank's CPU time is not its core sibling's.
+  void* work_turn = nullptr;
 };
 
 // One rank's weights: every layer and tensor in one shared region, rows contiguous per
@@ -66,8 +69,9 @@ struct Weights {
   int rows = 0;
 };
 Result<Weights> MakeWeights(const DemoOptions& o, int rank, Agent& agent);
-// This rank's agent (with the drill's fault wrappers when `drill`).
-Result<std::unique_ptr<Agent>> MakeDemoAgent(const DemoOptions& o, int rank, bool drill);
+// This rank's agent "rank<N><suffix>" (with the drill's fault wrappers when `drill`).
+Result<std::unique_ptr<Agent>> MakeDemoAgent(const DemoOptions& o, int rank, bool drill,
+                                             std::string_view suffix = {});
 // The 8-byte word at byte `offset` (a multiple of 8) of the row of (layer, expert, tensor):
 // a pattern anyone can recompute.
 uint64_t PatternKey(uint32_t layer, uint32_t expert, uint32_t tensor);

@@ -1,7 +1,9 @@
 // `eplbx demo`: spawns the ranks as processes on this machine (the parent is their
 // rendezvous), rearranges real weights over real UCX agents for a few steps of drifting load,
 // verifies every byte, and reports (docs/cli.md, "eplbx demo").
+#include <semaphore.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -179,6 +181,13 @@ Status RunDemo(DemoOptions o) {
   const double memcpy_gbps = internal::MeasureMemcpyGbps();
   std::vector<int> fds(o.ranks);
   std::vector<pid_t> pids(o.ranks);
+  if (o.serve) {
+    void* page =
+        mmap(nullptr, sizeof(sem_t), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (page == MAP_FAILED || sem_init(static_cast<sem_t*>(page), 1, 1) != 0)
+      return Status::Unavailable(StrCat("a shared semaphore: ", std::strerror(errno)));
+    o.work_turn = page;
+  }
   std::cout.flush();
   std::cerr.flush();
   for (int r = 0; r < o.ranks; ++r) {

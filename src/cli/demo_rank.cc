@@ -226,7 +226,8 @@ Result<Weights> MakeWeights(const DemoOptions& o, int rank, Agent& agent) {
   return w;
 }
 
-Result<std::unique_ptr<Agent>> MakeDemoAgent(const DemoOptions& o, int rank, bool drill) {
+Result<std::unique_ptr<Agent>> MakeDemoAgent(const DemoOptions& o, int rank, bool drill,
+                                             std::string_view suffix) {
   const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
   AgentConfig config;
   config.peer_timeout = std::min<std::chrono::milliseconds>(deadline / 2, std::chrono::seconds(30));
@@ -235,8 +236,9 @@ Result<std::unique_ptr<Agent>> MakeDemoAgent(const DemoOptions& o, int rank, boo
   config.paths = SplitPaths(o.paths);
   // A drill during the rearrangement runs inside this rank's transfer engine, through the
   // fault-injecting wrappers: no protocol record is forged and the Rearranger has no hooks.
-  return drill ? internal::CreateFaultyAgent(StrCat("rank", rank), config, DrillPlan(o))
-               : Agent::Create(StrCat("rank", rank), config);
+  const std::string name = StrCat("rank", rank, suffix);
+  return drill ? internal::CreateFaultyAgent(name, config, DrillPlan(o))
+               : Agent::Create(name, config);
 }
 
 int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann::json* sent) {

@@ -1,10 +1,10 @@
 // The serving comparison of `eplbx demo --serve`, built from the ranks' reports.
 //
-// A step's time, per mode: the slowest rank's expert work (thread CPU time: expert
-// parallelism's all-to-all makes the slowest rank set the pace) plus the Balancer's cost at
-// that step, from the moment the last rank entered Step/Commit to the moment the last one
-// left (CLOCK_MONOTONIC; a synchronous rearrangement is all of it, an asynchronous one only
-// its polls and commits). The oracle is the same work perfectly balanced (the ranks' mean)
+// A step's time, per mode: for every layer the slowest rank's expert work on it (thread CPU
+// time: the layer's all-to-all makes the slowest rank set the pace), summed over layers, plus the
+// Balancer's cost at that step, from the moment the last rank entered Step/Commit to the moment the
+// last one left (CLOCK_MONOTONIC; a synchronous rearrangement is all of it, an asynchronous one
+// only its polls and commits). The oracle is the same work perfectly balanced (the ranks' mean)
 // with no cost of moving anything.
 #include <algorithm>
 #include <cstdio>
@@ -32,7 +32,8 @@ double Percentile(std::vector<double> v, double q) {
 // A number array of `n` entries at rep[mode][key], or empty when absent or malformed.
 std::vector<double> Numbers(const json& rep, const std::string& mode, const char* key, size_t n) {
   std::vector<double> out;
-  if (!rep.contains("modes") || !rep["modes"].is_object() || !rep["modes"].contains(mode)) return out;
+  if (!rep.contains("modes") || !rep["modes"].is_object() || !rep["modes"].contains(mode))
+    return out;
   const json& m = rep["modes"][mode];
   if (!m.is_object() || !m.contains(key) || !m[key].is_array() || m[key].size() != n) return out;
   for (const json& v : m[key]) {
@@ -51,6 +52,8 @@ struct ModeSummary {
   double mean_balancedness = 0;
   uint64_t bytes_read = 0, bytes_copied = 0, rows_checked = 0, bad_rows = 0;
   int rebalances = 0, failed = 0;
+  json log = json::array();             // rank 0's rebalances, with phase timings
+  json bytes_by_path = json::object();  // all ranks
 };
 
 // The plot: step time (ms) over steps, one line per mode, rebalances marked.
@@ -71,8 +74,8 @@ void WriteSvg(const std::string& file, const std::vector<ModeSummary>& modes, in
   out << "<text x='" << left << "' y='18'>eplbx demo --serve: step time (ms) over steps; "
       << "ticks: layers committed</text>\n";
   out << "<line x1='" << left << "' y1='" << y(0) << "' x2='" << w - right << "' y2='" << y(0)
-      << "' stroke='black'/>\n<line x1='" << left << "' y1='" << top << "' x2='" << left
-      << "' y2='" << y(0) << "' stroke='black'/>\n";
+      << "' stroke='black'/>\n<line x1='" << left << "' y1='" << top << "' x2='" << left << "' y2='"
+      << y(0) << "' stroke='black'/>\n";
   for (int k = 0; k <= 4; ++k) {
     const double v = most * k / 4;
     out << "<text x='4' y='" << y(v) + 4 << "'>" << StrCat(static_cast<int>(v * 10) / 10.0)
@@ -110,7 +113,8 @@ Status ReportServing(const DemoOptions& o, const std::map<int, json>& reports, d
       error = StrCat("rank ", r, ": ", e);
     }
   }
-  if (!served.ok()) error = error.empty() ? served.message() : StrCat(served.message(), "; ", error);
+  if (!served.ok())
+    error = error.empty() ? served.message() : StrCat(served.message(), "; ", error);
   const size_t n = static_cast<size_t>(o.steps);
   const double routed = static_cast<double>(o.tokens);  // tokens per step (each to top_k experts)
   std::vector<ModeSummary> modes;
@@ -121,7 +125,7 @@ Status ReportServing(const DemoOptions& o, const std::map<int, json>& reports, d
     std::vector<std::vector<double>> cpu, enter, exit;
     for (int r = 0; r < o.ranks && error.empty(); ++r) {
       const json& rep = reports.at(r);
-      cpu.push_back(Numbers(rep, mode, "cpu_s", n));
+      cpu.push_back(Numbers(rep, mode, "cpu_s", n * static_cast<size_t>(o.layers)));
       enter.push_back(Numbers(rep, mode, "enter_ns", n));
       exit.push_back(Numbers(rep, mode, "exit_ns", n));
       if (cpu.back().empty() || enter.back().empty() || exit.back().empty()) {
@@ -133,13 +137,25 @@ Status ReportServing(const DemoOptions& o, const std::map<int, json>& reports, d
       m.bytes_copied += mj.value("bytes_copied", uint64_t{0});
       m.rows_checked += mj.value("rows_checked", uint64_t{0});
       m.bad_rows += mj.value("bad_rows", uint64_t{0});
+      if (mj.contains("rebalances") && mj["rebalances"].is_array()) {
+        for (const json& x : mj["rebalances"]) {
+          if (!x.is_object() || !x.contains("bytes_by_path") || !x["bytes_by_path"].is_object())
+            continue;
+          for (const auto& [path, b] : x["bytes_by_path"].items()) {
+            if (b.is_number_unsigned())
+              m.bytes_by_path[path] = m.bytes_by_path.value(path, uint64_t{0}) + b.get<uint64_t>();
+          }
+        }
+      }
       if (r == 0) {
         m.balancedness = Numbers(rep, mode, "balancedness", n);
         for (double v : Numbers(rep, mode, "rebalancing", n)) m.rebalancing.push_back(v != 0);
         for (double v : Numbers(rep, mode, "committed", n))
           m.commits.push_back(static_cast<int>(v));
-        if (mj.contains("rebalances") && mj["rebalances"].is_array())
+        if (mj.contains("rebalances") && mj["rebalances"].is_array()) {
           m.rebalances = static_cast<int>(mj["rebalances"].size());
+          m.log = mj["rebalances"];
+        }
         m.failed = mj.value("failed", 0);
       }
     }
@@ -148,9 +164,16 @@ Status ReportServing(const DemoOptions& o, const std::map<int, json>& reports, d
     std::vector<double> cost_ms(n);
     for (size_t s = 0; s < n; ++s) {
       double slowest = 0, mean = 0, last_in = 0, last_out = 0;
+      for (int l = 0; l < o.layers; ++l) {
+        double most = 0;
+        for (int r = 0; r < o.ranks; ++r) {
+          const double c = cpu[r][s * static_cast<size_t>(o.layers) + l];
+          most = std::max(most, c);
+          mean += c / o.ranks;
+        }
+        slowest += most;
+      }
       for (int r = 0; r < o.ranks; ++r) {
-        slowest = std::max(slowest, cpu[r][s]);
-        mean += cpu[r][s] / o.ranks;
         last_in = std::max(last_in, enter[r][s]);
         last_out = std::max(last_out, exit[r][s]);
       }
@@ -196,7 +219,8 @@ Status ReportServing(const DemoOptions& o, const std::map<int, json>& reports, d
   out["policy"] = o.policy;
   out["wall_seconds"] = wall;
   out["step_time_model"] =
-      "slowest rank's expert work (thread CPU time) + Balancer cost (last rank in to last rank "
+      "sum over layers of the slowest rank's expert work on the layer (thread CPU time) + Balancer "
+      "cost (last rank in to last rank "
       "out of Step/Commit, CLOCK_MONOTONIC)";
   double oracle_s = 0;
   for (double v : oracle_ms) oracle_s += v * 1e-3;
@@ -222,6 +246,8 @@ Status ReportServing(const DemoOptions& o, const std::map<int, json>& reports, d
                   {"bytes_copied", m.bytes_copied},
                   {"rows_checked", m.rows_checked},
                   {"bad_rows", m.bad_rows},
+                  {"bytes_by_path", m.bytes_by_path},
+                  {"rebalance_log_rank0", m.log},
                   {"step_ms", m.step_ms},
                   {"balancedness", m.balancedness},
                   {"layers_committed", m.commits}};
@@ -240,20 +266,21 @@ Status ReportServing(const DemoOptions& o, const std::map<int, json>& reports, d
     std::cout << out.dump(1) << "\n";
   } else if (!modes.empty()) {
     std::printf("%-7s %10s %7s %9s %8s %13s %11s %13s %6s %10s %12s\n", "mode", "tokens/s",
-                "vs off", "p50 ms", "p99 ms", "p99 rebal ms", "stall ms", "balancedness",
-                "rebal", "MiB moved", "rows checked");
+                "vs off", "p50 ms", "p99 ms", "p99 rebal ms", "stall ms", "balancedness", "rebal",
+                "MiB moved", "rows checked");
     for (const ModeSummary& m : modes) {
       std::printf("%-7s %10.0f %7.2f %9.2f %8.2f %13.2f %11.2f %13.3f %6d %10.1f %12llu\n",
                   m.mode.c_str(), m.tokens_per_s, off_tps > 0 ? m.tokens_per_s / off_tps : 0.0,
-                  m.p50, m.p99, m.p99_rebalancing, m.stall_ms, m.mean_balancedness,
-                  m.rebalances, static_cast<double>(m.bytes_read) / 1048576.0,
+                  m.p50, m.p99, m.p99_rebalancing, m.stall_ms, m.mean_balancedness, m.rebalances,
+                  static_cast<double>(m.bytes_read) / 1048576.0,
                   static_cast<unsigned long long>(m.rows_checked));
     }
-    std::printf("%-7s %10.0f %7.2f   (the same work perfectly balanced, nothing moved)\n",
-                "oracle", oracle_tps, off_tps > 0 ? oracle_tps / off_tps : 0.0);
+    std::printf("%-7s %10.0f %7.2f   (the same work perfectly balanced, nothing moved)\n", "oracle",
+                oracle_tps, off_tps > 0 ? oracle_tps / off_tps : 0.0);
     std::printf(
-        "step time = slowest rank's expert work (thread CPU time) + the Balancer's cost (last "
-        "rank in to last rank out); every row a step used checked against its map: %s; wall "
+        "step time = sum over layers of the slowest rank's work on it (thread CPU time) + the "
+        "Balancer's cost (last rank in to last rank out); every row a step used checked against "
+        "its map: %s; wall "
         "%.1f s%s\n",
         bad == 0 ? "yes" : "NO", wall, o.plot.empty() ? "" : StrCat(", plot: ", o.plot).c_str());
   }

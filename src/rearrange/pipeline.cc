@@ -16,6 +16,7 @@
 // thread) between calls; records are handled only inside calls, so a layer needs a few
 // calls from each rank (MAPS and READY, then READ_DONE, then DONE).
 #include <algorithm>
+#include <cstring>
 #include <optional>
 
 #include "common/strings.h"
@@ -138,15 +139,8 @@ Status RearrangerImpl::Begin(const Placement& from, const Placement& to, const M
                   ? opt.step_budget_bytes
                   : std::max<uint64_t>(1, (busiest + opt.target_steps - 1) / opt.target_steps);
   p->cap = opt.max_bytes_in_flight != 0 ? opt.max_bytes_in_flight : 2 * p->budget;
+  EPLBX_RETURN_IF_ERROR(Reserve(opt));
   const size_t slots = std::min<size_t>(opt.max_layers_in_flight, std::max(p->layers, 1u));
-  while (staging.size() < slots) {
-    Result<RegisteredRegion> s = agent->AllocateShared(StagingBytes());
-    if (!s.ok()) {
-      return s.status().WithPrefix(
-          StrCat("rank ", self(), ": staging buffer ", staging.size() + 1, " of ", slots));
-    }
-    staging.push_back(std::move(*s));
-  }
   for (size_t i = 0; i < slots; ++i) p->free_slots.push_back(static_cast<int>(slots - 1 - i));
   Pipeline* raw = p.get();
   p->gate = [raw](uint64_t bytes) {
@@ -160,6 +154,21 @@ Status RearrangerImpl::Begin(const Placement& from, const Placement& to, const M
   p->active = true;
   pipe = std::move(p);
   (void)Poll();  // a failure from here on reaches every rank through the votes (Commit)
+  return Status::OK();
+}
+
+Status RearrangerImpl::Reserve(const AsyncOptions& opt) {
+  const size_t slots = std::min<size_t>(std::max(opt.max_layers_in_flight, 1),
+                                        std::max<size_t>(layout.layers.size(), 1));
+  while (staging.size() < slots) {
+    Result<RegisteredRegion> s = agent->AllocateShared(StagingBytes());
+    if (!s.ok()) {
+      return s.status().WithPrefix(
+          StrCat("rank ", self(), ": staging buffer ", staging.size() + 1, " of ", slots));
+    }
+    std::memset(s->data(), 0, StagingBytes());  // its pages exist before serving needs them
+    staging.push_back(std::move(*s));
+  }
   return Status::OK();
 }
 

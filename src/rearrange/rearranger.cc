@@ -452,6 +452,7 @@ Status Rearranger::Begin(const Placement& from, const Placement& to, const Migra
   return impl_->Begin(from, to, plan, options);
 }
 Status Rearranger::Poll() { return impl_->Poll(); }
+Status Rearranger::Reserve(const AsyncOptions& options) { return impl_->Reserve(options); }
 CommitResult Rearranger::Commit() { return impl_->Commit(); }
 AsyncProgress Rearranger::progress() const { return impl_->Progress(); }
 bool Rearranger::busy() const { return impl_->Busy(); }

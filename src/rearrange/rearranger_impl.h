@@ -96,6 +96,7 @@ class RearrangerImpl {
   Status Begin(const Placement& from, const Placement& to, const MigrationPlan& plan,
                const AsyncOptions& options);
   Status Poll();
+  Status Reserve(const AsyncOptions& options);
   CommitResult Commit();
   AsyncProgress Progress() const;
   RearrangeReport PipelineReport() const;

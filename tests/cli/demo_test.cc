@@ -165,6 +165,59 @@ TEST(DemoTest, SoakMemoryStaysFlat) {
 
 // Every demo/worker flag error: exit 1, one line on stderr naming the flag, the value and
 // what was expected, before any rank starts (docs/reliability.md's bad-input table).
+// The serving demo (issue 18, item 8): real rank processes serve forward steps with EPLB off,
+// synchronous and asynchronous; every row a step used is checked against the map in force,
+// every mode verifies its weights at the end, rebalances happen and move bytes over shm, and
+// the report has what the comparison needs.
+TEST(DemoTest, ServingComparesOffSynchronousAndAsynchronous) {
+  const std::string svg = testing::TempDir() + "/serve.svg";
+  DemoRun r = Demo(
+      "--serve --ranks 3 --layers 3 --experts 16 --slots-per-rank 7 --expert-bytes 64K "
+      "--steps 60 --interval 12 --tokens 64 --top-k 4 --work-bytes 1K --plot " +
+      svg);
+  ASSERT_FALSE(r.report.is_discarded());
+  EXPECT_EQ(r.exit_code, 0) << r.report.dump();
+  EXPECT_TRUE(r.report["verified"].get<bool>()) << r.report.dump();
+  EXPECT_FALSE(r.report.contains("error")) << r.report.dump();
+  for (const char* mode : {"off", "sync", "async"}) {
+    SCOPED_TRACE(mode);
+    const auto& m = r.report["modes"][mode];
+    EXPECT_EQ(m["rows_checked"].get<uint64_t>(), 60u * 3 * 7 * 3);  // steps x layers x rows x ranks
+    EXPECT_EQ(m["bad_rows"].get<uint64_t>(), 0u);
+    EXPECT_EQ(m["step_ms"].size(), 60u);
+    EXPECT_GT(m["tokens_per_s"].get<double>(), 0);
+    EXPECT_EQ(m["failed_rebalances"].get<int>(), 0);
+    if (std::string(mode) == "off") {
+      EXPECT_EQ(m["rebalances"].get<int>(), 0);
+      EXPECT_EQ(m["bytes_read"].get<uint64_t>(), 0u);
+      continue;
+    }
+    EXPECT_GE(m["rebalances"].get<int>(), 1) << m.dump();
+    EXPECT_GT(m["bytes_read"].get<uint64_t>(), 0u);
+    EXPECT_GT(m["mean_balancedness"].get<double>(),
+              r.report["modes"]["off"]["mean_balancedness"].get<double>());
+    ASSERT_FALSE(m["rebalance_log_rank0"].empty());
+    const auto& first = m["rebalance_log_rank0"][0];
+    EXPECT_TRUE(first["ok"].get<bool>());
+    EXPECT_GT(first["window_after"].get<double>(), first["window_before"].get<double>());
+    EXPECT_EQ(m["bytes_by_path"].value("shm", uint64_t{0}), m["bytes_read"].get<uint64_t>());
+  }
+  // Every layer's commits land at the same steps in the log of layers committed, and an
+  // asynchronous rebalance spans steps while a synchronous one does not.
+  const auto& a = r.report["modes"]["async"]["rebalance_log_rank0"][0];
+  EXPECT_GT(a["finished_step"].get<int>(), a["step"].get<int>());
+  const auto& s = r.report["modes"]["sync"]["rebalance_log_rank0"][0];
+  EXPECT_EQ(s["finished_step"].get<int>(), s["step"].get<int>());
+  EXPECT_GT(s["rearrange_s"].get<double>(), 0);
+  EXPECT_GT(r.report["oracle"]["tokens_per_s"].get<double>(), 0);
+  FILE* f = std::fopen(svg.c_str(), "r");
+  ASSERT_NE(f, nullptr) << svg;
+  char head[5] = {};
+  EXPECT_EQ(std::fread(head, 1, 4, f), 4u);
+  std::fclose(f);
+  EXPECT_EQ(std::string(head), "<svg");
+}
+
 TEST(DemoTest, BadFlagsAreRejectedBeforeAnythingStarts) {
   const std::pair<const char*, const char*> cases[] = {
       {"--inject explode:1", "--inject 'explode:1': expected KIND:RANK with KIND one of"},
@@ -186,6 +239,14 @@ TEST(DemoTest, BadFlagsAreRejectedBeforeAnythingStarts) {
       {"--transport ib", "--transport: unknown transport 'ib' (expected auto, shm or tcp)"},
       {"--paths shm,rdma", "--paths: unknown data path 'rdma' (expected shm, cma or ucx)"},
       {"--paths cma,cma", "--paths: 'cma' listed twice"},
+      {"--serve --modes off,turbo", "--modes: unknown mode 'turbo' (expected off, sync, async)"},
+      {"--serve --modes sync,sync", "--modes: 'sync' listed twice"},
+      {"--serve --interval 0", "--interval 0: expected 1..--steps (300)"},
+      {"--serve --steps 10 --interval 20", "--interval 20: expected 1..--steps (10)"},
+      {"--serve --top-k 65", "--tokens 512 and --top-k 65: expected >= 1, and top-k <= --experts"},
+      {"--serve --policy greedy", "--policy"},
+      {"--serve --work-bytes 4", "--work-bytes 4: expected at least 8"},
+      {"--serve --inject kill:1", "--inject drills the rearrangement demo; not with --serve"},
   };
   // Numbers that are not numbers of the flag's kind: usage errors (exit 2), before anything.
   const std::pair<const char*, const char*> usage[] = {

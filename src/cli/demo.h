@@ -43,6 +43,9 @@ struct DemoOptions {
   std::string fault;  // kind of --inject
   int fault_rank = -1;
   std::string fault_phase;  // exchange, transfer (default) or commit
+  // Rearrange with the asynchronous pipeline (Begin, Commit back to back) instead of the
+  // synchronous loop.
+  bool pipeline = false;
   // --serve: forward steps of real expert work with EPLB off, synchronous, asynchronous.
   bool serve = false;
   bool steps_given = false;       // --steps was passed (else 3, or 300 with --serve)
@@ -88,6 +91,9 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot);
 Status ReportServing(const DemoOptions& o, const std::map<int, nlohmann::json>& reports,
                      double wall_seconds, const Status& coordinator);
 
+// A rank's report before anything happened: nothing verified, no weights, no error.
+nlohmann::json NewRankReport(int rank);
+
 // One rank's life, in its own process; reports to the coordinator through `boot`. Returns
 // the process exit code.
 // `report` (optional) receives the report this rank sent.
@@ -111,8 +117,10 @@ Status ParseDemo(DemoOptions& o);
 // so nothing a peer sends can throw in the coordinator. Empty for unparsable bytes.
 nlohmann::json CheckMemberMessage(uint32_t rank, std::string_view bytes);
 
+// `copy_limit_gbps`: two threads copying with streaming stores (0: not measured).
 Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& reports,
-                  double memcpy_gbps, double wall_seconds, const Status& coordinator);
+                  double memcpy_gbps, double wall_seconds, const Status& coordinator,
+                  double copy_limit_gbps = 0);
 
 // The coordinator's side of a run, shared by `eplbx demo` (rank processes it forked) and
 // `eplbx worker` rank 0 (ranks that joined its store): collects the ranks' reports, prints

@@ -179,6 +179,7 @@ namespace {
 Status RunDemo(DemoOptions o) {
   EPLBX_RETURN_IF_ERROR(ParseDemo(o));
   const double memcpy_gbps = internal::MeasureMemcpyGbps();
+  const double copy_limit_gbps = o.serve ? 0.0 : internal::MeasureCopyLimitGbps(2);
   std::vector<int> fds(o.ranks);
   std::vector<pid_t> pids(o.ranks);
   if (o.serve) {
@@ -260,7 +261,7 @@ Status RunDemo(DemoOptions o) {
   }
   const double wall = std::chrono::duration<double>(Env::Default()->Now() - t0).count();
   if (o.serve) return ReportServing(o, collector.Reports(), wall, served);
-  return ReportDemo(o, collector.Reports(), memcpy_gbps, wall, served);
+  return ReportDemo(o, collector.Reports(), memcpy_gbps, wall, served, copy_limit_gbps);
 }
 
 }  // namespace
@@ -389,7 +390,7 @@ std::string PathsText(const nlohmann::json& step) {
 }  // namespace
 
 Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& reports,
-                  double memcpy_gbps, double wall, const Status& served) {
+                  double memcpy_gbps, double wall, const Status& served, double copy_limit_gbps) {
   // Aggregate: steps from the ranks' reports, errors from the survivors.
   nlohmann::json out;
   bool verified = static_cast<int>(reports.size()) == o.ranks;
@@ -461,7 +462,8 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
                      {"bytes_by_path", by_path},
                      {"seconds", seconds},
                      {"gbps", gbps},
-                     {"memcpy_ratio", memcpy_gbps > 0 ? gbps / memcpy_gbps : 0.0}});
+                     {"memcpy_ratio", memcpy_gbps > 0 ? gbps / memcpy_gbps : 0.0},
+                     {"copy_limit_ratio", copy_limit_gbps > 0 ? gbps / copy_limit_gbps : 0.0}});
   }
   verified = verified && error.empty() && static_cast<int>(steps.size()) == o.steps;
   out["verified"] = verified;
@@ -469,6 +471,8 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
   out["ranks_with_weights"] = with_weights;
   out["steps"] = steps;
   out["memcpy_gbps"] = memcpy_gbps;
+  out["copy_limit_gbps"] = copy_limit_gbps;
+  out["pipeline"] = o.pipeline;
   out["ranks"] = o.ranks;
   out["wall_seconds"] = wall;
   // Resident memory per rank after the first step (warm-up) and at the end (soak checks).
@@ -500,18 +504,20 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
       const auto& st = steps[s];
       std::printf(
           "step %zu: balancedness %.3f -> %.3f, %llu experts (%.1f MiB) moved in %.3f s "
-          "(%.2f GB/s, %.2f x memcpy)%s\n",
+          "(%.2f GB/s, %.2f x memcpy, %.2f x the copy limit)%s\n",
           s + 1, st["balancedness_before"].get<double>(), st["balancedness_after"].get<double>(),
           static_cast<unsigned long long>(st["experts_moved"].get<uint64_t>()),
           st["bytes_moved"].get<uint64_t>() / 1048576.0, st["seconds"].get<double>(),
-          st["gbps"].get<double>(), st["memcpy_ratio"].get<double>(), PathsText(st).c_str());
+          st["gbps"].get<double>(), st["memcpy_ratio"].get<double>(),
+          st["copy_limit_ratio"].get<double>(), PathsText(st).c_str());
     }
     std::printf(
-        "verified: %s, weights intact: %s, memcpy %.2f GB/s, wall %.2f s, resident memory growth "
+        "verified: %s, weights intact: %s, memcpy %.2f GB/s, copy limit %.2f GB/s, wall %.2f s, "
+        "resident memory growth "
         "after the first step %.1f MiB, heap growth after step 10 %.0f KiB (largest rank)\n",
         verified ? "yes" : "NO",
         with_weights == 0 ? "n/a (no rank created its weights)" : (intact ? "yes" : "NO"),
-        memcpy_gbps, wall, growth, heap_growth);
+        memcpy_gbps, copy_limit_gbps, wall, growth, heap_growth);
   }
   if (!error.empty()) return Status::Aborted(error);
   if (!verified) return Status::Internal("the demo did not verify (see the report)");
@@ -561,6 +567,9 @@ void AddDemoCommand(CLI::App& app, Action& run) {
       ->capture_default_str()
       ->check(IntIn<int>(0, 1 << 20));
   AddDemoFlags(*demo, *o);
+  demo->add_flag("--pipeline", o->pipeline,
+                 "rearrange with the asynchronous pipeline (Begin, then Commit back to back: "
+                 "layers in flight together, no budget) instead of layer after layer");
   demo->add_flag("--serve", o->serve,
                  "serving mode: forward steps of real expert work with EPLB off, synchronous "
                  "and asynchronous; prints throughput and step times");

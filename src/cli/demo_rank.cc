@@ -21,6 +21,7 @@
 #include "eplbx/bootstrap.h"
 #include "eplbx/env.h"
 #include "eplbx/layout.h"
+#include "eplbx/migration.h"
 #include "eplbx/policy.h"
 #include "eplbx/rearrange.h"
 #include "eplbx/transfer.h"
@@ -241,12 +242,16 @@ Result<std::unique_ptr<Agent>> MakeDemoAgent(const DemoOptions& o, int rank, boo
                : Agent::Create(name, config);
 }
 
+nlohmann::json NewRankReport(int rank) {
+  return {{"rank", rank},
+          {"verified", false},
+          {"weights_intact", false},
+          {"weights_created", false},
+          {"error", ""}};
+}
+
 int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann::json* sent) {
-  nlohmann::json report = {{"rank", rank},
-                           {"verified", false},
-                           {"weights_intact", false},
-                           {"weights_created", false},
-                           {"error", ""}};
+  nlohmann::json report = NewRankReport(rank);
   auto finish = [&](int code) {
     // When it failed (wall clock, microseconds): the report names the first failure, which
     // is the cause; later ones (peers that saw the first failing rank leave) are effects.
@@ -376,7 +381,28 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann:
       ok = false;
       break;
     }
-    RearrangeReport rr = (*rearranger)->Rearrange(*current, *next);
+    RearrangeReport rr;
+    if (o.pipeline) {
+      // The asynchronous pipeline with no engine around it: Commit() back to back, no budget
+      // (every READ posted as soon as its READY comes), up to 4 layers in flight.
+      const auto t0 = std::chrono::steady_clock::now();
+      MigrationOptions mo;
+      mo.ranks = o.ranks;
+      mo.nodes = ro.nodes;
+      Result<MigrationPlan> plan = PlanMigration(*current, *next, mo);
+      AsyncOptions ao;
+      ao.step_budget_bytes = UINT64_MAX / 4;
+      ao.max_bytes_in_flight = UINT64_MAX / 4;
+      Status begun = plan.ok() ? (*rearranger)->Begin(*current, *next, *plan, ao) : plan.status();
+      rr.status = begun;
+      while (begun.ok() && (*rearranger)->busy()) {
+        CommitResult c = (*rearranger)->Commit();
+        if (c.finished) rr = (*rearranger)->async_report();
+      }
+      rr.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    } else {
+      rr = (*rearranger)->Rearrange(*current, *next);
+    }
     std::vector<const Placement*> published(o.layers, &*current);
     for (const LayerOutcome& lo : rr.layers) {
       if (lo.committed) published[lo.layer] = &*next;

@@ -185,11 +185,7 @@ nlohmann::json ModeReport(Mode& mode) {
 }  // namespace
 
 int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
-  nlohmann::json report = {{"rank", rank},
-                           {"verified", false},
-                           {"weights_intact", false},
-                           {"weights_created", false},
-                           {"error", ""}};
+  nlohmann::json report = NewRankReport(rank);
   auto finish = [&](int code) {
     (void)boot.SendMessage(report.dump());
     return code;

@@ -165,6 +165,23 @@ TEST(DemoTest, SoakMemoryStaysFlat) {
 
 // Every demo/worker flag error: exit 1, one line on stderr naming the flag, the value and
 // what was expected, before any rank starts (docs/reliability.md's bad-input table).
+// The asynchronous pipeline (Begin, Commit back to back) moves the same bytes as the
+// synchronous loop, and every byte verifies.
+TEST(DemoTest, PipelineRearrangesAndVerifiesEveryByte) {
+  DemoRun sync = Demo(kSmall);
+  DemoRun pipe = Demo(std::string(kSmall) + " --pipeline");
+  ASSERT_FALSE(pipe.report.is_discarded());
+  EXPECT_EQ(pipe.exit_code, 0) << pipe.report.dump();
+  EXPECT_TRUE(pipe.report["verified"].get<bool>()) << pipe.report.dump();
+  EXPECT_TRUE(pipe.report["pipeline"].get<bool>());
+  EXPECT_GT(pipe.report["copy_limit_gbps"].get<double>(), 0);
+  ASSERT_EQ(pipe.report["steps"].size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(pipe.report["steps"][i]["bytes_moved"], sync.report["steps"][i]["bytes_moved"]);
+    EXPECT_GT(pipe.report["steps"][i]["copy_limit_ratio"].get<double>(), 0);
+  }
+}
+
 // The serving demo (issue 18, item 8): real rank processes serve forward steps with EPLB off,
 // synchronous and asynchronous; every row a step used is checked against the map in force,
 // every mode verifies its weights at the end, rebalances happen and move bytes over shm, and

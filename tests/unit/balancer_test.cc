@@ -84,22 +84,13 @@ void RunRank(Rank& rank, Bootstrap& boot, BalancerMode mode, int steps, Balancer
 }
 
 std::vector<BalancerLog> RunBalancers(BalancerMode mode, int steps) {
-  std::vector<std::unique_ptr<Rank>> ranks;
   std::vector<std::vector<int32_t>> maps(kLayers);
   for (int l = 0; l < kLayers; ++l) {
     for (int s = 0; s < kRanks * kRows; ++s) maps[l].push_back(s % kExperts);
   }
-  for (uint32_t r = 0; r < kRanks; ++r) ranks.push_back(MakeRank(r, maps));
-  InMemoryGroup group(kRanks);
+  auto ranks = MakeRanks(maps);
   std::vector<BalancerLog> logs(kRanks);
-  std::vector<std::thread> threads;
-  for (uint32_t r = 0; r < kRanks; ++r) {
-    threads.emplace_back([&, r] {
-      auto boot = group.Member(r);
-      RunRank(*ranks[r], *boot, mode, steps, &logs[r]);
-    });
-  }
-  for (auto& t : threads) t.join();
+  OnThreads([&](uint32_t r, Bootstrap& boot) { RunRank(*ranks[r], boot, mode, steps, &logs[r]); });
   return logs;
 }
 

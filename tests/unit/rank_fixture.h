@@ -10,6 +10,10 @@
 #include <string>
 #include <vector>
 
+#include <functional>
+#include <thread>
+
+#include "eplbx/bootstrap.h"
 #include "eplbx/layout.h"
 #include "eplbx/placement.h"
 #include "eplbx/transfer.h"
@@ -90,6 +94,29 @@ struct RandomMoves {
     to = Placement::FromPhy2Log(kLayers, kRanks * kRows, kExperts, flat_after);
   }
 };
+
+// kRanks ranks under `maps`; rank `faulty` (if any) follows `faults`.
+inline std::vector<std::unique_ptr<Rank>> MakeRanks(
+    const std::vector<std::vector<int32_t>>& maps, int faulty = -1,
+    std::shared_ptr<internal::FaultPlan> faults = nullptr) {
+  std::vector<std::unique_ptr<Rank>> ranks;
+  for (uint32_t r = 0; r < kRanks; ++r)
+    ranks.push_back(MakeRank(r, maps, static_cast<int>(r) == faulty ? faults : nullptr));
+  return ranks;
+}
+
+// Runs body(rank, its bootstrap) on a thread per rank of one in-memory group; waits for all.
+inline void OnThreads(const std::function<void(uint32_t, Bootstrap&)>& body) {
+  InMemoryGroup group(kRanks);
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      auto boot = group.Member(r);
+      body(r, *boot);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
 
 }  // namespace eplbx::fixture
 

@@ -711,17 +711,11 @@ std::vector<ServeLog> ServeOnThreads(std::vector<std::unique_ptr<Rank>>& ranks,
                                      int every, const AsyncOptions& ao,
                                      std::chrono::milliseconds layer_deadline,
                                      const std::vector<std::function<void(int)>>& arm = {}) {
-  InMemoryGroup group(kRanks);
   std::vector<ServeLog> logs(kRanks);
-  std::vector<std::thread> threads;
-  for (uint32_t r = 0; r < kRanks; ++r) {
-    threads.emplace_back([&, r] {
-      auto boot = group.Member(r);
-      ServeRank(*ranks[r], *boot, steps, every, ao, layer_deadline,
-                r < arm.size() ? arm[r] : nullptr, &logs[r], maps);
-    });
-  }
-  for (auto& t : threads) t.join();
+  OnThreads([&](uint32_t r, Bootstrap& boot) {
+    ServeRank(*ranks[r], boot, steps, every, ao, layer_deadline, r < arm.size() ? arm[r] : nullptr,
+              &logs[r], maps);
+  });
   return logs;
 }
 
@@ -730,8 +724,7 @@ std::vector<ServeLog> ServeOnThreads(std::vector<std::unique_ptr<Rank>>& ranks,
 TEST(PipelineTest, EveryRankCommitsTheSameLayersAtTheSameStep) {
   std::mt19937 rng(31);
   const RandomMoves m(rng);
-  std::vector<std::unique_ptr<Rank>> ranks;
-  for (uint32_t r = 0; r < kRanks; ++r) ranks.push_back(MakeRank(r, m.before));
+  auto ranks = MakeRanks(m.before);
   AsyncOptions ao;
   ao.step_budget_bytes = kBytes[0] + kBytes[1];  // one expert row a step
   ao.max_layers_in_flight = 2;
@@ -755,10 +748,8 @@ TEST(PipelineTest, TheMapNeverLiesWhileServing) {
   using internal::Fault;
   std::mt19937 rng(41);
   const RandomMoves m(rng);
-  std::vector<std::unique_ptr<Rank>> ranks;
   auto faults = std::make_shared<internal::FaultPlan>();
-  for (uint32_t r = 0; r < kRanks; ++r)
-    ranks.push_back(MakeRank(r, m.before, r == 1 ? faults : nullptr));
+  auto ranks = MakeRanks(m.before, 1, faults);
   AsyncOptions ao;
   ao.target_steps = 3;
   ao.max_layers_in_flight = 2;
@@ -804,11 +795,9 @@ TEST(PipelineTest, AStalledRebalanceEndsAtItsDeadlineByName) {
   using internal::Fault;
   std::mt19937 rng(51);
   const RandomMoves m(rng);
-  std::vector<std::unique_ptr<Rank>> ranks;
   auto faults = std::make_shared<internal::FaultPlan>();
   faults->OnTransfers(Fault::Of(Fault::Action::kDrop, "", 0, -1));
-  for (uint32_t r = 0; r < kRanks; ++r)
-    ranks.push_back(MakeRank(r, m.before, r == 2 ? faults : nullptr));
+  auto ranks = MakeRanks(m.before, 2, faults);
   AsyncOptions ao;
   ao.deadline = std::chrono::milliseconds(300);
   const auto start = std::chrono::steady_clock::now();

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "eplbx/balancer.h"
 #include "eplbx/bootstrap.h"
 #include "eplbx/layout.h"
 #include "eplbx/migration.h"
@@ -108,6 +109,73 @@ py::array_t<int32_t> Array2(const std::vector<int32_t>& v, size_t rows, size_t c
   std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(int32_t));
   return a;
 }
+
+// The Balancer without a Rearranger: decides when and what to rebalance; the caller moves
+// the weights (with EplbxCommunicator, say) and switches to the maps Commit returns.
+class PyBalancer {
+ public:
+  PyBalancer(const py::object& initial, int experts, int ranks, int nodes, int groups,
+             const std::string& policy, int window, int interval, double min_gain,
+             double skip_above, double tolerance) {
+    Placement p = Take(ToPlacement(IdArray(initial, "initial"), experts));
+    BalancerOptions o;
+    o.topology = {ranks, nodes, p.slots(), groups};
+    o.policy = Take(ParsePolicy(policy));
+    o.tolerance = tolerance;
+    o.window = window;
+    o.trigger = {.interval = interval, .min_gain = min_gain, .skip_above = skip_above};
+    b_ = Take(Balancer::Create(std::move(p), o));
+  }
+  py::dict Step(const py::array_t<double, py::array::c_style | py::array::forcecast>& counts) {
+    const Placement& p = b_->placement();
+    if (counts.ndim() != 2 || counts.shape(0) != p.layers() || counts.shape(1) != p.experts()) {
+      Check(Status::InvalidArgument(
+          "counts must be a layers x experts array (" + std::to_string(p.layers()) + " x " +
+          std::to_string(p.experts()) + ")"));
+    }
+    BalancerStep st = Take([&] {
+      std::span<const double> c(counts.data(), static_cast<size_t>(counts.size()));
+      py::gil_scoped_release release;
+      return b_->Step(c);
+    }());
+    return py::dict(py::arg("balancedness") = st.balancedness,
+                    py::arg("decision") = std::string(TriggerDecisionName(st.decision)),
+                    py::arg("began") = st.began);
+  }
+  py::list Commit() {
+    BalancerCommit c = b_->Commit();
+    py::list out;
+    for (const CommittedLayer& l : c.layers) {
+      py::array_t<int32_t> map(l.phy2log.size());
+      std::memcpy(map.mutable_data(), l.phy2log.data(), l.phy2log.size() * sizeof(int32_t));
+      out.append(py::make_tuple(l.layer, map));
+    }
+    return out;
+  }
+  py::array_t<int32_t> Phy2Log() const {
+    const Placement& p = b_->placement();
+    return Array2(p.phy2log(), p.layers(), p.slots());
+  }
+  py::dict Report() const {
+    const BalancerReport& r = b_->report();
+    py::list rebalances;
+    for (const RebalanceRecord& x : r.rebalances) {
+      rebalances.append(py::dict(py::arg("step") = x.step, py::arg("window_before") = x.window_before,
+                                 py::arg("window_after") = x.window_after,
+                                 py::arg("copies") = x.copies, py::arg("bytes") = x.bytes,
+                                 py::arg("plan_s") = x.plan_s,
+                                 py::arg("migration_plan_s") = x.migration_plan_s));
+    }
+    return py::dict(py::arg("steps") = r.steps, py::arg("considered") = r.considered,
+                    py::arg("skipped_balanced") = r.skipped_balanced,
+                    py::arg("skipped_small_gain") = r.skipped_small_gain,
+                    py::arg("rebalances") = rebalances);
+  }
+  std::string Prometheus() const { return PrometheusText(b_->report(), b_->progress()); }
+
+ private:
+  std::unique_ptr<Balancer> b_;
+};
 
 struct PlanResult {
   py::array_t<int32_t> phy2log, log2phy, logcnt;
@@ -399,6 +467,22 @@ PYBIND11_MODULE(_eplbx, m) {
       py::arg("threads") = 2,
       "GB/s of `threads` threads copying 64 MiB blocks at once with eplbx's streaming copy: "
       "the fastest this machine copies each byte once (for benchmarks).");
+
+  py::class_<PyBalancer>(m, "Balancer",
+                         "The EPLB loop without moving weights: step(counts) after every forward "
+                         "step, commit() at the safe point returns [(layer, new phy2log)] "
+                         "(docs/python.md).")
+      .def(py::init<const py::object&, int, int, int, int, const std::string&, int, int, double,
+                    double, double>(),
+           py::arg("initial"), py::arg("experts"), py::arg("ranks"), py::arg("nodes") = 1,
+           py::arg("groups") = 1, py::arg("policy") = "incremental", py::arg("window") = 1000,
+           py::arg("interval") = 1000, py::arg("min_gain") = 0.0, py::arg("skip_above") = 1.01,
+           py::arg("tolerance") = 0.002)
+      .def("step", &PyBalancer::Step, py::arg("counts"))
+      .def("commit", &PyBalancer::Commit)
+      .def_property_readonly("phy2log", &PyBalancer::Phy2Log)
+      .def_property_readonly("report", &PyBalancer::Report)
+      .def("prometheus", &PyBalancer::Prometheus);
 
   py::class_<Communicator>(m, "_Communicator")
       .def(py::init<uint32_t, uint32_t, py::function, const py::list&, const py::list&, double,

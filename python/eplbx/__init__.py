@@ -3,6 +3,8 @@
     import eplbx
     p = eplbx.plan(load, slots=288, ranks=32, nodes=4, groups=8)   # numpy in, numpy out
     m = eplbx.migrate(old_phy2log, p.phy2log, ranks=32, nodes=4)
+    b = eplbx.Balancer(p.phy2log, experts=256, ranks=32, window=1000, interval=1000)
+    b.step(counts); new_maps = b.commit()                           # the EPLB loop
     from eplbx.vllm import EplbxCommunicator                        # vLLM's EPLB communicator
 
 Errors are eplbx.EplbxError subclasses named after the C++ status codes
@@ -12,6 +14,7 @@ have a builtin counterpart also derive from it (ValueError, TimeoutError, Connec
 
 from ._eplbx import (  # noqa: F401
     AbortedError,
+    Balancer,
     CorruptionError,
     EplbxError,
     InternalError,
@@ -30,6 +33,7 @@ from ._eplbx import (  # noqa: F401
 
 __all__ = [
     "plan",
+    "Balancer",
     "migrate",
     "PlanResult",
     "EplbxError",

@@ -80,5 +80,46 @@ class PlanTest(unittest.TestCase):
         self.assertEqual(m["bytes_moved"], 2000)
 
 
+class BalancerTest(unittest.TestCase):
+    """The EPLB loop from Python: the Balancer decides, commit() hands over the new maps."""
+
+    def test_rebalances_when_due_and_hands_over_the_maps(self):
+        rng = np.random.default_rng(3)
+        uniform = eplbx.plan(np.ones((2, 12)), slots=16, ranks=4)
+        b = eplbx.Balancer(uniform.phy2log, experts=12, ranks=4, policy="balanced", window=10,
+                           interval=10)
+        hot = WEIGHT * rng.uniform(0.5, 1.5, WEIGHT.shape)
+        maps = uniform.phy2log.copy()
+        began = 0
+        for step in range(30):
+            s = b.step(hot)
+            began += s["began"]
+            for layer, new_map in b.commit():
+                self.assertEqual(new_map.shape, (16,))
+                maps[layer] = new_map
+            self.assertEqual(b.phy2log.tolist(), maps.tolist())
+        self.assertGreaterEqual(began, 1)
+        report = b.report
+        self.assertEqual(report["steps"], 30)
+        self.assertEqual(report["considered"], 3)
+        self.assertGreater(report["rebalances"][0]["window_after"],
+                           report["rebalances"][0]["window_before"])
+        # Balanced on the load it saw: the next due steps skip or gain nothing.
+        self.assertGreater(b.step(hot)["balancedness"], 0.9)
+        self.assertIn("eplbx_rebalances_total", b.prometheus())
+
+    def test_bad_counts_are_named(self):
+        uniform = eplbx.plan(np.ones((2, 12)), slots=16, ranks=4)
+        b = eplbx.Balancer(uniform.phy2log, experts=12, ranks=4)
+        with self.assertRaises(eplbx.InvalidArgumentError) as e:
+            b.step(np.ones((3, 12)))
+        self.assertIn("layers x experts array (2 x 12)", str(e.exception))
+        bad = np.ones((2, 12))
+        bad[1, 4] = -1
+        with self.assertRaises(eplbx.InvalidArgumentError):
+            b.step(bad)
+        self.assertEqual(b.report["steps"], 0)
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -129,9 +129,9 @@ class PyBalancer {
   py::dict Step(const py::array_t<double, py::array::c_style | py::array::forcecast>& counts) {
     const Placement& p = b_->placement();
     if (counts.ndim() != 2 || counts.shape(0) != p.layers() || counts.shape(1) != p.experts()) {
-      Check(Status::InvalidArgument(
-          "counts must be a layers x experts array (" + std::to_string(p.layers()) + " x " +
-          std::to_string(p.experts()) + ")"));
+      Check(Status::InvalidArgument("counts must be a layers x experts array (" +
+                                    std::to_string(p.layers()) + " x " +
+                                    std::to_string(p.experts()) + ")"));
     }
     BalancerStep st = Take([&] {
       std::span<const double> c(counts.data(), static_cast<size_t>(counts.size()));
@@ -160,11 +160,11 @@ class PyBalancer {
     const BalancerReport& r = b_->report();
     py::list rebalances;
     for (const RebalanceRecord& x : r.rebalances) {
-      rebalances.append(py::dict(py::arg("step") = x.step, py::arg("window_before") = x.window_before,
-                                 py::arg("window_after") = x.window_after,
-                                 py::arg("copies") = x.copies, py::arg("bytes") = x.bytes,
-                                 py::arg("plan_s") = x.plan_s,
-                                 py::arg("migration_plan_s") = x.migration_plan_s));
+      rebalances.append(
+          py::dict(py::arg("step") = x.step, py::arg("window_before") = x.window_before,
+                   py::arg("window_after") = x.window_after, py::arg("copies") = x.copies,
+                   py::arg("bytes") = x.bytes, py::arg("plan_s") = x.plan_s,
+                   py::arg("migration_plan_s") = x.migration_plan_s));
     }
     return py::dict(py::arg("steps") = r.steps, py::arg("considered") = r.considered,
                     py::arg("skipped_balanced") = r.skipped_balanced,

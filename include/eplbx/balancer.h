@@ -72,6 +72,7 @@ struct RebalanceRecord {
   uint64_t bytes_read = 0;    // by this rank from peers
   uint64_t bytes_copied = 0;  // within this rank (staging -> weights, local copies)
   std::vector<PathTotals> bytes_by_path;
+  std::vector<uint64_t> bytes_from_rank;  // of bytes_read, per source rank
 };
 
 struct BalancerReport {

@@ -42,19 +42,21 @@ struct RearrangeOptions {
 struct LayerOutcome {
   uint32_t layer = 0;
   bool committed = false;
-  uint64_t experts_read = 0;      // expert rows this rank read from peers
-  uint64_t bytes_read = 0;        // by this rank from peers
-  uint64_t bytes_copied = 0;      // within this rank
-  uint64_t bytes_cross_node = 0;  // of bytes_read, from ranks on other nodes
-  std::string error;              // when rolled back
+  uint64_t experts_read = 0;              // expert rows this rank read from peers
+  uint64_t bytes_read = 0;                // by this rank from peers
+  uint64_t bytes_copied = 0;              // within this rank
+  uint64_t bytes_cross_node = 0;          // of bytes_read, from ranks on other nodes
+  std::vector<uint64_t> bytes_from_rank;  // of bytes_read, per source rank (empty: none)
+  std::string error;                      // when rolled back
 };
 
 struct RearrangeReport {
-  Status status;                     // OK when every layer committed
-  std::vector<LayerOutcome> layers;  // layers run so far, in order
-  uint64_t experts_read = 0;         // this rank, all layers
-  uint64_t bytes_read = 0;           // this rank, all layers
-  uint64_t bytes_cross_node = 0;     // of bytes_read, from other nodes
+  Status status;                          // OK when every layer committed
+  std::vector<LayerOutcome> layers;       // layers run so far, in order
+  uint64_t experts_read = 0;              // this rank, all layers
+  uint64_t bytes_read = 0;                // this rank, all layers
+  uint64_t bytes_cross_node = 0;          // of bytes_read, from other nodes
+  std::vector<uint64_t> bytes_from_rank;  // of bytes_read, per source rank (empty: none)
   // Bytes this rank's transfers moved per data path (shm, cma, ucx), this call only.
   std::vector<PathTotals> bytes_by_path;
   double seconds = 0;

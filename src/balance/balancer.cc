@@ -117,6 +117,7 @@ struct Balancer::State {
     rec.finished_step = report.steps - 1;
     rec.bytes_read = r.bytes_read;
     rec.bytes_by_path = r.bytes_by_path;
+    rec.bytes_from_rank = r.bytes_from_rank;
     for (const LayerOutcome& o : r.layers) {
       if (!o.committed) continue;
       ++rec.layers_committed;

@@ -157,6 +157,7 @@ nlohmann::json ModeReport(Mode& mode) {
                           {"bytes_read", x.bytes_read},
                           {"bytes_copied", x.bytes_copied},
                           {"bytes_by_path", paths},
+                          {"bytes_from_rank", x.bytes_from_rank},
                           {"plan_s", x.plan_s},
                           {"migration_plan_s", x.migration_plan_s},
                           {"plan_wait_s", x.plan_wait_s},

@@ -52,8 +52,9 @@ struct ModeSummary {
   double mean_balancedness = 0;
   uint64_t bytes_read = 0, bytes_copied = 0, rows_checked = 0, bad_rows = 0;
   int rebalances = 0, failed = 0;
-  json log = json::array();             // rank 0's rebalances, with phase timings
-  json bytes_by_path = json::object();  // all ranks
+  json log = json::array();                  // rank 0's rebalances, with phase timings
+  json bytes_by_path = json::object();       // all ranks
+  std::vector<std::vector<uint64_t>> pairs;  // bytes read: [source rank][reading rank]
 };
 
 // The plot: step time (ms) over steps, one line per mode, rebalances marked.
@@ -138,7 +139,14 @@ Status ReportServing(const DemoOptions& o, const std::map<int, json>& reports, d
       m.rows_checked += mj.value("rows_checked", uint64_t{0});
       m.bad_rows += mj.value("bad_rows", uint64_t{0});
       if (mj.contains("rebalances") && mj["rebalances"].is_array()) {
+        m.pairs.resize(o.ranks, std::vector<uint64_t>(o.ranks, 0));
         for (const json& x : mj["rebalances"]) {
+          if (x.is_object() && x.contains("bytes_from_rank") && x["bytes_from_rank"].is_array()) {
+            const json& from = x["bytes_from_rank"];
+            for (size_t src = 0; src < from.size() && src < static_cast<size_t>(o.ranks); ++src) {
+              if (from[src].is_number_unsigned()) m.pairs[src][r] += from[src].get<uint64_t>();
+            }
+          }
           if (!x.is_object() || !x.contains("bytes_by_path") || !x["bytes_by_path"].is_object())
             continue;
           for (const auto& [path, b] : x["bytes_by_path"].items()) {
@@ -247,6 +255,7 @@ Status ReportServing(const DemoOptions& o, const std::map<int, json>& reports, d
                   {"rows_checked", m.rows_checked},
                   {"bad_rows", m.bad_rows},
                   {"bytes_by_path", m.bytes_by_path},
+                  {"bytes_by_rank_pair", m.pairs},
                   {"rebalance_log_rank0", m.log},
                   {"step_ms", m.step_ms},
                   {"balancedness", m.balancedness},

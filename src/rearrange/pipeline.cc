@@ -421,6 +421,7 @@ RearrangeReport RearrangerImpl::PipelineReport() const {
     report.bytes_read += run->outcome.bytes_read;
     report.experts_read += run->outcome.experts_read;
     report.bytes_cross_node += run->outcome.bytes_cross_node;
+    AddBytesFrom(run->outcome, &report);
   }
   report.status = p.failure;
   report.bytes_by_path = agent->PathBytes();

@@ -153,6 +153,8 @@ void RearrangerImpl::Execute(Run& run, std::vector<Action> actions) {
           remote.push_back(
               {theirs.base + jr->src_row * theirs.bytes_per_expert, theirs.bytes_per_expert});
           outcome.bytes_read += tensors[t].bytes_per_expert;
+          outcome.bytes_from_rank.resize(world(), 0);
+          outcome.bytes_from_rank[a.read.source] += tensors[t].bytes_per_expert;
           if (options.node_of_rank.size() == world() &&
               options.node_of_rank[a.read.source] != options.node_of_rank[self()]) {
             outcome.bytes_cross_node += tensors[t].bytes_per_expert;
@@ -356,6 +358,13 @@ RearrangerImpl::LayerJob RearrangerImpl::MakeLayerJob(uint32_t l, const LayerMig
 
 using internal::StrCat;
 
+void AddBytesFrom(const LayerOutcome& o, RearrangeReport* report) {
+  if (o.bytes_from_rank.empty()) return;
+  report->bytes_from_rank.resize(o.bytes_from_rank.size(), 0);
+  for (size_t r = 0; r < o.bytes_from_rank.size(); ++r)
+    report->bytes_from_rank[r] += o.bytes_from_rank[r];
+}
+
 Rearranger::Rearranger(std::unique_ptr<internal::RearrangerImpl> impl) : impl_(std::move(impl)) {}
 Rearranger::~Rearranger() = default;
 
@@ -428,6 +437,7 @@ RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to
     report.bytes_read += o.bytes_read;
     report.experts_read += o.experts_read;
     report.bytes_cross_node += o.bytes_cross_node;
+    AddBytesFrom(o, &report);
     const bool ok = o.committed;
     report.layers.push_back(std::move(o));
     if (!ok) {

@@ -137,4 +137,9 @@ class RearrangerImpl {
 
 }  // namespace eplbx::internal
 
+namespace eplbx {
+// Adds a layer's bytes per source rank to a report's.
+void AddBytesFrom(const LayerOutcome& o, RearrangeReport* report);
+}  // namespace eplbx
+
 #endif  // EPLBX_SRC_REARRANGE_REARRANGER_IMPL_H_

@@ -218,6 +218,13 @@ TEST(DemoTest, ServingComparesOffSynchronousAndAsynchronous) {
     EXPECT_TRUE(first["ok"].get<bool>());
     EXPECT_GT(first["window_after"].get<double>(), first["window_before"].get<double>());
     EXPECT_EQ(m["bytes_by_path"].value("shm", uint64_t{0}), m["bytes_read"].get<uint64_t>());
+    uint64_t pairs = 0;
+    for (size_t src = 0; src < 3; ++src) {
+      EXPECT_EQ(m["bytes_by_rank_pair"][src][src].get<uint64_t>(), 0u);  // nobody reads itself
+      for (size_t dst = 0; dst < 3; ++dst)
+        pairs += m["bytes_by_rank_pair"][src][dst].get<uint64_t>();
+    }
+    EXPECT_EQ(pairs, m["bytes_read"].get<uint64_t>());
   }
   // Every layer's commits land at the same steps in the log of layers committed, and an
   // asynchronous rebalance spans steps while a synchronous one does not.

@@ -857,5 +857,120 @@ TEST(PipelineTest, BeginRefusesAPlanThatDoesNotMatchAndASecondRebalance) {
   }
 }
 
+// Rollback, deadline and abort at every phase of an asynchronous rebalance (one fault on
+// rank 1, through the fault-injecting path and channel): every rank ends with an error by
+// name within the deadline, every layer of every rank is all-old or all-new, and where the
+// ranks can agree (everything but a lost vote or a lost peer) they commit the same layers.
+TEST(PipelineTest, EveryPhaseEndsEveryRankAtomically) {
+  using internal::Fault;
+  using protocol::RecordKind;
+  auto on_record = [](RecordKind kind, Fault::Action action) {
+    Fault f = Fault::Of(action);
+    f.times = 1;
+    f.match = [kind](std::string_view p) { return IsRecord(p, kind); };
+    return f;
+  };
+  struct Case {
+    std::string name;
+    std::function<void(internal::FaultPlan&)> arm;
+    bool agreed;       // every rank ends the same way, with the same layers committed
+    std::string says;  // in rank 1's error
+  };
+  const std::vector<Case> cases = {
+      {"READ fails",
+       [](internal::FaultPlan& p) { p.OnTransfers(Fault::Of(Fault::Action::kFail, "", 0, 1)); },
+       true, "READ of expert"},
+      {"READ's completion dropped",
+       [](internal::FaultPlan& p) { p.OnTransfers(Fault::Of(Fault::Action::kDrop, "", 0, 1)); },
+       true, "deadline passed"},
+      {"READY dropped",
+       [&](internal::FaultPlan& p) {
+         p.OnNotifications(on_record(RecordKind::kReady, Fault::Action::kDrop));
+       },
+       true, "deadline passed"},
+      {"READ_DONE fails to leave",
+       [&](internal::FaultPlan& p) {
+         p.OnNotifications(on_record(RecordKind::kReadDone, Fault::Action::kFail));
+       },
+       true, "injected failure"},
+      {"MAPS fails to leave",
+       [&](internal::FaultPlan& p) {
+         p.OnNotifications(on_record(RecordKind::kMaps, Fault::Action::kFail));
+       },
+       true, "injected failure"},
+      // The synchronous loop's lost-DONE window (ranks disagreeing on a layer) is closed by
+      // the votes: a rank that never got every DONE never votes the layer ready.
+      {"DONE dropped",
+       [&](internal::FaultPlan& p) {
+         p.OnNotifications(on_record(RecordKind::kDone, Fault::Action::kDrop));
+       },
+       true, ""},
+      {"peer lost mid-layer",
+       [](internal::FaultPlan& p) {
+         p.OnTransfers(Fault::Of(Fault::Action::kLosePeer, "", 200, 1));
+       },
+       false, "unreachable"},
+      // A vote lost on the way: its peers wait for it until the deadline; rank 1, which has
+      // every vote, may commit further (the partition window, docs/protocol.md).
+      {"VOTE dropped",
+       [&](internal::FaultPlan& p) {
+         p.OnNotifications(on_record(RecordKind::kVote, Fault::Action::kDrop));
+       },
+       false, ""},
+  };
+  std::mt19937 rng(71);
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const RandomMoves m(rng);
+    ASSERT_TRUE(m.from.ok() && m.to.ok());
+    MigrationOptions mo;
+    mo.ranks = kRanks;
+    auto plan = PlanMigration(*m.from, *m.to, mo);
+    ASSERT_TRUE(plan.ok());
+    auto faulty = std::make_shared<internal::FaultPlan>();
+    c.arm(*faulty);
+    std::vector<RearrangeReport> reports;
+    const auto start = std::chrono::steady_clock::now();
+    auto ranks = RearrangeOnThreads(
+        m.before,
+        [&](Rearranger& re) {
+          AsyncOptions ao;
+          ao.step_budget_bytes = kBytes[0] + kBytes[1];  // several steps
+          ao.max_layers_in_flight = 2;
+          Status b = re.Begin(*m.from, *m.to, *plan, ao);
+          EXPECT_TRUE(b.ok()) << b.ToString();
+          RearrangeReport out;
+          while (b.ok() && re.busy()) {
+            (void)re.Poll();
+            CommitResult cr = re.Commit();
+            if (cr.finished) {
+              out = re.async_report();
+              out.status = cr.status;
+            }
+          }
+          return out;
+        },
+        &reports, {nullptr, faulty, nullptr}, std::chrono::milliseconds(400));
+    const auto took = std::chrono::steady_clock::now() - start;
+    EXPECT_GE(faulty->injected(), 1u) << "the fault never applied";
+    EXPECT_LT(took, std::chrono::seconds(5));
+    int failed = 0;
+    for (uint32_t r = 0; r < kRanks; ++r) failed += !reports[r].status.ok();
+    EXPECT_GE(failed, c.agreed ? kRanks : 1);
+    if (!c.says.empty()) {
+      EXPECT_NE(reports[1].status.message().find(c.says), std::string::npos)
+          << reports[1].status.ToString();
+    }
+    for (uint32_t r = 0; r < kRanks && c.agreed; ++r) {
+      ASSERT_EQ(reports[r].layers.size(), reports[0].layers.size());
+      for (size_t l = 0; l < reports[r].layers.size(); ++l) {
+        EXPECT_EQ(reports[r].layers[l].committed, reports[0].layers[l].committed)
+            << "rank " << r << " layer " << l;
+      }
+    }
+    ExpectLayerAtomic(ranks, reports, m, c.name);
+  }
+}
+
 }  // namespace
 }  // namespace eplbx

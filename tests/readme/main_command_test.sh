@@ -13,11 +13,19 @@ if ((rc != 0)); then
   echo "FAIL: scripts/demo.sh exited $rc"
   fail=1
 fi
-for want in "verified: yes, weights intact: yes" "== eplbx plan: DeepSeek-V3 shape" \
+for want in "== eplbx demo --serve" "tokens/s" "oracle " \
+    "every row a step used checked against its map: yes" \
+    "verified: yes, weights intact: yes" "== eplbx plan: DeepSeek-V3 shape" \
     "balancedness (mean / max rank load, 1 = perfect): total" "  rank 31 " \
     "full plan (JSON): build/dsv3_plan.json"; do
   if ! grep -qF -- "$want" "$out"; then
     echo "FAIL: scripts/demo.sh did not print: $want"
+    fail=1
+  fi
+done
+for mode in off sync async; do
+  if ! grep -qE "^$mode +[0-9]+ +[0-9.]+ " "$out"; then
+    echo "FAIL: the serving table has no row for $mode"
     fail=1
   fi
 done

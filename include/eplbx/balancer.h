@@ -117,8 +117,8 @@ class Balancer {
 
   // After a forward step: its token counts per logical expert (layers x experts,
   // row-major). Records them, drives a rebalance in flight, and when the trigger is due
-  // plans and begins (or, synchronous, runs) a rebalance. Errors name the bad count or the
-  // planner's problem; nothing is recorded then.
+  // plans and begins (or, synchronous, runs) a rebalance. Errors: a bad count, named
+  // (nothing is recorded then), or the planner's problem (the step is recorded).
   Result<BalancerStep> Step(std::span<const double> expert_counts);
   // The same with counts per physical slot (layers x slots) under the placement in force.
   Result<BalancerStep> StepSlots(std::span<const double> slot_counts);

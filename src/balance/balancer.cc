@@ -1,6 +1,7 @@
 #include "eplbx/balancer.h"
 
 #include <chrono>
+#include <cmath>
 #include <future>
 #include <optional>
 
@@ -178,6 +179,12 @@ Result<BalancerStep> Balancer::StepSlots(std::span<const double> slot_counts) {
   for (int l = 0; l < p.layers(); ++l) {
     for (int slot = 0; slot < p.slots(); ++slot) {
       const double c = slot_counts[static_cast<size_t>(l) * p.slots() + slot];
+      // Checked per slot: a negative count on one replica must not hide in its expert's sum.
+      if (!std::isfinite(c) || c < 0) {
+        return Status::InvalidArgument(StrCat("step ", s.report.steps, ": the count of layer ", l,
+                                              " slot ", slot, " is ", c,
+                                              "; counts must be finite and >= 0"));
+      }
       const int32_t e = p.phy2log(l, slot);
       if (e >= 0) counts[static_cast<size_t>(l) * p.experts() + e] += c;
     }

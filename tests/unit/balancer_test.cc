@@ -179,8 +179,13 @@ TEST(BalancerTest, StepSlotsMapsSlotsToExpertsAndRejectsBadInput) {
   ASSERT_TRUE(b.ok()) << b.status().ToString();
   auto bad = (*b)->StepSlots(std::vector<double>{1, 2, 3});
   EXPECT_EQ(bad.status().message(), "step 0: 3 slot counts, expected 4 (1 layers x 4 slots)");
-  auto neg = (*b)->StepSlots(std::vector<double>{1, -2, 3, 4});
-  EXPECT_FALSE(neg.ok());
+  // Slot 3 is a replica of expert 0: its -2 would vanish in expert 0's sum (5 - 2).
+  auto neg = (*b)->StepSlots(std::vector<double>{5, 1, 1, -2});
+  EXPECT_EQ(neg.status().message(),
+            "step 0: the count of layer 0 slot 3 is -2; counts must be finite and >= 0");
+  auto nan = (*b)->StepSlots(std::vector<double>{5, 1, std::nan(""), 1});
+  EXPECT_NE(nan.status().message().find("slot 2 is nan"), std::string::npos)
+      << nan.status().ToString();
   // Slots 0 and 3 hold expert 0 (replicas): 5 + 5 tokens; ranks {0,1} and {2,0}.
   auto ok = (*b)->StepSlots(std::vector<double>{5, 10, 10, 5});
   ASSERT_TRUE(ok.ok()) << ok.status().ToString();

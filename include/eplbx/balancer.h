@@ -120,7 +120,8 @@ class Balancer {
   // plans and begins (or, synchronous, runs) a rebalance. Errors: a bad count, named
   // (nothing is recorded then), or the planner's problem (the step is recorded).
   Result<BalancerStep> Step(std::span<const double> expert_counts);
-  // The same with counts per physical slot (layers x slots) under the placement in force.
+  // The same with counts per physical slot (layers x slots) under the placement in force;
+  // every slot's count must be finite and >= 0 (the error names layer, slot and value).
   Result<BalancerStep> StepSlots(std::span<const double> slot_counts);
   // At a safe point between forward passes, once per step: the layers to switch to now.
   BalancerCommit Commit();

@@ -234,6 +234,14 @@ bool IsRecord(std::string_view payload, protocol::RecordKind kind) {
   return r.ok() && r->kind == kind;
 }
 
+// `action`, once, on the first outgoing record of `kind`.
+internal::Fault OnRecord(protocol::RecordKind kind, internal::Fault::Action action) {
+  internal::Fault f = internal::Fault::Of(action);
+  f.times = 1;
+  f.match = [kind](std::string_view p) { return IsRecord(p, kind); };
+  return f;
+}
+
 // Rollback at every phase, through the fault-injecting data path and control channel
 // (in-process, milliseconds): each fault on one rank makes every rank fail by name, keep
 // each layer all-old or all-new, and commit no layer at or after the failed one.
@@ -245,12 +253,6 @@ TEST(RearrangerFaultTest, EveryPhaseRollsBackOnEveryRank) {
     std::function<void(internal::FaultPlan&)> arm;
     bool same_on_every_rank;  // no rank commits the failed layer or a later one
     std::string says;         // in the faulty rank's error
-  };
-  auto on_record = [](RecordKind kind, Fault::Action action) {
-    Fault f = Fault::Of(action);
-    f.times = 1;
-    f.match = [kind](std::string_view p) { return IsRecord(p, kind); };
-    return f;
   };
   // Every rank's error is kAborted (the layer rolled back); rank 1's names the cause.
   const std::vector<Case> cases = {
@@ -267,17 +269,17 @@ TEST(RearrangerFaultTest, EveryPhaseRollsBackOnEveryRank) {
        true, "peer unreachable"},
       {"READY dropped",
        [&](internal::FaultPlan& p) {
-         p.OnNotifications(on_record(RecordKind::kReady, Fault::Action::kDrop));
+         p.OnNotifications(OnRecord(RecordKind::kReady, Fault::Action::kDrop));
        },
        true, "deadline passed"},
       {"READ_DONE fails to leave",
        [&](internal::FaultPlan& p) {
-         p.OnNotifications(on_record(RecordKind::kReadDone, Fault::Action::kFail));
+         p.OnNotifications(OnRecord(RecordKind::kReadDone, Fault::Action::kFail));
        },
        true, "injected failure"},
       {"MAPS fails to leave",
        [&](internal::FaultPlan& p) {
-         p.OnNotifications(on_record(RecordKind::kMaps, Fault::Action::kFail));
+         p.OnNotifications(OnRecord(RecordKind::kMaps, Fault::Action::kFail));
        },
        true, "injected failure"},
       // A DONE lost on the way (a partition, not a crash) lets the ranks that got every DONE
@@ -287,7 +289,7 @@ TEST(RearrangerFaultTest, EveryPhaseRollsBackOnEveryRank) {
       // and that every rank fails by name instead of hanging.
       {"DONE dropped",
        [&](internal::FaultPlan& p) {
-         p.OnNotifications(on_record(RecordKind::kDone, Fault::Action::kDrop));
+         p.OnNotifications(OnRecord(RecordKind::kDone, Fault::Action::kDrop));
        },
        false, "deadline passed"},
   };
@@ -864,12 +866,6 @@ TEST(PipelineTest, BeginRefusesAPlanThatDoesNotMatchAndASecondRebalance) {
 TEST(PipelineTest, EveryPhaseEndsEveryRankAtomically) {
   using internal::Fault;
   using protocol::RecordKind;
-  auto on_record = [](RecordKind kind, Fault::Action action) {
-    Fault f = Fault::Of(action);
-    f.times = 1;
-    f.match = [kind](std::string_view p) { return IsRecord(p, kind); };
-    return f;
-  };
   struct Case {
     std::string name;
     std::function<void(internal::FaultPlan&)> arm;
@@ -885,24 +881,24 @@ TEST(PipelineTest, EveryPhaseEndsEveryRankAtomically) {
        true, "deadline passed"},
       {"READY dropped",
        [&](internal::FaultPlan& p) {
-         p.OnNotifications(on_record(RecordKind::kReady, Fault::Action::kDrop));
+         p.OnNotifications(OnRecord(RecordKind::kReady, Fault::Action::kDrop));
        },
        true, "deadline passed"},
       {"READ_DONE fails to leave",
        [&](internal::FaultPlan& p) {
-         p.OnNotifications(on_record(RecordKind::kReadDone, Fault::Action::kFail));
+         p.OnNotifications(OnRecord(RecordKind::kReadDone, Fault::Action::kFail));
        },
        true, "injected failure"},
       {"MAPS fails to leave",
        [&](internal::FaultPlan& p) {
-         p.OnNotifications(on_record(RecordKind::kMaps, Fault::Action::kFail));
+         p.OnNotifications(OnRecord(RecordKind::kMaps, Fault::Action::kFail));
        },
        true, "injected failure"},
       // The synchronous loop's lost-DONE window (ranks disagreeing on a layer) is closed by
       // the votes: a rank that never got every DONE never votes the layer ready.
       {"DONE dropped",
        [&](internal::FaultPlan& p) {
-         p.OnNotifications(on_record(RecordKind::kDone, Fault::Action::kDrop));
+         p.OnNotifications(OnRecord(RecordKind::kDone, Fault::Action::kDrop));
        },
        true, ""},
       {"peer lost mid-layer",
@@ -914,7 +910,7 @@ TEST(PipelineTest, EveryPhaseEndsEveryRankAtomically) {
       // every vote, may commit further (the partition window, docs/protocol.md).
       {"VOTE dropped",
        [&](internal::FaultPlan& p) {
-         p.OnNotifications(on_record(RecordKind::kVote, Fault::Action::kDrop));
+         p.OnNotifications(OnRecord(RecordKind::kVote, Fault::Action::kDrop));
        },
        false, ""},
   };

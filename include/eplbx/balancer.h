@@ -63,14 +63,17 @@ struct RebalanceRecord {
   double stall_estimate_s = 0;                 // the migration's lower bound at link_gbps
   Status status;                               // how it ended
   uint32_t layers_committed = 0;
+  uint32_t layers_swapped = 0;  // of those, committed by a new row table (swap mode)
   // Seconds on this rank: planning, migration planning (on the planning thread when
   // plan_lag_steps > 0), waiting for that thread at the begin step, the synchronous
   // rearrangement (the stall), and for an asynchronous one the time inside Poll (posting
   // READs, taking records), waiting for votes, committing (applying layers).
   double plan_s = 0, migration_plan_s = 0, plan_wait_s = 0, rearrange_s = 0, poll_s = 0, wait_s = 0,
          commit_s = 0;
-  uint64_t bytes_read = 0;    // by this rank from peers
-  uint64_t bytes_copied = 0;  // within this rank (staging -> weights, local copies)
+  uint64_t bytes_read = 0;  // by this rank from peers
+  // Within this rank: staging -> weights and local copies in place; local copies only in
+  // swap mode (READs land where they stay).
+  uint64_t bytes_copied = 0;
   std::vector<PathTotals> bytes_by_path;
   std::vector<uint64_t> bytes_from_rank;  // of bytes_read, per source rank
 };

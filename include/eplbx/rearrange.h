@@ -42,9 +42,10 @@ struct RearrangeOptions {
 struct LayerOutcome {
   uint32_t layer = 0;
   bool committed = false;
-  uint64_t experts_read = 0;              // expert rows this rank read from peers
-  uint64_t bytes_read = 0;                // by this rank from peers
-  uint64_t bytes_copied = 0;              // within this rank
+  uint64_t experts_read = 0;  // expert rows this rank read from peers
+  uint64_t bytes_read = 0;    // by this rank from peers
+  uint64_t bytes_copied = 0;  // within this rank
+  bool swapped = false;       // committed by publishing a new row table (swap mode), not in place
   uint64_t bytes_cross_node = 0;          // of bytes_read, from ranks on other nodes
   std::vector<uint64_t> bytes_from_rank;  // of bytes_read, per source rank (empty: none)
   std::string error;                      // when rolled back
@@ -84,6 +85,9 @@ struct AsyncOptions {
 struct CommittedLayer {
   uint32_t layer = 0;
   std::vector<int32_t> phy2log;  // the layer's new map, slot -> logical expert
+  // This rank's row table of the layer from now on, local slot -> row: switch to it with
+  // the map (it changes only in swap mode, RankLayout::spare_rows > 0; identity without).
+  std::vector<uint32_t> row_of_slot;
 };
 
 // What Commit() did at this step.
@@ -156,6 +160,11 @@ class Rearranger {
   bool busy() const;  // an asynchronous rearrangement is running
   // Totals of the current (or last) asynchronous rearrangement.
   RearrangeReport async_report() const;
+
+  // This rank's row table of `layer` in force (local slot -> row of its tensors): the
+  // layout's, then as commits left it. Identity without spare rows. Pass it (in the layout)
+  // to a Rearranger built after this one failed.
+  std::vector<uint32_t> RowTable(uint32_t layer) const;
 
   // After a failure the Rearranger refuses Rearrange() with this error until rebuilt.
   bool failed() const;

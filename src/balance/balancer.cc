@@ -122,6 +122,7 @@ struct Balancer::State {
     for (const LayerOutcome& o : r.layers) {
       if (!o.committed) continue;
       ++rec.layers_committed;
+      rec.layers_swapped += o.swapped ? 1 : 0;
       rec.bytes_copied += o.bytes_copied;
     }
     if (!s.ok()) ++report.failed;
@@ -275,6 +276,7 @@ Result<BalancerStep> Balancer::State::Start(Planned planned, BalancerStep out) {
       c.layer = o.layer;
       for (int slot = 0; slot < next.slots(); ++slot)
         c.phy2log.push_back(next.phy2log(static_cast<int>(o.layer), slot));
+      c.row_of_slot = s.rearranger->RowTable(o.layer);
       s.Apply(c);
       s.synced.push_back(std::move(c));
     }

@@ -77,14 +77,21 @@ std::vector<Action> LayerProtocol::Start() {
                         step_.old_map.size()),
                  true);
   }
+  if (!step_.row_map.empty() &&
+      (step_.new_map.empty() || step_.row_map.size() != step_.old_map.size())) {
+    return Abort(
+        StrCat("this rank's row tables have ", step_.row_map.size(), " slots, its old map ",
+               step_.old_map.size(), " and its new map ", step_.new_map.size()),
+        true);
+  }
   const size_t slots = step_.old_map.size(), per = chunk_slots();
   for (size_t c = 0; c < chunks(); ++c) {
     Record m = Make(RecordKind::kMaps, static_cast<uint32_t>(c * per), step_.self, map_count());
     m.map_slots = static_cast<uint32_t>(slots);
     const size_t first = c * per, n = std::min(per, slots - std::min(slots, first));
-    m.maps.assign(step_.old_map.begin() + first, step_.old_map.begin() + first + n);
-    if (map_count() == 2)
-      m.maps.insert(m.maps.end(), step_.new_map.begin() + first, step_.new_map.begin() + first + n);
+    m.maps.clear();
+    for (uint32_t k = 0; k < map_count(); ++k)
+      m.maps.insert(m.maps.end(), MapAt(k).begin() + first, MapAt(k).begin() + first + n);
     for (uint32_t r = 0; r < step_.world; ++r) {
       if (r != step_.self) out.push_back(MakeAction(ActionKind::kSend, r, m));
     }
@@ -238,11 +245,14 @@ std::vector<Action> LayerProtocol::OnMaps(uint32_t from, const Record& r) {
   const size_t slots = step_.old_map.size(), per = chunk_slots();
   const uint32_t me = step_.self;
   if (r.reader != map_count()) {
-    return Abort(
-        StrCat("rank ", from, (r.reader == 2 ? " passed" : " passed no"),
-               " new map of the layer and rank ", me, (map_count() == 2 ? " did" : " did not"),
-               "; every rank must pass the same maps"),
-        true);
+    // 1: the old map; 2: and the new one; 3: and the row tables (swap commit mode).
+    auto what = [](uint32_t n) {
+      return n == 1 ? "only the old map" : n == 2 ? "the old and new maps" : "maps and row tables";
+    };
+    return Abort(StrCat("rank ", from, " passed ", what(r.reader), " of the layer and rank ", me,
+                        " ", what(map_count()),
+                        "; every rank must pass the same maps (and use the same commit mode)"),
+                 true);
   }
   if (r.map_slots != slots) {
     return Abort(StrCat("the map of the layer has ", r.map_slots, " slots on rank ", from, " and ",
@@ -262,10 +272,18 @@ std::vector<Action> LayerProtocol::OnMaps(uint32_t from, const Record& r) {
     return {};
   }
   for (uint32_t m = 0; m < map_count(); ++m) {
-    const std::vector<int32_t>& mine = m == 0 ? step_.old_map : step_.new_map;
+    const std::vector<int32_t>& mine = MapAt(m);
     for (size_t i = 0; i < n; ++i) {
       const int32_t theirs = r.maps[m * n + i];
       if (theirs == mine[first + i]) continue;
+      if (m == 2) {
+        return Abort(StrCat("row table of the layer differs between rank ", me, " and rank ", from,
+                            " at slot ", first + i, " (rank ", me, ": row ", mine[first + i],
+                            ", rank ", from, ": row ", theirs,
+                            "); the ranks disagree on where an expert lies (rebuild the "
+                            "Rearranger with every rank's row tables in force)"),
+                     true);
+      }
       return Abort(StrCat(m == 0 ? "old" : "new", " map of the layer differs between rank ", me,
                           " and rank ", from, " at slot ", first + i, " (rank ", me, ": expert ",
                           mine[first + i], ", rank ", from, ": expert ", theirs,

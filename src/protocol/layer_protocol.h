@@ -48,6 +48,10 @@ struct LayerStep {
   // rank's did, so a rank with a stale map fails the layer on every rank, naming the slot.
   std::vector<int32_t> old_map;
   std::vector<int32_t> new_map;
+  // Swap commit mode: every rank's row table of the layer in force (slot -> row, ranks in
+  // order; empty: in place). Agreed like the maps: a READ's source row comes from it.
+  // REQUIRES new_map when set.
+  std::vector<int32_t> row_map;
 };
 
 enum class ActionKind {
@@ -98,7 +102,12 @@ class LayerProtocol {
   int FindServe(uint32_t expert, uint32_t reader) const;
   std::vector<Action> OnMaps(uint32_t from, const Record& r);
   void PostRead(size_t i, std::vector<Action>* out);
-  uint32_t map_count() const { return step_.new_map.empty() ? 1u : 2u; }
+  uint32_t map_count() const {
+    return 1u + (step_.new_map.empty() ? 0u : 1u) + (step_.row_map.empty() ? 0u : 1u);
+  }
+  const std::vector<int32_t>& MapAt(uint32_t m) const {
+    return m == 0 ? step_.old_map : m == 1 ? step_.new_map : step_.row_map;
+  }
   size_t chunk_slots() const { return kMaxMapEntries / map_count(); }
   size_t chunks() const;
   Record Make(RecordKind kind, uint32_t expert, uint32_t source, uint32_t reader) const;

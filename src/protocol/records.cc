@@ -13,7 +13,8 @@ using internal::StrCat;
 namespace {
 constexpr char kMagic[4] = {'E', 'P', 'X', 'R'};
 // 2: MAPS records (map agreement before any READ). 3: VOTE records (asynchronous commits).
-constexpr uint16_t kVersion = 3;
+// 4: MAPS may carry the row tables (swap commit mode) as a third map.
+constexpr uint16_t kVersion = 4;
 }  // namespace
 
 std::string_view KindName(RecordKind kind) {
@@ -98,9 +99,9 @@ Result<Record> DecodeRecord(std::string_view bytes) {
       return Status::Corruption(StrCat("protocol record: MAPS part of ", reason_len,
                                        " bytes (4 + 4 per entry expected)"));
     }
-    if (r.reader != 1 && r.reader != 2) {
+    if (r.reader < 1 || r.reader > 3) {
       return Status::Corruption(
-          StrCat("protocol record: MAPS of ", r.reader, " maps (1 or 2 expected)"));
+          StrCat("protocol record: MAPS of ", r.reader, " maps (1 to 3 expected)"));
     }
     (void)in.U32("map_slots", &r.map_slots);
     const size_t n = (reason_len - 4u) / 4u;

@@ -14,12 +14,14 @@ using internal::ByteWriter;
 using internal::StrCat;
 
 constexpr char kMagic[4] = {'E', 'P', 'X', 'L'};
-constexpr uint16_t kVersion = 1;
+// 2: spare rows and row tables (swap commit mode).
+constexpr uint16_t kVersion = 2;
 constexpr size_t kMaxLayers = 4096;
 constexpr size_t kMaxTensors = 256;
 constexpr size_t kMaxDims = 8;
 constexpr size_t kMaxText = 128;
 constexpr size_t kMaxProblems = 8;
+constexpr uint32_t kMaxTableSlots = 1u << 20;
 
 std::string Shape(const std::vector<int64_t>& s) {
   std::ostringstream out;
@@ -56,6 +58,12 @@ std::string EncodeLayout(const RankLayout& layout) {
       w.U64(t.bytes_per_expert);
       w.U32(t.rows);
     }
+  }
+  w.U32(layout.spare_rows);
+  w.U32(static_cast<uint32_t>(layout.row_of_slot.size()));
+  for (const auto& table : layout.row_of_slot) {
+    w.U32(static_cast<uint32_t>(table.size()));
+    for (uint32_t row : table) w.U32(row);
   }
   w.PatchU32(length_at, static_cast<uint32_t>(w.size()));
   return w.Take();
@@ -120,6 +128,26 @@ Result<RankLayout> DecodeLayout(std::string_view bytes) {
       }
     }
   }
+  uint32_t tables = 0;
+  if (!r.U32("spare_rows", &out.spare_rows) || !r.U32("row_table_count", &tables))
+    return r.status();
+  if (tables != 0 && tables != layers) {
+    return Status::Corruption(
+        StrCat("layout: ", tables, " row tables for ", layers, " layers (0 or one per layer)"));
+  }
+  out.row_of_slot.resize(tables);
+  for (uint32_t l = 0; l < tables; ++l) {
+    uint32_t n = 0;
+    if (!r.U32(StrCat("row_of_slot[", l, "].size"), &n)) return r.status();
+    if (n > kMaxTableSlots || n > r.remaining() / 4) {
+      return Status::Corruption(
+          StrCat("layout: the row table of layer ", l, " has ", n, " slots (malformed)"));
+    }
+    out.row_of_slot[l].resize(n);
+    for (uint32_t& row : out.row_of_slot[l]) {
+      if (!r.U32(StrCat("row_of_slot[", l, "]"), &row)) return r.status();
+    }
+  }
   if (r.remaining() != 0)
     return Status::Corruption(StrCat("layout: ", r.remaining(), " trailing bytes"));
   return out;
@@ -158,6 +186,11 @@ Status ValidateLayouts(std::span<const RankLayout> all, uint32_t self) {
       continue;
     }
     if (peer == self) continue;
+    if (other.spare_rows != mine.spare_rows) {
+      add(StrCat("layout mismatch with rank ", peer, ": it has ", other.spare_rows,
+                 " spare rows per layer, rank ", self, " has ", mine.spare_rows,
+                 "; every rank must use the same commit mode (spare rows)"));
+    }
     if (other.layers.size() != mine.layers.size()) {
       add(StrCat("layout mismatch with rank ", peer, ": it has ", other.layers.size(),
                  " MoE layers, rank ", self, " has ", mine.layers.size(),
@@ -217,6 +250,47 @@ Status ValidateLayouts(std::span<const RankLayout> all, uint32_t self) {
         add(StrCat("layout of rank ", self, ", layer ", l, ": tensor '", t.name,
                    "' has 0 bytes per expert"));
       }
+    }
+  }
+  // Row tables: every rank's, since every rank reads through them.
+  for (uint32_t peer = 0; peer < all.size(); ++peer) {
+    const RankLayout& x = all[peer];
+    if (x.row_of_slot.empty()) continue;
+    if (x.row_of_slot.size() != x.layers.size()) {
+      add(StrCat("layout of rank ", peer, ": ", x.row_of_slot.size(), " row tables for ",
+                 x.layers.size(), " layers (pass none, or one per layer)"));
+      continue;
+    }
+    for (size_t l = 0; l < x.layers.size(); ++l) {
+      const auto& table = x.row_of_slot[l];
+      const uint32_t rows = x.layers[l].empty() ? 0 : x.layers[l][0].rows;
+      if (table.size() != x.slots(l)) {
+        add(StrCat("layout of rank ", peer, ", layer ", l, ": the row table has ", table.size(),
+                   " slots, the layer ", x.slots(l), " (", rows, " rows - ", x.spare_rows,
+                   " spare)"));
+        continue;
+      }
+      std::vector<int> slot_of(rows, -1);
+      for (uint32_t s = 0; s < table.size(); ++s) {
+        if (table[s] >= rows) {
+          add(StrCat("layout of rank ", peer, ", layer ", l, ": the row table puts slot ", s,
+                     " in row ", table[s], ", past the layer's ", rows, " rows"));
+          break;
+        }
+        if (slot_of[table[s]] >= 0) {
+          add(StrCat("layout of rank ", peer, ", layer ", l, ": the row table puts slots ",
+                     slot_of[table[s]], " and ", s, " in the same row ", table[s],
+                     " (every slot needs a row of its own)"));
+          break;
+        }
+        slot_of[table[s]] = static_cast<int>(s);
+      }
+    }
+  }
+  for (size_t l = 0; l < mine.layers.size(); ++l) {
+    if (!mine.layers[l].empty() && mine.layers[l][0].rows <= mine.spare_rows) {
+      add(StrCat("layout of rank ", self, ", layer ", l, ": ", mine.layers[l][0].rows,
+                 " rows with ", mine.spare_rows, " spare rows leave no expert slot"));
     }
   }
   if (problems.empty()) return Status::OK();

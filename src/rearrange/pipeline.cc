@@ -209,6 +209,7 @@ Status RearrangerImpl::Poll() {
     step.serves = run->job.serves;
     step.old_map = run->job.old_map;
     step.new_map = run->job.new_map;
+    step.row_map = run->job.row_map;
     run->protocol = std::make_unique<protocol::LayerProtocol>(step, env->Now(), options.deadline);
     Run& r = *run;
     p.runs.push_back(std::move(run));
@@ -364,12 +365,14 @@ CommitResult RearrangerImpl::Commit() {
     const uint64_t copied = run.job.commit();
     run.outcome.bytes_copied += copied;
     run.outcome.committed = true;
+    run.outcome.swapped = run.job.swap;
     out.bytes_copied += copied;
     p.free_slots.push_back(run.slot);
     CommittedLayer c;
     c.layer = l;
     for (int s = 0; s < p.to.slots(); ++s)
       c.phy2log.push_back(p.to.phy2log(static_cast<int>(l), s));
+    c.row_of_slot = tables[self()][l];
     out.layers.push_back(std::move(c));
     p.applied = l + 1;
     p.last_commit_step = p.step;

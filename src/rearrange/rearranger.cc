@@ -31,11 +31,12 @@ Status RearrangerImpl::CheckShapes(const Placement& from, const Placement& to) c
         from.slots(), " and ", to.slots(), " slots; the layout has ", layers, " layers"));
   }
   for (int l = 0; l < layers; ++l) {
-    const uint64_t rows = layout.layers[l].empty() ? 0 : layout.layers[l][0].rows;
+    const uint64_t rows = layout.slots(l);
     if (rows * world() != static_cast<uint64_t>(from.slots())) {
-      return Status::InvalidArgument(StrCat("rank ", self(), ": layer ", l, " has ", rows,
-                                            " rows x ", world(), " ranks, the placements have ",
-                                            from.slots(), " slots"));
+      return Status::InvalidArgument(
+          StrCat("rank ", self(), ": layer ", l, " has ", rows, " slots per rank",
+                 layout.spare_rows ? StrCat(" (besides ", layout.spare_rows, " spare rows)") : "",
+                 " x ", world(), " ranks, the placements have ", from.slots(), " slots"));
     }
   }
   return Status::OK();
@@ -101,6 +102,14 @@ Status RearrangerImpl::Setup() {
     all[r] = std::move(*decoded);
   }
   EPLBX_RETURN_IF_ERROR(ValidateLayouts(all, self()));
+  tables.resize(world());
+  for (uint32_t r = 0; r < world(); ++r) {
+    tables[r].resize(layout.layers.size());
+    for (size_t l = 0; l < layout.layers.size(); ++l) {
+      for (uint32_t slot = 0; slot < layout.slots(l); ++slot)
+        tables[r][l].push_back(all[r].RowOf(l, slot));
+    }
+  }
   peer_of.assign(world(), 0);
   for (uint32_t r = 0; r < world(); ++r) {
     if (r == self()) continue;
@@ -174,6 +183,7 @@ void RearrangerImpl::Execute(Run& run, std::vector<Action> actions) {
         if (run.defer_commit) break;  // the pipeline applies it once the ranks agree
         if (job.commit) run.outcome.bytes_copied += job.commit();
         run.outcome.committed = true;
+        run.outcome.swapped = job.swap;
         break;
       case ActionKind::kAbort:
         break;
@@ -261,6 +271,7 @@ LayerOutcome RearrangerImpl::RunJob(LayerJob& job) {
   step.serves = job.serves;
   step.old_map = job.old_map;
   step.new_map = job.new_map;
+  step.row_map = job.row_map;
   run.job = std::move(job);
   run.protocol = std::make_unique<LayerProtocol>(step, env->Now(), options.deadline);
   LayerProtocol& p = *run.protocol;
@@ -297,9 +308,56 @@ LayerOutcome RearrangerImpl::RunJob(LayerJob& job) {
   return run.outcome;
 }
 
+RearrangerImpl::RowPlan RearrangerImpl::PlanRows(uint32_t rank, uint32_t layer,
+                                                 const LayerMigration& m) const {
+  RowPlan out;
+  if (layout.spare_rows == 0) return out;
+  const std::vector<uint32_t>& old = tables[rank][layer];
+  const uint32_t rows = layout.layers[layer][0].rows;
+  std::vector<bool> used(rows, false), claimed(rows, false), changed(old.size(), false);
+  for (uint32_t row : old) used[row] = true;
+  std::vector<uint32_t> free;  // rows no slot uses, lowest first
+  for (uint32_t row = 0; row < rows; ++row) {
+    if (!used[row]) free.push_back(row);
+  }
+  size_t next = 0;
+  const int32_t me = static_cast<int32_t>(rank);
+  for (const RemoteRead& r : m.transfers) {
+    if (r.dst == me) changed[r.dst_row] = true;
+  }
+  for (const LocalCopy& c : m.local_copies) {
+    if (c.rank == me) changed[c.dst_row] = true;
+  }
+  out.table = old;
+  for (const RemoteRead& r : m.transfers) {
+    if (r.dst != me) continue;
+    if (next == free.size()) return RowPlan{};  // more new rows than spare: in place
+    out.table[r.dst_row] = free[next];
+    out.read_row.push_back(free[next++]);
+  }
+  // Copies from old rows first (a row its slot gives up is taken over as it is, once), then
+  // copies of rows just read, as the in-place commit orders them.
+  for (CopySource pass : {CopySource::kOld, CopySource::kNew}) {
+    for (const LocalCopy& c : m.local_copies) {
+      if (c.rank != me || c.source != pass) continue;
+      const uint32_t src = pass == CopySource::kOld ? old[c.src_row] : out.table[c.src_row];
+      if (pass == CopySource::kOld && changed[c.src_row] && !claimed[src]) {
+        claimed[src] = true;
+        out.table[c.dst_row] = src;
+        continue;
+      }
+      if (next == free.size()) return RowPlan{};
+      out.copies.push_back({src, free[next]});
+      out.table[c.dst_row] = free[next++];
+    }
+  }
+  out.swap = true;
+  return out;
+}
+
 RearrangerImpl::LayerJob RearrangerImpl::MakeLayerJob(uint32_t l, const LayerMigration& m,
                                                       const Placement& from, const Placement& to,
-                                                      int slot) const {
+                                                      int slot) {
   LayerJob job;
   job.layer = l;
   for (int s = 0; s < from.slots(); ++s) {
@@ -307,13 +365,28 @@ RearrangerImpl::LayerJob RearrangerImpl::MakeLayerJob(uint32_t l, const LayerMig
     job.new_map.push_back(to.phy2log(static_cast<int>(l), s));
   }
   const size_t tensors = layout.layers[l].size();
+  // Swap mode: every rank's rows after this layer, computed alike on every rank.
+  std::vector<RowPlan> plans;
+  if (layout.spare_rows != 0) {
+    for (uint32_t r = 0; r < world(); ++r) {
+      plans.push_back(PlanRows(r, l, m));
+      for (uint32_t row : tables[r][l]) job.row_map.push_back(static_cast<int32_t>(row));
+    }
+    job.swap = plans[self()].swap;
+  }
+  const std::vector<uint32_t>& rows_of = tables[self()][l];
   std::vector<int> changed;
+  size_t reads_in = 0;
   for (const RemoteRead& r : m.transfers) {
     if (r.dst == static_cast<int32_t>(self())) {
       JobRead jr;
       jr.task = {static_cast<uint32_t>(r.expert), static_cast<uint32_t>(r.src)};
-      jr.src_row = static_cast<uint64_t>(r.src_row);
-      for (size_t t = 0; t < tensors; ++t) jr.dst.push_back(StageRow(slot, l, t, r.dst_row));
+      jr.src_row = tables[r.src][l][r.src_row];
+      for (size_t t = 0; t < tensors; ++t) {
+        jr.dst.push_back(job.swap ? WeightRow(l, t, plans[self()].read_row[reads_in])
+                                  : StageRow(slot, l, t, r.dst_row));
+      }
+      ++reads_in;
       job.reads.push_back(std::move(jr));
       changed.push_back(r.dst_row);
     }
@@ -321,12 +394,31 @@ RearrangerImpl::LayerJob RearrangerImpl::MakeLayerJob(uint32_t l, const LayerMig
       job.serves.push_back({static_cast<uint32_t>(r.expert), static_cast<uint32_t>(r.dst)});
     }
   }
+  if (!plans.empty() && job.swap) {
+    // Swap: the READs landed in rows no slot uses; the commit copies what the plan copies
+    // within this rank into more such rows and publishes every rank's new table.
+    job.commit = [this, l, tensors, plans = std::move(plans)]() -> uint64_t {
+      uint64_t copied = 0;
+      for (const RowPlan::Copy& c : plans[self()].copies) {
+        for (size_t t = 0; t < tensors; ++t) {
+          std::memcpy(WeightRow(l, t, c.dst), WeightRow(l, t, c.src),
+                      layout.layers[l][t].bytes_per_expert);
+          copied += layout.layers[l][t].bytes_per_expert;
+        }
+      }
+      for (uint32_t r = 0; r < world(); ++r) {
+        if (plans[r].swap) tables[r][l] = plans[r].table;
+      }
+      return copied;
+    };
+    return job;
+  }
   std::vector<LocalCopy> copies;
   for (const LocalCopy& c : m.local_copies) {
     if (c.rank == static_cast<int32_t>(self())) copies.push_back(c);
   }
-  job.commit = [this, l, tensors, slot, copies = std::move(copies),
-                changed = std::move(changed)]() mutable -> uint64_t {
+  job.commit = [this, l, tensors, slot, rows_of, copies = std::move(copies),
+                changed = std::move(changed), plans = std::move(plans)]() mutable -> uint64_t {
     // Copies from old rows first (the weights are still the old ones), then from rows just
     // read; then every changed row goes from staging to the weights.
     uint64_t copied = 0;
@@ -334,7 +426,7 @@ RearrangerImpl::LayerJob RearrangerImpl::MakeLayerJob(uint32_t l, const LayerMig
       for (const LocalCopy& c : copies) {
         if (c.source != pass) continue;
         for (size_t t = 0; t < tensors; ++t) {
-          const uint8_t* src = pass == CopySource::kOld ? WeightRow(l, t, c.src_row)
+          const uint8_t* src = pass == CopySource::kOld ? WeightRow(l, t, rows_of[c.src_row])
                                                         : StageRow(slot, l, t, c.src_row);
           std::memcpy(StageRow(slot, l, t, c.dst_row), src, layout.layers[l][t].bytes_per_expert);
           copied += layout.layers[l][t].bytes_per_expert;
@@ -344,10 +436,14 @@ RearrangerImpl::LayerJob RearrangerImpl::MakeLayerJob(uint32_t l, const LayerMig
     }
     for (int row : changed) {
       for (size_t t = 0; t < tensors; ++t) {
-        std::memcpy(WeightRow(l, t, row), StageRow(slot, l, t, row),
+        std::memcpy(WeightRow(l, t, rows_of[row]), StageRow(slot, l, t, row),
                     layout.layers[l][t].bytes_per_expert);
         copied += layout.layers[l][t].bytes_per_expert;
       }
+    }
+    // Ranks that swap publish their new tables (this one's stays: it committed in place).
+    for (uint32_t r = 0; r < plans.size(); ++r) {
+      if (plans[r].swap) tables[r][l] = plans[r].table;
     }
     return copied;
   };
@@ -469,6 +565,12 @@ bool Rearranger::busy() const { return impl_->Busy(); }
 RearrangeReport Rearranger::async_report() const { return impl_->PipelineReport(); }
 
 bool Rearranger::failed() const { return impl_->failed; }
+
+std::vector<uint32_t> Rearranger::RowTable(uint32_t layer) const {
+  const internal::RearrangerImpl& d = *impl_;
+  if (layer >= d.layout.layers.size()) return {};
+  return d.tables[d.self()][layer];
+}
 
 Result<PeerId> Rearranger::peer(uint32_t rank) const {
   if (rank >= impl_->world() || rank == impl_->self()) {
@@ -600,6 +702,13 @@ Result<std::unique_ptr<EplbCommunicator>> EplbCommunicator::Create(Agent* agent,
   if (layout.rank != bootstrap->rank()) {
     return Status::InvalidArgument(StrCat("EplbCommunicator: layout is for rank ", layout.rank,
                                           " but the bootstrap says rank ", bootstrap->rank()));
+  }
+  if (layout.spare_rows != 0 || !layout.row_of_slot.empty()) {
+    return Status::InvalidArgument(
+        StrCat("EplbCommunicator: rank ", layout.rank, "'s layout has ", layout.spare_rows,
+               " spare rows and ", layout.row_of_slot.size(),
+               " row tables; vLLM's contract moves rows in place (use a Rearranger or the "
+               "Balancer for the swap commit mode)"));
   }
   auto state = std::make_unique<State>();
   state->impl = std::make_unique<internal::RearrangerImpl>();

@@ -37,6 +37,22 @@ class RearrangerImpl {
   std::string failure;
   uint64_t generation = 0;
   std::deque<std::pair<uint32_t, protocol::Record>> deferred;
+  // Every rank's row tables in force, [rank][layer][slot] -> row (from the layouts; they
+  // change only when a layer commits, the same way on every rank).
+  std::vector<std::vector<std::vector<uint32_t>>> tables;
+
+  // Where one rank's new experts of one layer go in swap mode (docs/protocol.md, "Commit
+  // modes"), computed alike by every rank for every rank from the plan and the tables.
+  struct RowPlan {
+    bool swap = false;               // the rank's new rows fit in rows no slot uses
+    std::vector<uint32_t> table;     // its table after the commit (swap)
+    std::vector<uint32_t> read_row;  // per READ into the rank (plan order): the row it lands in
+    struct Copy {
+      uint32_t src = 0, dst = 0;  // rows, copied at the commit
+    };
+    std::vector<Copy> copies;
+  };
+  RowPlan PlanRows(uint32_t rank, uint32_t layer, const LayerMigration& m) const;
 
   uint32_t self() const { return layout.rank; }
   uint32_t world() const { return static_cast<uint32_t>(all.size()); }
@@ -59,7 +75,9 @@ class RearrangerImpl {
     // Runs when every rank is done with the layer (synchronous) or when the ranks agreed
     // to commit it (pipeline); returns the bytes copied within this rank.
     std::function<uint64_t()> commit;
-    Status refused;  // set: this rank refuses the layer (peers are told)
+    Status refused;                // set: this rank refuses the layer (peers are told)
+    bool swap = false;             // this rank commits by publishing a new row table
+    std::vector<int32_t> row_map;  // every rank's row table in force (swap mode configured)
   };
   struct Pending {
     TransferId id;
@@ -81,7 +99,7 @@ class RearrangerImpl {
   LayerOutcome RunJob(LayerJob& job);
   // The job of layer `l` of `m`, reading into staging buffer `slot`.
   LayerJob MakeLayerJob(uint32_t l, const LayerMigration& m, const Placement& from,
-                        const Placement& to, int slot) const;
+                        const Placement& to, int slot);
   uint64_t RowBytes(uint32_t layer) const {
     uint64_t b = 0;
     for (const TensorSpec& t : layout.layers[layer]) b += t.bytes_per_expert;
@@ -128,7 +146,8 @@ class RearrangerImpl {
     return static_cast<uint8_t*>(staging[slot].data()) + at +
            static_cast<uint64_t>(row) * layout.layers[layer][t].bytes_per_expert;
   }
-  uint8_t* WeightRow(uint32_t layer, size_t t, int row) const {
+  // `row` is a row of the tensor (a slot's row is tables[self()][layer][slot]).
+  uint8_t* WeightRow(uint32_t layer, size_t t, uint64_t row) const {
     const TensorSpec& s = layout.layers[layer][t];
     return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(s.base)) +
            static_cast<uint64_t>(row) * s.bytes_per_expert;

@@ -51,8 +51,12 @@ TEST(RecordTest, MapsRoundTripAndMalformedMaps) {
   EXPECT_EQ(d->reader, 2u);
   const std::string good = EncodeRecord(m);
   for (size_t n = 0; n < good.size(); ++n) EXPECT_FALSE(DecodeRecord(good.substr(0, n)).ok()) << n;
-  m.reader = 3;
-  EXPECT_NE(DecodeRecord(EncodeRecord(m)).status().message().find("MAPS of 3 maps"),
+  m.reader = 3;  // old, new and row tables (swap mode)
+  m.maps = {4, 5, 6, 7, 8, 9};
+  ASSERT_TRUE(DecodeRecord(EncodeRecord(m)).ok());
+  m.reader = 4;
+  m.maps = {4, 5, 6, 7, 8, 9, 10, 11};
+  EXPECT_NE(DecodeRecord(EncodeRecord(m)).status().message().find("MAPS of 4 maps (1 to 3"),
             std::string::npos);
   m.reader = 2;
   m.maps = {1, 2, 3};
@@ -87,7 +91,8 @@ TEST(RecordTest, RejectsEveryMalformedRecord) {
   EXPECT_NE(patched(0, 'X').message().find("bad magic"), std::string::npos);
   EXPECT_EQ(patched(4, 1).code(), Code::kNotSupported);  // version 1: before MAPS
   EXPECT_EQ(patched(4, 2).code(), Code::kNotSupported);  // version 2: before VOTE
-  EXPECT_EQ(patched(4, 4).code(), Code::kNotSupported);
+  EXPECT_EQ(patched(4, 3).code(), Code::kNotSupported);  // version 3: before row tables
+  EXPECT_EQ(patched(4, 5).code(), Code::kNotSupported);
   EXPECT_NE(patched(6, 0).message().find("unknown kind 0"), std::string::npos);
   EXPECT_NE(patched(6, 9).message().find("unknown kind 9"), std::string::npos);
   EXPECT_NE(patched(7, 1).message().find("reserved"), std::string::npos);
@@ -201,16 +206,17 @@ LayerStep TwoRankReader() { return LayerStep{5, 2, 0, 2, {{7, 1}}, {}}; }
 
 // The MAPS record rank `from` sends first (one chunk: maps of up to 2048 slots).
 Record MapsOf(uint32_t from, uint64_t gen, uint32_t layer, std::vector<int32_t> old_map = {},
-              std::vector<int32_t> new_map = {}) {
+              std::vector<int32_t> new_map = {}, std::vector<int32_t> row_map = {}) {
   Record m;
   m.kind = RecordKind::kMaps;
   m.generation = gen;
   m.layer = layer;
   m.source = from;
-  m.reader = new_map.empty() ? 1 : 2;
+  m.reader = new_map.empty() ? 1 : row_map.empty() ? 2 : 3;
   m.map_slots = static_cast<uint32_t>(old_map.size());
   m.maps = old_map;
   m.maps.insert(m.maps.end(), new_map.begin(), new_map.end());
+  m.maps.insert(m.maps.end(), row_map.begin(), row_map.end());
   return m;
 }
 
@@ -293,9 +299,49 @@ TEST(LayerProtocolTest, MapsOfDifferentShapeAreRefusedByName) {
     LayerProtocol p(mine, Clock::time_point{}, seconds(10));
     p.Start();
     p.OnRecord(1, MapsOf(1, 5, 2, {1, 2, 3, 4}, {4, 3, 2, 1}), {}, &d);
-    EXPECT_NE(p.error().find("rank 1 passed new map of the layer and rank 0 did not"),
+    EXPECT_NE(p.error().find("rank 1 passed the old and new maps of the layer and rank 0 only "
+                             "the old map"),
               std::string::npos)
         << p.error();
+  }
+  {
+    // Swap mode: the row tables are agreed like the maps, by slot and both rows.
+    LayerStep swap = mine;
+    swap.new_map = {4, 3, 2, 1};
+    swap.row_map = {0, 1, 3, 2};
+    LayerProtocol p(swap, Clock::time_point{}, seconds(10));
+    p.Start();
+    p.OnRecord(1, MapsOf(1, 5, 2, {1, 2, 3, 4}, {4, 3, 2, 1}, {0, 1, 2, 3}), {}, &d);
+    EXPECT_NE(p.error().find("row table of the layer differs between rank 0 and rank 1 at slot 2 "
+                             "(rank 0: row 3, rank 1: row 2)"),
+              std::string::npos)
+        << p.error();
+  }
+  {
+    LayerStep swap = mine;
+    swap.new_map = {4, 3, 2, 1};
+    swap.row_map = {0, 1, 3, 2};
+    LayerProtocol p(swap, Clock::time_point{}, seconds(10));
+    p.Start();
+    p.OnRecord(1, MapsOf(1, 5, 2, {1, 2, 3, 4}, {4, 3, 2, 1}), {}, &d);
+    EXPECT_NE(p.error().find("rank 1 passed the old and new maps of the layer and rank 0 maps and "
+                             "row tables; every rank must pass the same maps (and use the same "
+                             "commit mode)"),
+              std::string::npos)
+        << p.error();
+  }
+  {
+    LayerStep swap = mine;
+    swap.new_map = {4, 3, 2, 1};
+    swap.row_map = {0, 1, 3, 2};
+    LayerProtocol p(swap, Clock::time_point{}, seconds(10));
+    std::vector<Action> start = p.Start();
+    ASSERT_FALSE(start.empty());
+    EXPECT_EQ(start[0].record.kind, RecordKind::kMaps);
+    EXPECT_EQ(start[0].record.reader, 3u);  // old map, new map, row tables
+    EXPECT_EQ(start[0].record.maps, (std::vector<int32_t>{1, 2, 3, 4, 4, 3, 2, 1, 0, 1, 3, 2}));
+    p.OnRecord(1, MapsOf(1, 5, 2, {1, 2, 3, 4}, {4, 3, 2, 1}, {0, 1, 3, 2}), {}, &d);
+    EXPECT_EQ(p.state(), LayerState::kRunning) << p.error();
   }
   {
     LayerProtocol p(mine, Clock::time_point{}, seconds(10));

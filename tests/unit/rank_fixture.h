@@ -27,6 +27,9 @@ struct Rank {
   std::vector<std::vector<std::vector<uint8_t>>> weights;  // [layer][tensor] rows * bytes
   RegisteredRegion region_store[8];
   RankLayout layout;
+  // The row of local slot `slot` in layer `l`, tensor `t`, under `table` (slot -> row; empty:
+  // the layout's).
+  const uint8_t* SlotRow(int l, int t, int slot, const std::vector<uint32_t>& table = {}) const;
 };
 
 constexpr int kRanks = 3, kLayers = 3, kRows = 4, kExperts = 9;
@@ -44,9 +47,17 @@ inline std::vector<int32_t> RandomMap(std::mt19937& rng) {
   return map;
 }
 
-// With `faults`, the rank's agent follows it (transfer/fault/fault_path.h).
+inline const uint8_t* Rank::SlotRow(int l, int t, int slot,
+                                    const std::vector<uint32_t>& table) const {
+  const uint32_t row = table.empty() ? layout.RowOf(l, slot) : table[slot];
+  return weights[l][t].data() + row * layout.layers[l][t].bytes_per_expert;
+}
+
+// With `faults`, the rank's agent follows it (transfer/fault/fault_path.h). `spare` rows per
+// layer beyond the kRows slots (swap commit mode) start as 0xee bytes.
 inline std::unique_ptr<Rank> MakeRank(uint32_t r, const std::vector<std::vector<int32_t>>& map,
-                                      std::shared_ptr<internal::FaultPlan> faults = nullptr) {
+                                      std::shared_ptr<internal::FaultPlan> faults = nullptr,
+                                      uint32_t spare = 0) {
   auto rank = std::make_unique<Rank>();
   AgentConfig config;
   config.backend = "loopback";
@@ -55,12 +66,14 @@ inline std::unique_ptr<Rank> MakeRank(uint32_t r, const std::vector<std::vector<
   rank->agent = std::move(faults ? *internal::CreateFaultyAgent(name, config, faults)
                                  : *Agent::Create(name, config));
   rank->layout.rank = r;
+  rank->layout.spare_rows = spare;
+  const uint32_t rows = kRows + spare;
   rank->weights.resize(kLayers);
   int region = 0;
   for (int l = 0; l < kLayers; ++l) {
     std::vector<TensorSpec> tensors;
     for (int t = 0; t < 2; ++t) {
-      auto& w = rank->weights[l].emplace_back(kRows * kBytes[t]);
+      auto& w = rank->weights[l].emplace_back(rows * kBytes[t], 0xee);
       for (int row = 0; row < kRows; ++row) {
         for (uint64_t i = 0; i < kBytes[t]; ++i)
           w[row * kBytes[t] + i] = Byte(l, map[l][r * kRows + row], t, i);
@@ -71,7 +84,7 @@ inline std::unique_ptr<Rank> MakeRank(uint32_t r, const std::vector<std::vector<
                          {static_cast<int64_t>(kBytes[t] / 2)},
                          reinterpret_cast<uintptr_t>(w.data()),
                          kBytes[t],
-                         kRows});
+                         rows});
     }
     rank->layout.layers.push_back(tensors);
   }
@@ -98,10 +111,10 @@ struct RandomMoves {
 // kRanks ranks under `maps`; rank `faulty` (if any) follows `faults`.
 inline std::vector<std::unique_ptr<Rank>> MakeRanks(
     const std::vector<std::vector<int32_t>>& maps, int faulty = -1,
-    std::shared_ptr<internal::FaultPlan> faults = nullptr) {
+    std::shared_ptr<internal::FaultPlan> faults = nullptr, uint32_t spare = 0) {
   std::vector<std::unique_ptr<Rank>> ranks;
   for (uint32_t r = 0; r < kRanks; ++r)
-    ranks.push_back(MakeRank(r, maps, static_cast<int>(r) == faulty ? faults : nullptr));
+    ranks.push_back(MakeRank(r, maps, static_cast<int>(r) == faulty ? faults : nullptr, spare));
   return ranks;
 }
 

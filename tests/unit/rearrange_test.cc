@@ -53,6 +53,54 @@ TEST(LayoutTest, RoundTripsAndRejectsTruncation) {
   EXPECT_NE(DecodeLayout(bad).status().message().find("bad magic"), std::string::npos);
 }
 
+// Swap commit mode: spare rows and row tables travel in the layout and are checked.
+TEST(LayoutTest, RowTablesRoundTripAndBadOnesAreNamed) {
+  RankLayout l = SampleLayout(1);
+  l.spare_rows = 2;  // 8 rows: 6 slots and 2 spare
+  l.row_of_slot = {{7, 1, 2, 3, 4, 5}, {0, 1, 2, 3, 4, 6}};
+  const std::string bytes = EncodeLayout(l);
+  Result<RankLayout> d = DecodeLayout(bytes);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->spare_rows, 2u);
+  EXPECT_EQ(d->row_of_slot, l.row_of_slot);
+  EXPECT_EQ(d->slots(0), 6u);
+  EXPECT_EQ(d->RowOf(0, 0), 7u);
+  for (size_t n = 0; n < bytes.size(); ++n)
+    EXPECT_FALSE(DecodeLayout(bytes.substr(0, n)).ok()) << n;
+  std::vector<RankLayout> all = {SampleLayout(0), l};
+  all[0].spare_rows = 2;
+  EXPECT_TRUE(ValidateLayouts(all, 0).ok()) << ValidateLayouts(all, 0).ToString();
+  auto problem = [&](const std::function<void(RankLayout&)>& edit) {
+    std::vector<RankLayout> bad = all;
+    edit(bad[1]);
+    return ValidateLayouts(bad, 0).message();
+  };
+  EXPECT_NE(problem([](RankLayout& x) { x.row_of_slot[1][5] = 0; })
+                .find("layout of rank 1, layer 1: the row table puts slots 0 and 5 in the same "
+                      "row 0 (every slot needs a row of its own)"),
+            std::string::npos);
+  EXPECT_NE(problem([](RankLayout& x) {
+              x.row_of_slot[0][2] = 8;
+            }).find("the row table puts slot 2 in row 8, past the layer's 8 rows"),
+            std::string::npos);
+  EXPECT_NE(problem([](RankLayout& x) { x.row_of_slot[0].pop_back(); })
+                .find("layout of rank 1, layer 0: the row table has 5 slots, the layer 6 (8 rows "
+                      "- 2 spare)"),
+            std::string::npos);
+  EXPECT_NE(problem([](RankLayout& x) {
+              x.row_of_slot.pop_back();
+            }).find("layout of rank 1: 1 row tables for 2 layers"),
+            std::string::npos);
+  EXPECT_NE(problem([](RankLayout& x) { x.spare_rows = 0; })
+                .find("layout mismatch with rank 1: it has 0 spare rows per layer, rank 0 has 2; "
+                      "every rank must use the same commit mode"),
+            std::string::npos);
+  all[0].spare_rows = 8;
+  EXPECT_NE(ValidateLayouts(all, 0).message().find(
+                "layout of rank 0, layer 0: 8 rows with 8 spare rows leave no expert slot"),
+            std::string::npos);
+}
+
 TEST(LayoutTest, MismatchMessagesNameRankLayerTensorBothValuesAndCause) {
   std::vector<RankLayout> all = {SampleLayout(0), SampleLayout(1), SampleLayout(2)};
   EXPECT_TRUE(ValidateLayouts(all, 0).ok());
@@ -614,6 +662,12 @@ TEST(EplbCommunicatorTest, MisuseIsRejectedClearly) {
   EXPECT_NE(
       (*comm)->SetTransferContext(before[0], 7).message().find("layer 7 is not in the layout"),
       std::string::npos);
+  layout.spare_rows = 1;  // vLLM's contract moves rows in place: no row tables
+  EXPECT_NE(EplbCommunicator::Create(rank->agent.get(), boot.get(), layout)
+                .status()
+                .message()
+                .find("1 spare rows and 0 row tables; vLLM's contract moves rows in place"),
+            std::string::npos);
 }
 
 // ---- asynchronous, pipelined rearrangement (issue 18) ------------------------------------
@@ -626,6 +680,7 @@ struct ServeLog {
   std::vector<int64_t> commit_steps;  // the step of every committed layer, in order
   uint64_t rows_checked = 0;
   uint64_t bytes_copied = 0;
+  uint64_t layers_swapped = 0;  // committed by a new row table (swap mode)
   int64_t max_steps_to_finish = 0;
 };
 
@@ -650,13 +705,14 @@ void ServeRank(Rank& rank, Bootstrap& boot, int steps, int every, const AsyncOpt
   const uint32_t r = rank.layout.rank;
   int rebalances = 0;
   int64_t began = 0;
+  std::vector<std::vector<uint32_t>> tables(kLayers);  // slot -> row in force (empty: layout's)
   for (int step = 0; step < steps; ++step) {
     // The forward pass: every row agrees with the map it reads.
     for (int l = 0; l < kLayers; ++l) {
       for (int t = 0; t < 2; ++t) {
         for (int row = 0; row < kRows; ++row) {
           const int32_t e = maps[l][r * kRows + row];
-          const uint8_t* w = rank.weights[l][t].data() + row * kBytes[t];
+          const uint8_t* w = rank.SlotRow(l, t, row, tables[l]);
           for (uint64_t i = 0; i < kBytes[t]; ++i) {
             ASSERT_EQ(w[i], Byte(l, e, t, i)) << "rank " << r << " step " << step << " layer " << l
                                               << " row " << row << " (expert " << e << ")";
@@ -691,10 +747,12 @@ void ServeRank(Rank& rank, Bootstrap& boot, int steps, int every, const AsyncOpt
     CommitResult c = (*re)->Commit();
     for (const CommittedLayer& cl : c.layers) {
       maps[cl.layer] = cl.phy2log;
+      tables[cl.layer] = cl.row_of_slot;
       log->commit_steps.push_back(step);
     }
     log->bytes_copied += c.bytes_copied;
     if (c.finished) {
+      for (const LayerOutcome& o : (*re)->async_report().layers) log->layers_swapped += o.swapped;
       log->endings.push_back(c.status.ok() ? "ok" : c.status.message());
       log->max_steps_to_finish = std::max(log->max_steps_to_finish, step - began);
       ASSERT_FALSE((*re)->failed()) << c.status.ToString();  // agreed: usable again
@@ -746,12 +804,13 @@ TEST(PipelineTest, EveryRankCommitsTheSameLayersAtTheSameStep) {
 // every 25, some rolled back by faults on rank 1 (a READ fails, MAPS cannot leave), some
 // slowed (a completion 5 ms late); before every step every rank checks every row it holds against
 // the map in force, and every rank has the same maps at every step.
-TEST(PipelineTest, TheMapNeverLiesWhileServing) {
+// `spare` rows per layer: 0 in place, more for the swap commit mode.
+void ExpectTheMapNeverLies(uint32_t spare) {
   using internal::Fault;
   std::mt19937 rng(41);
   const RandomMoves m(rng);
   auto faults = std::make_shared<internal::FaultPlan>();
-  auto ranks = MakeRanks(m.before, 1, faults);
+  auto ranks = MakeRanks(m.before, 1, faults, spare);
   AsyncOptions ao;
   ao.target_steps = 3;
   ao.max_layers_in_flight = 2;
@@ -788,7 +847,18 @@ TEST(PipelineTest, TheMapNeverLiesWhileServing) {
   for (const std::string& e : logs[1].endings)
     named |= e.find("READ of expert") != std::string::npos;
   EXPECT_TRUE(named) << "rank 1 never named the failed READ";
+  if (spare == 0) {
+    EXPECT_EQ(logs[0].layers_swapped, 0u);
+  } else {
+    EXPECT_GT(logs[0].layers_swapped, 0u);
+  }
 }
+
+TEST(PipelineTest, TheMapNeverLiesWhileServing) { ExpectTheMapNeverLies(0); }
+
+// The same in swap mode (two spare rows: some rank-layers swap, some fall back to in place):
+// the forward pass reads every slot through the row table each commit hands out.
+TEST(PipelineTest, TheMapNeverLiesWhileServingInSwapMode) { ExpectTheMapNeverLies(2); }
 
 // A stalled rebalance (a READ that never completes, a layer deadline far away) ends at the
 // rebalance deadline on every rank, by name, with the old maps in force; the progress
@@ -966,6 +1036,131 @@ TEST(PipelineTest, EveryPhaseEndsEveryRankAtomically) {
     }
     ExpectLayerAtomic(ranks, reports, m, c.name);
   }
+}
+
+// ---- swap commit mode (issue 18, item 4) --------------------------------------------------
+
+// Every slot of every rank, read through `tables[rank][layer]`, holds the expert `maps` names;
+// every table gives each slot a row of its own.
+void ExpectSlotsHold(const std::vector<std::unique_ptr<Rank>>& ranks,
+                     const std::vector<std::vector<std::vector<uint32_t>>>& tables,
+                     const std::vector<std::vector<int32_t>>& maps, const std::string& what) {
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    for (int l = 0; l < kLayers; ++l) {
+      const std::vector<uint32_t>& table = tables[r][l];
+      ASSERT_EQ(table.size(), static_cast<size_t>(kRows));
+      std::vector<uint32_t> sorted = table;
+      std::sort(sorted.begin(), sorted.end());
+      ASSERT_TRUE(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end())
+          << what << " rank " << r << " layer " << l << ": two slots share a row";
+      for (int t = 0; t < 2; ++t) {
+        for (int slot = 0; slot < kRows; ++slot) {
+          const uint8_t* w = ranks[r]->SlotRow(l, t, slot, table);
+          for (uint64_t i = 0; i < kBytes[t]; ++i) {
+            ASSERT_EQ(w[i], Byte(l, maps[l][r * kRows + slot], t, i))
+                << what << " rank " << r << " layer " << l << " slot " << slot << " row "
+                << table[slot];
+          }
+        }
+      }
+    }
+  }
+}
+
+// One synchronous rearrangement on every rank's Rearranger built from its layout (with the
+// row tables in `tables`, when given); returns the reports and fills `tables` with each
+// rank's tables afterwards.
+std::vector<RearrangeReport> SwapOnThreads(
+    std::vector<std::unique_ptr<Rank>>& ranks, const Placement& from, const Placement& to,
+    std::vector<std::vector<std::vector<uint32_t>>>* tables) {
+  std::vector<RearrangeReport> reports(kRanks);
+  tables->resize(kRanks);
+  OnThreads([&](uint32_t r, Bootstrap& boot) {
+    RankLayout layout = ranks[r]->layout;
+    layout.row_of_slot = (*tables)[r];  // what the engine has in force (empty: identity)
+    auto re = Rearranger::Create(ranks[r]->agent.get(), &boot, layout);
+    ASSERT_TRUE(re.ok()) << re.status().ToString();
+    reports[r] = (*re)->Rearrange(from, to);
+    (*tables)[r].clear();
+    for (int l = 0; l < kLayers; ++l) (*tables)[r].push_back((*re)->RowTable(l));
+    // Every rank is done; the next Rearranger on these agents connects afresh.
+    ASSERT_TRUE(boot.Barrier(std::chrono::seconds(10)).ok());
+    for (uint32_t peer = 0; peer < kRanks; ++peer) {
+      if (peer != r) ASSERT_TRUE(ranks[r]->agent->Disconnect(*(*re)->peer(peer)).ok());
+    }
+  });
+  return reports;
+}
+
+// With a spare row per slot, every READ lands in a row no slot uses and the commit publishes
+// the new row table: nothing is copied but what the plan copies within a rank (and a row a
+// slot gives up is taken over, not copied). A Rearranger rebuilt from layouts that carry the
+// tables in force (as after a failure) goes on from there.
+TEST(SwapTest, ReadsLandInSpareRowsAndTheTablesFlip) {
+  std::mt19937 rng(61);
+  for (int trial = 0; trial < 10; ++trial) {
+    const RandomMoves m(rng);
+    ASSERT_TRUE(m.from.ok() && m.to.ok());
+    auto ranks = MakeRanks(m.before, -1, nullptr, kRows);
+    std::vector<std::vector<std::vector<uint32_t>>> tables;
+    std::vector<RearrangeReport> reports = SwapOnThreads(ranks, *m.from, *m.to, &tables);
+    MigrationOptions mo;
+    mo.ranks = kRanks;
+    auto plan = PlanMigration(*m.from, *m.to, mo);
+    ASSERT_TRUE(plan.ok());
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      ASSERT_TRUE(reports[r].status.ok()) << reports[r].status.ToString();
+      uint64_t copied = 0, copy_bytes = 0;
+      for (const LayerOutcome& o : reports[r].layers) {
+        EXPECT_TRUE(o.swapped) << "rank " << r << " layer " << o.layer;
+        copied += o.bytes_copied;
+      }
+      for (const LayerMigration& lm : plan->layers) {
+        for (const LocalCopy& c : lm.local_copies)
+          copy_bytes += c.rank == static_cast<int32_t>(r) ? kBytes[0] + kBytes[1] : 0;
+      }
+      EXPECT_LE(copied, copy_bytes) << "rank " << r << ": READs were copied again";
+    }
+    ExpectSlotsHold(ranks, tables, m.after, "trial " + std::to_string(trial));
+    // Rebuilt from the tables in force, to yet another placement.
+    std::vector<int32_t> flat;
+    std::vector<std::vector<int32_t>> third;
+    for (int l = 0; l < kLayers; ++l) {
+      third.push_back(RandomMap(rng));
+      flat.insert(flat.end(), third[l].begin(), third[l].end());
+    }
+    auto to2 = Placement::FromPhy2Log(kLayers, kRanks * kRows, kExperts, flat);
+    ASSERT_TRUE(to2.ok());
+    reports = SwapOnThreads(ranks, *m.to, *to2, &tables);
+    for (uint32_t r = 0; r < kRanks; ++r)
+      ASSERT_TRUE(reports[r].status.ok()) << reports[r].status.ToString();
+    ExpectSlotsHold(ranks, tables, third, "rebuilt, trial " + std::to_string(trial));
+  }
+}
+
+// One spare row is often too few: that rank commits that layer in place (through staging,
+// into the rows its table names) while the others swap; every byte still lands.
+TEST(SwapTest, TooFewSpareRowsCommitThatRankInPlace) {
+  std::mt19937 rng(71);
+  int swapped = 0, in_place = 0;
+  for (int trial = 0; trial < 10; ++trial) {
+    const RandomMoves m(rng);
+    ASSERT_TRUE(m.from.ok() && m.to.ok());
+    auto ranks = MakeRanks(m.before, -1, nullptr, 1);
+    std::vector<std::vector<std::vector<uint32_t>>> tables;
+    std::vector<RearrangeReport> reports = SwapOnThreads(ranks, *m.from, *m.to, &tables);
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      ASSERT_TRUE(reports[r].status.ok()) << reports[r].status.ToString();
+      for (const LayerOutcome& o : reports[r].layers) (o.swapped ? swapped : in_place)++;
+    }
+    ExpectSlotsHold(ranks, tables, m.after, "trial " + std::to_string(trial));
+    reports = SwapOnThreads(ranks, *m.to, *m.from, &tables);  // and back, tables permuted
+    for (uint32_t r = 0; r < kRanks; ++r)
+      ASSERT_TRUE(reports[r].status.ok()) << reports[r].status.ToString();
+    ExpectSlotsHold(ranks, tables, m.before, "back, trial " + std::to_string(trial));
+  }
+  EXPECT_GT(swapped, 0);
+  EXPECT_GT(in_place, 0);
 }
 
 }  // namespace

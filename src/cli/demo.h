@@ -29,6 +29,9 @@ struct DemoOptions {
   int layers = 8;
   int experts = 64;
   int slots_per_rank = 18;
+  // Rows per layer beyond the slots (swap commit mode: READs land in them and a commit
+  // publishes a new row table); 0: in place (staging, then a copy into the weights).
+  int spare_rows = 0;
   int tensors = 3;
   std::string expert_bytes = "1M";
   int steps = 3;
@@ -64,12 +67,20 @@ struct DemoOptions {
 };
 
 // One rank's weights: every layer and tensor in one shared region, rows contiguous per
-// tensor; row `row` of (layer, tensor) holds the pattern of the expert the map puts there.
+// tensor (slots, then spare rows); the row of slot s (row_of_slot) of (layer, tensor) holds
+// the pattern of the expert the map puts in slot s.
 struct Weights {
   RegisteredRegion region;
   RankLayout layout;            // true layout
   std::vector<uint64_t> bytes;  // per tensor bytes per expert
-  int rows = 0;
+  int rows = 0;                 // slots per rank (the tensors have rows + spare rows)
+  int spare = 0;
+  std::vector<std::vector<uint32_t>> row_of_slot;  // [layer][slot] -> row in force
+  uint64_t Row(int layer, int slot) const { return row_of_slot[layer][slot]; }
+  // A commit's table (empty: a plan-only commit, nothing moved).
+  void SetRows(int layer, const std::vector<uint32_t>& table) {
+    if (!table.empty()) row_of_slot[layer] = table;
+  }
 };
 Result<Weights> MakeWeights(const DemoOptions& o, int rank, Agent& agent);
 // This rank's agent "rank<N><suffix>" (with the drill's fault wrappers when `drill`).

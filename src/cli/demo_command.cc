@@ -134,11 +134,17 @@ Status ParseDemo(DemoOptions& o) {
     }
     o.work_bytes_value = *wb;
   }
-  const uint64_t per_rank = o.expert_bytes_value * o.slots_per_rank * o.layers;
+  if (o.spare_rows < 0 || o.spare_rows > (1 << 16)) {
+    return Status::InvalidArgument(
+        StrCat("--spare-rows ", o.spare_rows, ": expected 0 (in place) .. 65536"));
+  }
+  const uint64_t per_rank =
+      o.expert_bytes_value * (static_cast<uint64_t>(o.slots_per_rank) + o.spare_rows) * o.layers;
   if (per_rank * o.ranks > (16ull << 30)) {
     return Status::InvalidArgument(
         StrCat("the demo would allocate ", (per_rank * o.ranks) >> 20,
-               " MiB of weights; reduce --layers, --slots-per-rank or --expert-bytes"));
+               " MiB of weights; reduce --layers, --slots-per-rank, --spare-rows or "
+               "--expert-bytes"));
   }
   if (!o.inject.empty()) {
     const auto colon = o.inject.find(':');
@@ -356,7 +362,8 @@ nlohmann::json CheckMemberMessage(uint32_t rank, std::string_view bytes) {
       const json& st = j["steps"][s];
       const std::string at = StrCat("steps[", s, "].");
       if (!st.is_object()) return bad(at, st, "an object");
-      for (const char* key : {"bytes_read", "experts_read", "bytes_cross_node"}) {
+      for (const char* key :
+           {"bytes_read", "experts_read", "bytes_cross_node", "bytes_copied", "layers_swapped"}) {
         if (auto e = check(st, at, key, &json::is_number_unsigned, "a count")) return *e;
       }
       for (const char* key : {"seconds", "balancedness_before", "balancedness_after"}) {
@@ -432,7 +439,7 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
     error = error.empty() ? served.message() : StrCat(served.message(), "; ", error);
   nlohmann::json steps = nlohmann::json::array();
   for (int s = 0; s < o.steps; ++s) {
-    uint64_t bytes = 0, experts = 0, cross = 0;
+    uint64_t bytes = 0, experts = 0, cross = 0, copied = 0, swapped = 0;
     double seconds = 0;
     nlohmann::json by_path = nlohmann::json::object();
     nlohmann::json first;
@@ -443,6 +450,8 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
       bytes += st.value("bytes_read", uint64_t{0});
       experts += st.value("experts_read", uint64_t{0});
       cross += st.value("bytes_cross_node", uint64_t{0});
+      copied += st.value("bytes_copied", uint64_t{0});
+      swapped += st.value("layers_swapped", uint64_t{0});
       if (st.contains("bytes_by_path")) {
         for (const auto& [path, n] : st["bytes_by_path"].items()) {
           by_path[path] = by_path.value(path, uint64_t{0}) + n.get<uint64_t>();
@@ -459,6 +468,8 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
                      {"experts_moved", experts},
                      {"bytes_moved", bytes},
                      {"cross_node_bytes", cross},
+                     {"bytes_copied", copied},
+                     {"rank_layers_swapped", swapped},
                      {"bytes_by_path", by_path},
                      {"seconds", seconds},
                      {"gbps", gbps},
@@ -473,6 +484,8 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
   out["memcpy_gbps"] = memcpy_gbps;
   out["copy_limit_gbps"] = copy_limit_gbps;
   out["pipeline"] = o.pipeline;
+  out["commit_mode"] = o.spare_rows > 0 ? "swap" : "in place";
+  out["spare_rows"] = o.spare_rows;
   out["ranks"] = o.ranks;
   out["wall_seconds"] = wall;
   // Resident memory per rank after the first step (warm-up) and at the end (soak checks).
@@ -503,13 +516,14 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
     for (size_t s = 0; s < steps.size(); ++s) {
       const auto& st = steps[s];
       std::printf(
-          "step %zu: balancedness %.3f -> %.3f, %llu experts (%.1f MiB) moved in %.3f s "
-          "(%.2f GB/s, %.2f x memcpy, %.2f x the copy limit)%s\n",
+          "step %zu: balancedness %.3f -> %.3f, %llu experts (%.1f MiB) moved in %.3f s, %.1f MiB "
+          "copied within ranks (%.2f GB/s, %.2f x memcpy, %.2f x the copy limit)%s\n",
           s + 1, st["balancedness_before"].get<double>(), st["balancedness_after"].get<double>(),
           static_cast<unsigned long long>(st["experts_moved"].get<uint64_t>()),
           st["bytes_moved"].get<uint64_t>() / 1048576.0, st["seconds"].get<double>(),
-          st["gbps"].get<double>(), st["memcpy_ratio"].get<double>(),
-          st["copy_limit_ratio"].get<double>(), PathsText(st).c_str());
+          st["bytes_copied"].get<uint64_t>() / 1048576.0, st["gbps"].get<double>(),
+          st["memcpy_ratio"].get<double>(), st["copy_limit_ratio"].get<double>(),
+          PathsText(st).c_str());
     }
     std::printf(
         "verified: %s, weights intact: %s, memcpy %.2f GB/s, copy limit %.2f GB/s, wall %.2f s, "
@@ -534,6 +548,11 @@ void AddDemoFlags(CLI::App& cmd, DemoOptions& o) {
   cmd.add_option("--slots-per-rank", o.slots_per_rank, "expert slots per rank")
       ->capture_default_str()
       ->check(IntIn<int>(0, 1 << 20));
+  cmd.add_option("--spare-rows", o.spare_rows,
+                 "rows per layer beyond the slots: READs land in them and commits swap row "
+                 "tables (swap commit mode); 0: in place")
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 1 << 16));
   cmd.add_option("--tensors", o.tensors, "weight tensors per expert")
       ->capture_default_str()
       ->check(IntIn<int>(0, 1 << 20));

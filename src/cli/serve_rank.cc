@@ -102,7 +102,7 @@ void Work(const DemoOptions& o, int rank, int step, std::span<const double> coun
     for (int row = 0; row < w.rows; ++row) {
       const uint32_t e = static_cast<uint32_t>(p.phy2log(l, rank * w.rows + row));
       const uint64_t key = PatternKey(static_cast<uint32_t>(l), e, 0);
-      const uint8_t* base = reinterpret_cast<const uint8_t*>(t0.base) + row * row0;
+      const uint8_t* base = reinterpret_cast<const uint8_t*>(t0.base) + w.Row(l, row) * row0;
       bool bad = false;
       uint64_t acc = 0;
       // A row without tokens is still checked (one word); one with tokens at every word its
@@ -154,6 +154,7 @@ nlohmann::json ModeReport(Mode& mode) {
                           {"window_before", x.window_before},
                           {"window_after", x.window_after},
                           {"layers_committed", x.layers_committed},
+                          {"layers_swapped", x.layers_swapped},
                           {"bytes_read", x.bytes_read},
                           {"bytes_copied", x.bytes_copied},
                           {"bytes_by_path", paths},
@@ -270,6 +271,8 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
       Result<BalancerStep> st = b.Step(counts);
       const bool in_flight = b.progress().rebalancing;
       BalancerCommit c = b.Commit();
+      for (const CommittedLayer& cl : c.layers)
+        mode.w.SetRows(static_cast<int>(cl.layer), cl.row_of_slot);
       m.exit_ns.push_back(MonotonicNs());
       if (!st.ok()) {  // the same load on every rank: every rank stops here
         m.error = st.status().message();
@@ -296,6 +299,8 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
     // A rebalance still in flight ends on every rank at the same step.
     while (mode.balancer->progress().rebalancing) {
       BalancerCommit c = mode.balancer->Commit();
+      for (const CommittedLayer& cl : c.layers)
+        mode.w.SetRows(static_cast<int>(cl.layer), cl.row_of_slot);
       if (c.finished && !c.status.ok() && m.error.empty()) m.error = c.status.message();
     }
     std::string bad;

@@ -269,28 +269,33 @@ Status ReportServing(const DemoOptions& o, const std::map<int, json>& reports, d
                    {"design", "the same work spread evenly over the ranks, nothing moved"}};
   const bool verified = error.empty() && bad == 0 && modes.size() == o.mode_list.size();
   out["verified"] = verified;
+  out["commit_mode"] = o.spare_rows > 0 ? "swap" : "in place";
+  out["spare_rows"] = o.spare_rows;
   if (!error.empty()) out["error"] = error;
   if (!o.plot.empty() && !modes.empty()) WriteSvg(o.plot, modes, o.steps);
   if (o.json) {
     std::cout << out.dump(1) << "\n";
   } else if (!modes.empty()) {
-    std::printf("%-7s %10s %7s %9s %8s %13s %11s %13s %6s %10s %12s\n", "mode", "tokens/s",
+    std::printf("%-7s %10s %7s %9s %8s %13s %11s %13s %6s %10s %11s %12s\n", "mode", "tokens/s",
                 "vs off", "p50 ms", "p99 ms", "p99 rebal ms", "stall ms", "balancedness", "rebal",
-                "MiB moved", "rows checked");
+                "MiB moved", "MiB copied", "rows checked");
     for (const ModeSummary& m : modes) {
-      std::printf("%-7s %10.0f %7.2f %9.2f %8.2f %13.2f %11.2f %13.3f %6d %10.1f %12llu\n",
+      std::printf("%-7s %10.0f %7.2f %9.2f %8.2f %13.2f %11.2f %13.3f %6d %10.1f %11.1f %12llu\n",
                   m.mode.c_str(), m.tokens_per_s, off_tps > 0 ? m.tokens_per_s / off_tps : 0.0,
                   m.p50, m.p99, m.p99_rebalancing, m.stall_ms, m.mean_balancedness, m.rebalances,
                   static_cast<double>(m.bytes_read) / 1048576.0,
+                  static_cast<double>(m.bytes_copied) / 1048576.0,
                   static_cast<unsigned long long>(m.rows_checked));
     }
     std::printf("%-7s %10.0f %7.2f   (the same work perfectly balanced, nothing moved)\n", "oracle",
                 oracle_tps, off_tps > 0 ? oracle_tps / off_tps : 0.0);
     std::printf(
         "step time = sum over layers of the slowest rank's work on it (thread CPU time) + the "
-        "Balancer's cost (last rank in to last rank out); every row a step used checked against "
-        "its map: %s; wall "
+        "Balancer's cost (last rank in to last rank out); commits %s; every row a step used "
+        "checked against its map: %s; wall "
         "%.1f s%s\n",
+        o.spare_rows > 0 ? StrCat("swap row tables (", o.spare_rows, " spare rows)").c_str()
+                         : "in place (staging -> weights)",
         bad == 0 ? "yes" : "NO", wall, o.plot.empty() ? "" : StrCat(", plot: ", o.plot).c_str());
   }
   if (!error.empty()) return Status::Aborted(error);

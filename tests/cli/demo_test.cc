@@ -182,6 +182,35 @@ TEST(DemoTest, PipelineRearrangesAndVerifiesEveryByte) {
   }
 }
 
+// Swap commit mode (issue 18, item 4): with spare rows the READs land in rows no slot uses and
+// the commit swaps row tables; the same bytes move, every slot verifies through its row
+// table, and far fewer bytes are copied within the ranks than in place.
+TEST(DemoTest, SwapModeMovesEachByteOnceAndVerifiesThroughTheRowTables) {
+  DemoRun in_place = Demo(kSmall);
+  ASSERT_FALSE(in_place.report.is_discarded());
+  EXPECT_EQ(in_place.report["commit_mode"], "in place");
+  for (const char* extra : {" --spare-rows 8", " --spare-rows 8 --pipeline", " --spare-rows 1"}) {
+    SCOPED_TRACE(extra);
+    DemoRun swap = Demo(std::string(kSmall) + extra);
+    ASSERT_FALSE(swap.report.is_discarded());
+    EXPECT_EQ(swap.exit_code, 0) << swap.report.dump();
+    EXPECT_TRUE(swap.report["verified"].get<bool>()) << swap.report.dump();
+    EXPECT_EQ(swap.report["commit_mode"], "swap");
+    ASSERT_EQ(swap.report["steps"].size(), 2u);
+    for (size_t i = 0; i < 2; ++i) {
+      const auto& st = swap.report["steps"][i];
+      const auto& ip = in_place.report["steps"][i];
+      EXPECT_EQ(st["bytes_moved"], ip["bytes_moved"]);
+      EXPECT_GT(st["rank_layers_swapped"].get<uint64_t>(), 0u);
+      EXPECT_EQ(ip["rank_layers_swapped"].get<uint64_t>(), 0u);
+      // In place copies every byte read once more (staging -> weights); swap only what the
+      // plan copies within a rank (and with one spare row, the rank-layers that fall back).
+      EXPECT_GE(ip["bytes_copied"].get<uint64_t>(), ip["bytes_moved"].get<uint64_t>());
+      EXPECT_LT(st["bytes_copied"].get<uint64_t>(), ip["bytes_copied"].get<uint64_t>());
+    }
+  }
+}
+
 // The serving demo (issue 18, item 8): real rank processes serve forward steps with EPLB off,
 // synchronous and asynchronous; every row a step used is checked against the map in force,
 // every mode verifies its weights at the end, rebalances happen and move bytes over shm, and
@@ -232,6 +261,7 @@ TEST(DemoTest, ServingComparesOffSynchronousAndAsynchronous) {
   EXPECT_GT(a["finished_step"].get<int>(), a["step"].get<int>());
   const auto& s = r.report["modes"]["sync"]["rebalance_log_rank0"][0];
   EXPECT_EQ(s["finished_step"].get<int>(), s["step"].get<int>());
+  EXPECT_EQ(r.report["commit_mode"], "in place");
   EXPECT_GT(s["rearrange_s"].get<double>(), 0);
   EXPECT_GT(r.report["oracle"]["tokens_per_s"].get<double>(), 0);
   FILE* f = std::fopen(svg.c_str(), "r");
@@ -240,6 +270,30 @@ TEST(DemoTest, ServingComparesOffSynchronousAndAsynchronous) {
   EXPECT_EQ(std::fread(head, 1, 4, f), 4u);
   std::fclose(f);
   EXPECT_EQ(std::string(head), "<svg");
+}
+
+// The serving demo in swap mode: the forward pass reads every slot through the row table the
+// last commit handed out, and checks it.
+TEST(DemoTest, ServingInSwapModeChecksEveryRowThroughTheRowTables) {
+  DemoRun r = Demo(
+      "--serve --modes sync,async --spare-rows 7 --ranks 3 --layers 3 --experts 16 "
+      "--slots-per-rank 7 --expert-bytes 64K --steps 40 --interval 12 --tokens 64 --top-k 4 "
+      "--work-bytes 1K");
+  ASSERT_FALSE(r.report.is_discarded());
+  EXPECT_EQ(r.exit_code, 0) << r.report.dump();
+  EXPECT_TRUE(r.report["verified"].get<bool>()) << r.report.dump();
+  EXPECT_EQ(r.report["commit_mode"], "swap");
+  for (const char* mode : {"sync", "async"}) {
+    SCOPED_TRACE(mode);
+    const auto& m = r.report["modes"][mode];
+    EXPECT_EQ(m["rows_checked"].get<uint64_t>(), 40u * 3 * 7 * 3);
+    EXPECT_EQ(m["bad_rows"].get<uint64_t>(), 0u);
+    EXPECT_GE(m["rebalances"].get<int>(), 1) << m.dump();
+    EXPECT_GT(m["bytes_read"].get<uint64_t>(), 0u);
+    EXPECT_LT(m["bytes_copied"].get<uint64_t>(), m["bytes_read"].get<uint64_t>());
+    ASSERT_FALSE(m["rebalance_log_rank0"].empty());
+    EXPECT_GT(m["rebalance_log_rank0"][0]["layers_swapped"].get<uint32_t>(), 0u);
+  }
 }
 
 TEST(DemoTest, BadFlagsAreRejectedBeforeAnythingStarts) {
@@ -280,6 +334,8 @@ TEST(DemoTest, BadFlagsAreRejectedBeforeAnythingStarts) {
       {"--layers 2.7", "--layers: the value is '2.7': not an integer"},
       {"--steps 4294967298", "--steps: the value is '4294967298': out of range"},
       {"--seed -1", "--seed: the value is '-1': negative"},
+      {"--spare-rows -1", "--spare-rows: the value is '-1': out of range (expected 0 .. 65536)"},
+      {"--spare-rows 1.5", "--spare-rows: the value is '1.5': not an integer"},
   };
   for (int exit_code : {2, 1}) {
     using Cases = std::span<const std::pair<const char*, const char*>>;

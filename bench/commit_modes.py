@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Commit modes and loops of the rearrangement, A/B in one run (docs/perf.md).
+
+Runs `eplbx demo --json` for in place / swap x synchronous / pipelined, interleaved round by
+round (a slow spell of the machine falls on every configuration alike), at 1 MiB and 16 MiB
+experts. Each demo run measures its own copy limit (two threads, streaming stores), so every
+ratio is to the limit of the same run. Prints one JSON document.
+
+  python3 bench/commit_modes.py [--eplbx build/bin/eplbx] [--rounds 3]
+"""
+import argparse
+import json
+import subprocess
+import sys
+
+SHAPES = {
+    "1M": ["--expert-bytes", "1M"],  # the demo's default shape: 8 layers x 64 experts, 18 slots
+    "16M": ["--expert-bytes", "16M", "--layers", "4", "--experts", "32", "--slots-per-rank", "9"],
+}
+SLOTS = {"1M": 18, "16M": 9}
+
+
+def configs(shape):
+    for mode in ("in place", "swap"):
+        for loop in ("synchronous", "pipelined"):
+            args = list(SHAPES[shape])
+            if mode == "swap":
+                args += ["--spare-rows", str(SLOTS[shape])]  # one spare row per slot
+            if loop == "pipelined":
+                args.append("--pipeline")
+            yield f"{shape} {mode} {loop}", args
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--eplbx", default="build/bin/eplbx")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3)
+    a = ap.parse_args()
+    results = {}
+    for _ in range(a.rounds):
+        for shape in SHAPES:
+            for name, args in configs(shape):
+                cmd = [a.eplbx, "demo", "--json", "--steps", str(a.steps)] + args
+                run = subprocess.run(cmd, capture_output=True, text=True)
+                report = json.loads(run.stdout)
+                if run.returncode != 0 or not report.get("verified"):
+                    print(f"{name}: {report.get('error', 'did not verify')}", file=sys.stderr)
+                    return 1
+                r = results.setdefault(name, {"args": " ".join(args), "gbps": [],
+                                              "copy_limit_ratio": [], "copy_limit_gbps": [],
+                                              "bytes_moved": 0, "bytes_copied": 0})
+                r["copy_limit_gbps"].append(round(report["copy_limit_gbps"], 2))
+                for st in report["steps"]:
+                    r["gbps"].append(round(st["gbps"], 2))
+                    r["copy_limit_ratio"].append(round(st["copy_limit_ratio"], 3))
+                    r["bytes_moved"] += st["bytes_moved"]
+                    r["bytes_copied"] += st["bytes_copied"]
+    for r in results.values():
+        for key in ("gbps", "copy_limit_ratio"):
+            v = sorted(r[key])
+            r[key + "_min_median_max"] = [v[0], v[len(v) // 2], v[-1]]
+            del r[key]
+        r["copied_per_moved"] = round(r["bytes_copied"] / max(r["bytes_moved"], 1), 3)
+    print(json.dumps({"rounds": a.rounds, "steps_per_run": a.steps,
+                      "baseline": "in place, synchronous: READ into staging, copy into the "
+                                  "weights at commit, layer after layer (eplbx's own loop)",
+                      "limit": "copy_limit_gbps: two threads copying with streaming stores, "
+                               "measured in each run",
+                      "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

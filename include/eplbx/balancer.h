@@ -76,6 +76,9 @@ struct RebalanceRecord {
   uint64_t bytes_copied = 0;
   std::vector<PathTotals> bytes_by_path;
   std::vector<uint64_t> bytes_from_rank;  // of bytes_read, per source rank
+  // Of bytes_read, per source node (nodes of the topology: rank r on node r / ranks per
+  // node); with this rank's node, the node pairs the bytes crossed.
+  std::vector<uint64_t> bytes_from_node;
 };
 
 struct BalancerReport {

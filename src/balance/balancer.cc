@@ -119,6 +119,15 @@ struct Balancer::State {
     rec.bytes_read = r.bytes_read;
     rec.bytes_by_path = r.bytes_by_path;
     rec.bytes_from_rank = r.bytes_from_rank;
+    rec.bytes_from_node.clear();
+    const Topology& t = o.topology;
+    if (!r.bytes_from_rank.empty() && t.nodes >= 1 && t.ranks % t.nodes == 0) {
+      rec.bytes_from_node.assign(t.nodes, 0);
+      for (size_t src = 0; src < r.bytes_from_rank.size(); ++src) {
+        if (static_cast<int>(src) < t.ranks)
+          rec.bytes_from_node[t.node_of_rank(static_cast<int>(src))] += r.bytes_from_rank[src];
+      }
+    }
     for (const LayerOutcome& o : r.layers) {
       if (!o.committed) continue;
       ++rec.layers_committed;

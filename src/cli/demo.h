@@ -102,6 +102,9 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot);
 Status ReportServing(const DemoOptions& o, const std::map<int, nlohmann::json>& reports,
                      double wall_seconds, const Status& coordinator);
 
+// This rank's node: EPLBX_NODE, else the host name.
+std::string NodeName();
+
 // A rank's report before anything happened: nothing verified, no weights, no error.
 nlohmann::json NewRankReport(int rank);
 

@@ -82,6 +82,13 @@ void Drift(std::vector<double>& load, std::mt19937_64& rng) {
 
 }  // namespace
 
+std::string NodeName() {
+  if (std::string n = Env::Default()->GetVar("EPLBX_NODE").value_or(""); !n.empty()) return n;
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  return host;
+}
+
 void FillLayer(Weights& w, const Placement& map, int layer, int rank) {
   for (int row = 0; row < w.rows; ++row) {
     const uint32_t expert = static_cast<uint32_t>(map.phy2log(layer, rank * w.rows + row));
@@ -129,14 +136,6 @@ double ResidentMiB() {
 double HeapInUseKiB() {
   const struct mallinfo2 m = mallinfo2();
   return static_cast<double>(m.uordblks + m.hblkhd) / 1024;
-}
-
-// This rank's node: EPLBX_NODE, else the host name.
-std::string NodeName() {
-  if (std::string n = Env::Default()->GetVar("EPLBX_NODE").value_or(""); !n.empty()) return n;
-  char host[256] = {};
-  gethostname(host, sizeof(host) - 1);
-  return host;
 }
 
 // The fault drill of `--inject KIND:RANK[@transfer|@commit]` in layer 0, as rules of the

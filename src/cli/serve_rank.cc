@@ -188,6 +188,7 @@ nlohmann::json ModeReport(Mode& mode) {
 
 int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
   nlohmann::json report = NewRankReport(rank);
+  report["node"] = NodeName();
   auto finish = [&](int code) {
     (void)boot.SendMessage(report.dump());
     return code;

@@ -52,9 +52,10 @@ struct ModeSummary {
   double mean_balancedness = 0;
   uint64_t bytes_read = 0, bytes_copied = 0, rows_checked = 0, bad_rows = 0;
   int rebalances = 0, failed = 0;
-  json log = json::array();                  // rank 0's rebalances, with phase timings
-  json bytes_by_path = json::object();       // all ranks
-  std::vector<std::vector<uint64_t>> pairs;  // bytes read: [source rank][reading rank]
+  json log = json::array();                       // rank 0's rebalances, with phase timings
+  json bytes_by_path = json::object();            // all ranks
+  std::vector<std::vector<uint64_t>> pairs;       // bytes read: [source rank][reading rank]
+  std::vector<std::vector<uint64_t>> node_pairs;  // the same per node: [source][reader]
 };
 
 // The plot: step time (ms) over steps, one line per mode, rebalances marked.
@@ -264,6 +265,28 @@ Status ReportServing(const DemoOptions& o, const std::map<int, json>& reports, d
   for (const ModeSummary& m : modes) {
     if (off_tps > 0) jm[m.mode]["vs_off"] = m.tokens_per_s / off_tps;
   }
+  // Nodes: each rank names its host (EPLBX_NODE, else the host name); pairs of them.
+  std::vector<std::string> nodes;
+  std::vector<size_t> node_of(o.ranks, 0);
+  for (int r = 0; r < o.ranks; ++r) {
+    const auto it = reports.find(r);
+    const std::string name =
+        it != reports.end() && it->second.contains("node") && it->second["node"].is_string()
+            ? it->second["node"].get<std::string>()
+            : "?";
+    const auto at = std::find(nodes.begin(), nodes.end(), name);
+    node_of[r] = static_cast<size_t>(at - nodes.begin());
+    if (at == nodes.end()) nodes.push_back(name);
+  }
+  for (ModeSummary& m : modes) {
+    m.node_pairs.assign(nodes.size(), std::vector<uint64_t>(nodes.size(), 0));
+    for (size_t src = 0; src < m.pairs.size(); ++src) {
+      for (size_t dst = 0; dst < m.pairs[src].size(); ++dst)
+        m.node_pairs[node_of[src]][node_of[dst]] += m.pairs[src][dst];
+    }
+    jm[m.mode]["bytes_by_node_pair"] = m.node_pairs;
+  }
+  out["nodes"] = nodes;
   out["modes"] = jm;
   out["oracle"] = {{"tokens_per_s", oracle_tps},
                    {"design", "the same work spread evenly over the ranks, nothing moved"}};

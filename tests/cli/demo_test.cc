@@ -254,7 +254,11 @@ TEST(DemoTest, ServingComparesOffSynchronousAndAsynchronous) {
         pairs += m["bytes_by_rank_pair"][src][dst].get<uint64_t>();
     }
     EXPECT_EQ(pairs, m["bytes_read"].get<uint64_t>());
+    // One host: one node, every byte within it.
+    ASSERT_EQ(m["bytes_by_node_pair"].size(), 1u);
+    EXPECT_EQ(m["bytes_by_node_pair"][0][0].get<uint64_t>(), m["bytes_read"].get<uint64_t>());
   }
+  EXPECT_EQ(r.report["nodes"].size(), 1u);
   // Every layer's commits land at the same steps in the log of layers committed, and an
   // asynchronous rebalance spans steps while a synchronous one does not.
   const auto& a = r.report["modes"]["async"]["rebalance_log_rank0"][0];

@@ -57,13 +57,14 @@ void RunRank(Rank& rank, Bootstrap& boot, BalancerMode mode, int steps, Balancer
   auto b = Balancer::Create(*initial, o, re->get());
   ASSERT_TRUE(b.ok()) << b.status().ToString();
   const uint32_t r = rank.layout.rank;
+  std::vector<std::vector<uint32_t>> tables(kLayers);  // slot -> row in force (empty: layout's)
   for (int step = 0; step < steps; ++step) {
     const Placement& p = (*b)->placement();
     for (int l = 0; l < kLayers; ++l) {
       for (int t = 0; t < 2; ++t) {
         for (int row = 0; row < kRows; ++row) {
           const int32_t e = p.phy2log(l, static_cast<int>(r) * kRows + row);
-          ASSERT_EQ(rank.weights[l][t][row * kBytes[t] + 5], Byte(l, e, t, 5))
+          ASSERT_EQ(rank.SlotRow(l, t, row, tables[l])[5], Byte(l, e, t, 5))
               << "rank " << r << " step " << step << " layer " << l << " row " << row;
           ++log->rows_checked;
         }
@@ -74,6 +75,7 @@ void RunRank(Rank& rank, Bootstrap& boot, BalancerMode mode, int steps, Balancer
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     log->balancedness.push_back(s->balancedness);
     BalancerCommit c = (*b)->Commit();
+    for (const CommittedLayer& cl : c.layers) tables[cl.layer] = cl.row_of_slot;
     if (c.finished) {
       ASSERT_TRUE(c.status.ok()) << c.status.ToString();
     }
@@ -83,12 +85,12 @@ void RunRank(Rank& rank, Bootstrap& boot, BalancerMode mode, int steps, Balancer
   log->prometheus = PrometheusText((*b)->report(), (*b)->progress());
 }
 
-std::vector<BalancerLog> RunBalancers(BalancerMode mode, int steps) {
+std::vector<BalancerLog> RunBalancers(BalancerMode mode, int steps, uint32_t spare = 0) {
   std::vector<std::vector<int32_t>> maps(kLayers);
   for (int l = 0; l < kLayers; ++l) {
     for (int s = 0; s < kRanks * kRows; ++s) maps[l].push_back(s % kExperts);
   }
-  auto ranks = MakeRanks(maps);
+  auto ranks = MakeRanks(maps, -1, nullptr, spare);
   std::vector<BalancerLog> logs(kRanks);
   OnThreads([&](uint32_t r, Bootstrap& boot) { RunRank(*ranks[r], boot, mode, steps, &logs[r]); });
   return logs;
@@ -98,11 +100,17 @@ std::vector<BalancerLog> RunBalancers(BalancerMode mode, int steps) {
 // the step's load, Commit at the safe point. Rebalances happen when the hot experts move,
 // every rank has the same placement at every step, and balance improves over the uniform
 // start.
+// With spare rows (swap commit mode) the forward pass reads every slot through the row table
+// each commit hands out.
 TEST(BalancerTest, AsynchronousAndSynchronousRebalanceWhileServing) {
-  for (BalancerMode mode : {BalancerMode::kAsynchronous, BalancerMode::kSynchronous}) {
-    SCOPED_TRACE(mode == BalancerMode::kAsynchronous ? "asynchronous" : "synchronous");
+  for (const auto& [mode, spare] :
+       {std::pair{BalancerMode::kAsynchronous, 0u}, std::pair{BalancerMode::kSynchronous, 0u},
+        std::pair{BalancerMode::kAsynchronous, static_cast<uint32_t>(kRows)},
+        std::pair{BalancerMode::kSynchronous, static_cast<uint32_t>(kRows)}}) {
+    SCOPED_TRACE(std::string(mode == BalancerMode::kAsynchronous ? "asynchronous" : "synchronous") +
+                 (spare ? ", swap" : ", in place"));
     const int steps = 400;
-    auto logs = RunBalancers(mode, steps);
+    auto logs = RunBalancers(mode, steps, spare);
     for (uint32_t r = 0; r < kRanks; ++r) {
       EXPECT_EQ(logs[r].maps, logs[0].maps) << "rank " << r;
       EXPECT_EQ(logs[r].rows_checked, static_cast<uint64_t>(steps) * kLayers * 2 * kRows);
@@ -115,6 +123,12 @@ TEST(BalancerTest, AsynchronousAndSynchronousRebalanceWhileServing) {
     for (const RebalanceRecord& x : rep.rebalances) {
       EXPECT_TRUE(x.status.ok()) << x.status.ToString();
       EXPECT_EQ(x.layers_committed, static_cast<uint32_t>(kLayers));
+      // With a spare row per slot every rank-layer swaps; without, none.
+      EXPECT_EQ(x.layers_swapped, spare ? x.layers_committed : 0u);
+      uint64_t from_nodes = 0;
+      for (uint64_t n : x.bytes_from_node) from_nodes += n;
+      EXPECT_EQ(from_nodes, x.bytes_read);
+      if (x.bytes_read > 0) EXPECT_EQ(x.bytes_from_node.size(), 1u);  // one node
       EXPECT_GT(x.window_after, x.window_before);
       if (mode == BalancerMode::kSynchronous) {
         EXPECT_EQ(x.finished_step, x.step);

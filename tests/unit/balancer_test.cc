@@ -128,7 +128,9 @@ TEST(BalancerTest, AsynchronousAndSynchronousRebalanceWhileServing) {
       uint64_t from_nodes = 0;
       for (uint64_t n : x.bytes_from_node) from_nodes += n;
       EXPECT_EQ(from_nodes, x.bytes_read);
-      if (x.bytes_read > 0) EXPECT_EQ(x.bytes_from_node.size(), 1u);  // one node
+      if (x.bytes_read > 0) {
+        EXPECT_EQ(x.bytes_from_node.size(), 1u);  // one node
+      }
       EXPECT_GT(x.window_after, x.window_before);
       if (mode == BalancerMode::kSynchronous) {
         EXPECT_EQ(x.finished_step, x.step);

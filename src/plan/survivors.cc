@@ -1,0 +1,150 @@
+#include "eplbx/survivors.h"
+
+#include <algorithm>
+#include <string>
+
+#include "common/strings.h"
+
+namespace eplbx {
+
+using internal::StrCat;
+
+namespace {
+
+// "ranks 2, 5" / "rank 2".
+std::string RankList(const std::vector<int>& ranks) {
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) out += StrCat(i ? ", " : "", ranks[i]);
+  return out;
+}
+
+}  // namespace
+
+Result<SurvivorPlan> PlanSurvivors(const Placement& in_force, const LoadMatrix& load,
+                                   const Topology& topology, const std::vector<bool>& live,
+                                   const SurvivorOptions& options) {
+  EPLBX_RETURN_IF_ERROR(topology.Validate(in_force.experts()));
+  const int layers = in_force.layers(), slots = in_force.slots(), experts = in_force.experts();
+  if (slots != topology.slots || load.layers() != layers || load.experts() != experts) {
+    return Status::InvalidArgument(
+        StrCat("survivor planning: the placement is ", layers, " layers x ", slots, " slots x ",
+               experts, " experts, the load ", load.layers(), " x ", load.experts(),
+               ", the topology ", topology.slots, " slots; they must agree"));
+  }
+  if (live.size() != static_cast<size_t>(topology.ranks)) {
+    return Status::InvalidArgument(StrCat("survivor planning: ", live.size(),
+                                          " liveness flags for ", topology.ranks,
+                                          " ranks (one per rank)"));
+  }
+  const int per_rank = topology.slots_per_rank();
+  std::vector<int> alive, lost;
+  for (int r = 0; r < topology.ranks; ++r) (live[r] ? alive : lost).push_back(r);
+  if (alive.empty()) {
+    return Status::Unavailable(StrCat("survivor planning: every one of the ", topology.ranks,
+                                      " ranks is lost; nothing can serve"));
+  }
+  if (static_cast<int64_t>(alive.size()) * per_rank < experts) {
+    return Status::InvalidArgument(
+        StrCat("survivor planning: the ", alive.size(), " surviving ranks have ",
+               alive.size() * per_rank, " slots (", per_rank, " each) for ", experts,
+               " experts; every expert needs a slot: add ranks or slots before serving again"));
+  }
+
+  // What the survivors still hold; experts none of them holds.
+  std::vector<int32_t> held = in_force.phy2log();
+  for (int l = 0; l < layers; ++l) {
+    for (int r : lost) {
+      for (int i = 0; i < per_rank; ++i)
+        held[static_cast<size_t>(l) * slots + r * per_rank + i] = -1;
+    }
+  }
+  EPLBX_ASSIGN_OR_RETURN(Placement sources, Placement::FromPhy2Log(layers, slots, experts, held));
+  std::vector<std::pair<int, int>> orphans;  // (layer, expert) no survivor holds
+  for (int l = 0; l < layers; ++l) {
+    for (int e = 0; e < experts; ++e) {
+      if (sources.logcnt(l, e) == 0) orphans.push_back({l, e});
+    }
+  }
+  std::string missing;
+  int64_t unrecoverable = 0;
+  int last_layer = -1;
+  for (const auto& [l, e] : orphans) {
+    if (options.backup && options.backup(l, e)) continue;
+    ++unrecoverable;
+    if (missing.size() < 400) {
+      missing += l == last_layer ? StrCat(", ", e)
+                                 : StrCat(missing.empty() ? "" : "; ", "layer ", l, ": ", e);
+      last_layer = l;
+    } else if (missing.back() != '.') {
+      missing += ", ...";
+    }
+  }
+  if (unrecoverable > 0) {
+    return Status::Unavailable(StrCat(
+        RankList(lost), " ", lost.size() == 1 ? "was" : "were", " lost with the only replicas of ",
+        unrecoverable, " expert", unrecoverable == 1 ? "" : "s", " (", missing,
+        ") and no backup source holds them; register a host backup or the checkpoint "
+        "(SurvivorOptions::backup)"));
+  }
+
+  // Plan on a topology of the survivors: the live ranks' slots, in rank order.
+  Topology small = topology;
+  small.ranks = static_cast<int>(alive.size());
+  small.slots = small.ranks * per_rank;
+  bool even = topology.nodes > 1;
+  std::vector<int> lost_per_node(topology.nodes, 0);
+  for (int r : lost) ++lost_per_node[topology.node_of_rank(r)];
+  for (int n : lost_per_node) even = even && n == lost_per_node[0];
+  small.nodes = even && small.ranks % topology.nodes == 0 ? topology.nodes : 1;
+  std::vector<int32_t> compact(static_cast<size_t>(layers) * small.slots, -1);
+  for (int l = 0; l < layers; ++l) {
+    for (size_t k = 0; k < alive.size(); ++k) {
+      for (int i = 0; i < per_rank; ++i) {
+        compact[static_cast<size_t>(l) * small.slots + k * per_rank + i] =
+            held[static_cast<size_t>(l) * slots + alive[k] * per_rank + i];
+      }
+    }
+  }
+  EPLBX_ASSIGN_OR_RETURN(Placement previous,
+                         Placement::FromPhy2Log(layers, small.slots, experts, compact));
+  PlanOptions po;
+  po.policy = options.policy;
+  po.tolerance = options.tolerance;
+  po.previous = &previous;
+  Result<Placement> planned = Plan(load, small, po);
+  if (!planned.ok()) return planned.status().WithPrefix("survivor planning");
+
+  // Spread back over every rank's slots; the lost ranks' stay empty.
+  std::vector<int32_t> out(static_cast<size_t>(layers) * slots, -1), interim = held;
+  SurvivorPlan plan;
+  plan.lost_ranks = lost;
+  for (int l = 0; l < layers; ++l) {
+    for (size_t k = 0; k < alive.size(); ++k) {
+      for (int i = 0; i < per_rank; ++i) {
+        const int slot = alive[k] * per_rank + i;
+        const int32_t e = planned->phy2log(l, static_cast<int>(k) * per_rank + i);
+        out[static_cast<size_t>(l) * slots + slot] = e;
+        // A slot whose expert no survivor holds keeps its contents through the migration
+        // and is filled from the backup afterwards.
+        if (e >= 0 && sources.logcnt(l, e) == 0) {
+          plan.recovered.push_back({l, e, slot});
+        } else {
+          interim[static_cast<size_t>(l) * slots + slot] = e;
+        }
+      }
+    }
+  }
+  plan.experts_recovered = static_cast<int64_t>(orphans.size());
+  EPLBX_ASSIGN_OR_RETURN(plan.placement, Placement::FromPhy2Log(layers, slots, experts, out));
+  EPLBX_ASSIGN_OR_RETURN(plan.interim, Placement::FromPhy2Log(layers, slots, experts, interim));
+  MigrationOptions mo = options.migration;
+  mo.ranks = topology.ranks;
+  mo.nodes = topology.nodes;
+  Result<MigrationPlan> m = PlanMigration(sources, plan.interim, mo);
+  if (!m.ok()) return m.status().WithPrefix("survivor planning: the migration among survivors");
+  plan.migration = std::move(*m);
+  plan.sources = std::move(sources);
+  return plan;
+}
+
+}  // namespace eplbx

@@ -1,0 +1,184 @@
+// Re-placement over the surviving ranks (issue 20, item 2): only live ranks' slots are used,
+// every expert is served again, the migration reads only from survivors, and experts no
+// survivor held are recovered from a backup, or named.
+#include "eplbx/survivors.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+#include <set>
+
+namespace eplbx {
+namespace {
+
+struct World {
+  Topology topo;
+  LoadMatrix load;
+  Placement in_force;
+};
+
+// `ranks` ranks of `per_rank` slots on `nodes` nodes, `experts` experts with a skewed load.
+// In force: slot s holds expert s % experts, so with ranks x per_rank = 2 x experts and
+// experts a multiple of per_rank every expert has replicas on two ranks (of other nodes when
+// nodes = 2).
+World MakeWorld(int ranks, int per_rank, int experts, int nodes, int layers, uint32_t seed) {
+  World w;
+  w.topo = {.ranks = ranks, .nodes = nodes, .slots = ranks * per_rank, .groups = 1};
+  std::mt19937 rng(seed);
+  std::vector<double> values;
+  for (int i = 0; i < layers * experts; ++i) values.push_back(1.0 + rng() % 100);
+  w.load = *LoadMatrix::Create(layers, experts, values);
+  std::vector<int32_t> map;
+  for (int l = 0; l < layers; ++l) {
+    for (int s = 0; s < ranks * per_rank; ++s) map.push_back(s % experts);
+  }
+  w.in_force = *Placement::FromPhy2Log(layers, ranks * per_rank, experts, map);
+  return w;
+}
+
+std::vector<bool> LiveExcept(int ranks, std::set<int> lost) {
+  std::vector<bool> live(ranks, true);
+  for (int r : lost) live[r] = false;
+  return live;
+}
+
+// The plan is what it says: only live slots hold experts, every expert is served, the
+// migration reads only from survivors and turns `sources` into `interim`, and `interim` plus
+// the recovered slots is `placement`.
+void ExpectConsistent(const World& w, const SurvivorPlan& p, const std::vector<bool>& live) {
+  const int per_rank = w.topo.slots_per_rank();
+  ASSERT_TRUE(p.placement.CheckEveryExpertPlaced().ok())
+      << p.placement.CheckEveryExpertPlaced().ToString();
+  for (int l = 0; l < w.load.layers(); ++l) {
+    for (int s = 0; s < w.topo.slots; ++s) {
+      if (!live[s / per_rank]) {
+        EXPECT_EQ(p.placement.phy2log(l, s), -1) << "layer " << l << " slot " << s;
+        EXPECT_EQ(p.sources.phy2log(l, s), -1);
+      } else {
+        EXPECT_EQ(p.sources.phy2log(l, s), w.in_force.phy2log(l, s));
+      }
+    }
+    std::vector<int32_t> before(p.sources.phy2log().begin() + l * w.topo.slots,
+                                p.sources.phy2log().begin() + (l + 1) * w.topo.slots);
+    Result<std::vector<int32_t>> after =
+        ApplyMigration(before, p.migration.layers[l], w.topo.ranks);
+    ASSERT_TRUE(after.ok()) << after.status().ToString();
+    for (const RemoteRead& r : p.migration.layers[l].transfers) {
+      EXPECT_TRUE(live[r.src]) << "a READ from lost rank " << r.src;
+      EXPECT_TRUE(live[r.dst]);
+    }
+    for (int s = 0; s < w.topo.slots; ++s) {
+      EXPECT_EQ((*after)[s], p.interim.phy2log(l, s)) << "layer " << l << " slot " << s;
+    }
+  }
+  std::vector<int32_t> final_map = p.interim.phy2log();
+  for (const RecoveredSlot& r : p.recovered) {
+    EXPECT_NE(w.in_force.phy2log(r.layer, r.slot), r.expert);  // no survivor held it
+    final_map[static_cast<size_t>(r.layer) * w.topo.slots + r.slot] = r.expert;
+  }
+  EXPECT_EQ(final_map, p.placement.phy2log());
+}
+
+// Every expert has a replica on a survivor: nothing to recover; the survivors keep most of
+// what they hold (incremental), and the balance over them is close to a fresh plan's.
+TEST(SurvivorsTest, ALostRankIsReplacedFromSurvivingReplicas) {
+  World w = MakeWorld(4, 8, 16, 1, 3, 7);  // 32 slots for 16 experts: two replicas each
+  for (int lost = 0; lost < 4; ++lost) {
+    SCOPED_TRACE("lost rank " + std::to_string(lost));
+    const std::vector<bool> live = LiveExcept(4, {lost});
+    Result<SurvivorPlan> p = PlanSurvivors(w.in_force, w.load, w.topo, live);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    EXPECT_EQ(p->lost_ranks, std::vector<int>{lost});
+    EXPECT_TRUE(p->recovered.empty());
+    ExpectConsistent(w, *p, live);
+    // Incremental: at most the lost rank's slots' worth of new copies per layer, and then some
+    // for balance; far fewer than replanning every slot.
+    EXPECT_LT(p->migration.summary.remote_transfers + p->migration.summary.local_copies,
+              static_cast<int64_t>(w.load.layers()) * 3 * 8 / 2);
+    Result<Balance> b = ComputeBalance(p->placement, w.load, 4);
+    ASSERT_TRUE(b.ok());
+    // Three of four ranks work: the best balancedness counting the empty rank is 0.75.
+    EXPECT_GT(b->total, 0.75 * 0.9);
+    // Losing a second rank (of the other pair) still leaves a replica of everything.
+    const int second = (lost + 1) % 4;
+    const std::vector<bool> two = LiveExcept(4, {lost, second});
+    Result<SurvivorPlan> q = PlanSurvivors(w.in_force, w.load, w.topo, two);
+    ASSERT_TRUE(q.ok()) << q.status().ToString();
+    ExpectConsistent(w, *q, two);
+    EXPECT_EQ(q->lost_ranks.size(), 2u);
+  }
+}
+
+// An expert whose every replica was on the lost ranks: without a backup the plan fails naming
+// the ranks and the experts; with one, the new placement gives it slots on survivors, the
+// migration leaves those slots alone and the recovery fills them.
+TEST(SurvivorsTest, ExpertsOnlyTheLostRanksHeldAreRecoveredOrNamed) {
+  // 3 ranks x 2 slots, 4 experts: rank 2 alone holds experts 2 and 3 in layer 0.
+  const Topology topo{.ranks = 3, .nodes = 1, .slots = 6, .groups = 1};
+  const Placement in_force =
+      *Placement::FromPhy2Log(2, 6, 4, {0, 1, 0, 1, 2, 3, /* layer 1 */ 0, 1, 2, 3, 2, 3});
+  const LoadMatrix load = *LoadMatrix::Create(2, 4, {4, 3, 2, 1, 1, 2, 3, 4});
+  const std::vector<bool> live = LiveExcept(3, {2});
+  Result<SurvivorPlan> none = PlanSurvivors(in_force, load, topo, live);
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().message(),
+            "rank 2 was lost with the only replicas of 2 experts (layer 0: 2, 3) and no backup "
+            "source holds them; register a host backup or the checkpoint "
+            "(SurvivorOptions::backup)");
+  SurvivorOptions o;
+  o.backup = [](int layer, int expert) { return layer == 0 && expert == 2; };
+  Result<SurvivorPlan> partial = PlanSurvivors(in_force, load, topo, live, o);
+  ASSERT_FALSE(partial.ok());
+  EXPECT_NE(partial.status().message().find("only replicas of 1 expert (layer 0: 3)"),
+            std::string::npos)
+      << partial.status().ToString();
+  o.backup = [](int, int) { return true; };
+  Result<SurvivorPlan> p = PlanSurvivors(in_force, load, topo, live, o);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->experts_recovered, 2);
+  std::set<int> recovered;
+  for (const RecoveredSlot& r : p->recovered) {
+    EXPECT_EQ(r.layer, 0);
+    EXPECT_LT(r.slot, 4);  // on a survivor
+    recovered.insert(r.expert);
+  }
+  EXPECT_EQ(recovered, (std::set<int>{2, 3}));
+  World w{topo, load, in_force};
+  ExpectConsistent(w, *p, live);
+}
+
+TEST(SurvivorsTest, BadInputIsNamed) {
+  World w = MakeWorld(4, 4, 8, 2, 1, 3);
+  auto message = [&](std::vector<bool> live) {
+    return PlanSurvivors(w.in_force, w.load, w.topo, live).status().message();
+  };
+  EXPECT_EQ(message({true, true}),
+            "survivor planning: 2 liveness flags for 4 ranks (one per rank)");
+  EXPECT_NE(message({false, false, false, false}).find("every one of the 4 ranks is lost"),
+            std::string::npos);
+  EXPECT_NE(message({true, false, false, false})
+                .find("the 1 surviving ranks have 4 slots (4 each) for 8 experts"),
+            std::string::npos);
+  const LoadMatrix other = *LoadMatrix::Create(2, 8, std::vector<double>(16, 1.0));
+  EXPECT_NE(PlanSurvivors(w.in_force, other, w.topo, LiveExcept(4, {1}))
+                .status()
+                .message()
+                .find("they must agree"),
+            std::string::npos);
+}
+
+// Two nodes of two ranks: one rank lost on each node (planned over two nodes of one rank),
+// a whole node lost (planned over one node), one rank lost (over one node).
+TEST(SurvivorsTest, LossesAcrossNodesAreReplacedToo) {
+  World w = MakeWorld(4, 6, 12, 2, 2, 5);  // node 0: ranks 0, 1 (experts 0-11), node 1 alike
+  for (const std::set<int>& lost : {std::set<int>{0, 3}, std::set<int>{1}, std::set<int>{0, 1}}) {
+    const std::vector<bool> live = LiveExcept(4, lost);
+    Result<SurvivorPlan> p = PlanSurvivors(w.in_force, w.load, w.topo, live);
+    ASSERT_TRUE(p.ok()) << p.status().ToString();
+    ExpectConsistent(w, *p, live);
+    EXPECT_TRUE(p->recovered.empty());
+  }
+}
+
+}  // namespace
+}  // namespace eplbx

@@ -10,6 +10,7 @@
 #include "common/strings.h"
 #include "eplbx/env.h"
 #include "eplbx/policy.h"
+#include "eplbx/survivors.h"
 #include "io/json_output.h"
 #include "io/load_file.h"
 
@@ -25,7 +26,37 @@ struct PlanArgs {
   std::string previous;
   double tolerance = 0.002;
   Topology topology;
+  std::string lost;             // "2,5": ranks lost (re-place over the survivors)
+  std::string backup = "none";  // none or all: may orphaned experts come from a backup
 };
+
+// "2,5" -> {2, 5}, each in [0, ranks), none twice.
+Result<std::vector<bool>> ParseLost(const std::string& list, int ranks) {
+  std::vector<bool> live(ranks, true);
+  std::stringstream in(list);
+  std::string item;
+  int count = 0;
+  while (std::getline(in, item, ',')) {
+    size_t used = 0;
+    long r = -1;
+    try {
+      r = std::stol(item, &used);
+    } catch (...) {
+      used = 0;
+    }
+    if (item.empty() || used != item.size() || r < 0 || r >= ranks) {
+      return Status::InvalidArgument(internal::StrCat("--lost: ", internal::Printable(item),
+                                                      " is not a rank (expected 0..", ranks - 1,
+                                                      ", comma-separated)"));
+    }
+    if (!live[r])
+      return Status::InvalidArgument(internal::StrCat("--lost: rank ", r, " listed twice"));
+    live[r] = false;
+    ++count;
+  }
+  if (count == 0) return Status::InvalidArgument("--lost: no rank given (e.g. --lost 2,5)");
+  return live;
+}
 
 // Numbers a plan's JSON may hold (phy2log, logcnt and the padded log2phy): about 1 GiB of
 // memory while it is built.
@@ -162,6 +193,56 @@ Status RunPlan(const PlanArgs& args) {
         "--policy incremental needs --previous FILE (the placement in force, e.g. an earlier "
         "plan's output)");
   }
+  if (!args.lost.empty()) {
+    if (options.previous == nullptr) {
+      return Status::InvalidArgument(
+          "--lost needs --previous FILE (the placement in force when the ranks were lost)");
+    }
+    if (args.backup != "none" && args.backup != "all") {
+      return Status::InvalidArgument(internal::StrCat(
+          "--backup is ", internal::Printable(args.backup), " (expected none or all)"));
+    }
+    Result<std::vector<bool>> live = ParseLost(args.lost, args.topology.ranks);
+    if (!live.ok()) return live.status();
+    SurvivorOptions so;
+    so.policy = *policy == Policy::kDeepSeek ? Policy::kIncremental : *policy;
+    so.tolerance = args.tolerance;
+    if (args.backup == "all") so.backup = [](int, int) { return true; };
+    const auto start = Env::Default()->Now();
+    Result<SurvivorPlan> sp = PlanSurvivors(*previous, *load, args.topology, *live, so);
+    const double plan_ms =
+        std::chrono::duration<double, std::milli>(Env::Default()->Now() - start).count();
+    if (!sp.ok()) return sp.status();
+    Result<Balance> balance = ComputeBalance(sp->placement, *load, args.topology.ranks);
+    if (!balance.ok()) return balance.status();
+    const MigrationSummary& m = sp->migration.summary;
+    nlohmann::json recovered = nlohmann::json::array();
+    for (const RecoveredSlot& r : sp->recovered)
+      recovered.push_back({{"layer", r.layer}, {"expert", r.expert}, {"slot", r.slot}});
+    nlohmann::json survivors = {{"lost_ranks", sp->lost_ranks},
+                                {"experts_recovered", sp->experts_recovered},
+                                {"recovered_slots", recovered},
+                                {"migration",
+                                 {{"remote_transfers", m.remote_transfers},
+                                  {"local_copies", m.local_copies},
+                                  {"rounds", m.rounds}}}};
+    if (args.format == "json") {
+      nlohmann::json json = io::PlanToJson(PolicyName(so.policy), sp->placement, *balance, plan_ms);
+      json["survivors"] = std::move(survivors);
+      return io::WriteOutput(args.out, json.dump() + "\n");
+    }
+    std::string lost_list;
+    for (int r : sp->lost_ranks) lost_list += internal::StrCat(lost_list.empty() ? "" : ", ", r);
+    const std::string text =
+        FormatTable(sp->placement, *load, args.topology, *balance, PolicyName(so.policy), plan_ms,
+                    args.format == "table-full") +
+        internal::StrCat("\nlost ranks ", lost_list, ": their slots are empty; ",
+                         m.remote_transfers, " remote reads and ", m.local_copies,
+                         " local copies among the survivors, then ", sp->recovered.size(),
+                         " slots (", sp->experts_recovered,
+                         " experts no survivor held) filled from the backup\n");
+    return io::WriteOutput(args.out, text);
+  }
   const auto start = Env::Default()->Now();
   Result<Placement> placement = Plan(*load, args.topology, options);
   const double plan_ms =
@@ -233,6 +314,13 @@ void AddPlanCommand(CLI::App& app, Action& run) {
                   "incremental: allowed balancedness loss per layer against balanced")
       ->capture_default_str()
       ->check(RealIn(0, 1));
+  cmd->add_option("--lost", args->lost,
+                  "Ranks lost, comma-separated: re-place over the survivors from --previous "
+                  "(incremental unless --policy balanced); adds \"survivors\" to the output");
+  cmd->add_option("--backup", args->backup,
+                  "--lost: none (an expert only lost ranks held is an error, named) or all (a "
+                  "backup holds every expert: those are listed as recovered)")
+      ->capture_default_str();
   cmd->add_option("--out", args->out, "Output file ('-' for stdout)")->capture_default_str();
   cmd->add_option("--format", args->format,
                   "json, table (a summary: balancedness, replication, the least balanced "

@@ -335,6 +335,47 @@ TEST_F(CliTest, BalancedAndIncrementalWithMoves) {
                      "256 slots");
 }
 
+// After a lost rank (issue 20, item 2): `plan --previous P --lost R` re-places over the
+// survivors; experts only lost ranks held need a backup (named otherwise).
+TEST_F(CliTest, PlanOverTheSurvivorsOfLostRanks) {
+  const std::string load = std::string(EPLBX_EXAMPLES) + "/dsv3_load.json";
+  const std::string shape = " --slots 288 --ranks 32 --nodes 4 --groups 8";
+  const std::string prev = (dir_ / "prev.json").string();
+  ASSERT_EQ(Eplbx("plan --load " + load + shape + " --out " + prev).exit_code, 0);
+  const std::string base = "plan --load " + load + shape + " --previous " + prev;
+  // DeepSeek's plan gives most experts one replica: rank 5 held the only copy of some.
+  ExpectOneLineError(Eplbx(base + " --lost 5"), "rank 5 was lost with the only replicas of ");
+  ExpectOneLineError(Eplbx(base + " --lost 5"), "register a host backup or the checkpoint");
+  CliRun r = Eplbx(base + " --lost 5,6 --backup all");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["policy"], "incremental");
+  EXPECT_EQ(j["survivors"]["lost_ranks"], (std::vector<int>{5, 6}));
+  EXPECT_GT(j["survivors"]["experts_recovered"].get<int>(), 0);
+  EXPECT_GT(j["survivors"]["migration"]["remote_transfers"].get<int>(), 0);
+  EXPECT_GE(j["survivors"]["recovered_slots"].size(),
+            j["survivors"]["experts_recovered"].get<size_t>());
+  ASSERT_EQ(j["phy2log"].size(), 58u);
+  for (const auto& layer : j["phy2log"]) {
+    for (int s = 5 * 9; s < 7 * 9; ++s) ASSERT_EQ(layer[s].get<int>(), -1) << s;  // lost ranks
+  }
+  for (const auto& slot : j["survivors"]["recovered_slots"]) {
+    const int rank = slot["slot"].get<int>() / 9;
+    EXPECT_TRUE(rank != 5 && rank != 6) << slot.dump();
+  }
+  CliRun t = Eplbx(base + " --lost 5,6 --backup all --format table");
+  ASSERT_EQ(t.exit_code, 0) << t.err;
+  EXPECT_NE(t.out.find("lost ranks 5, 6: their slots are empty; "), std::string::npos) << t.out;
+  ExpectOneLineError(Eplbx(base + " --lost 32"),
+                     "--lost: '32' is not a rank (expected 0..31, comma-separated)");
+  ExpectOneLineError(Eplbx(base + " --lost 5,x"), "--lost: 'x' is not a rank");
+  ExpectOneLineError(Eplbx(base + " --lost 5,5"), "--lost: rank 5 listed twice");
+  ExpectOneLineError(Eplbx(base + " --lost 5 --backup some"),
+                     "--backup is 'some' (expected none or all)");
+  ExpectOneLineError(Eplbx("plan --load " + load + shape + " --lost 5"),
+                     "--lost needs --previous FILE");
+}
+
 TEST_F(CliTest, TraceSynthAndSimulate) {
   const std::string trace = (dir_ / "t.jsonl").string();
   ASSERT_EQ(

@@ -104,7 +104,12 @@ class EplbxCommunicator:
     """vLLM's EplbCommunicator interface on eplbx (host tensors)."""
 
     def __init__(self, cpu_group, all_expert_weights, expert_buffer, timeout_s: float = 300.0,
-                 transport: str = "auto", paths: str = ""):
+                 transport: str = "auto", paths: str = "", defer_setup: bool = False, **_ignored):
+        """Registers the weights and the buffer. The exchange with the peers (a collective over
+        `cpu_group`: agent metadata and layouts, checked on every rank) happens here, or with
+        `defer_setup=True` at the first set_transfer_context, as vLLM's NIXL communicator
+        defers its remote setup (elastic EP builds communicators before every peer is up).
+        Keyword arguments a newer vLLM may add are accepted and ignored."""
         import torch.distributed as dist
 
         self._group = cpu_group
@@ -137,8 +142,17 @@ class EplbxCommunicator:
             dist.all_gather_object(out, blob, group=cpu_group)
             return out
 
-        self._comm = _Communicator(rank, world, allgather, layers, _merged_regions(tensors), float(timeout_s),
-                                   transport, paths)
+        self._comm = None
+        self._setup_args = (rank, world, allgather, layers, _merged_regions(tensors), float(timeout_s),
+                            transport, paths)
+        if not defer_setup:
+            self._setup()
+
+    def _setup(self) -> None:
+        """The exchange with every peer (collective), once."""
+        if self._comm is None:
+            self._comm = _Communicator(*self._setup_args)
+            self._setup_args = None
 
     @property
     def needs_profile_buffer_reservation(self) -> bool:
@@ -154,6 +168,7 @@ class EplbxCommunicator:
         layer = _check_int(layer_idx, "layer_idx", 0, len(self._rows) - 1)
         old = _check_map(old_indices, f"old_indices of layer {layer}")
         new = None if new_indices is None else _check_map(new_indices, f"new_indices of layer {layer}")
+        self._setup()  # deferred setup: every rank reaches its first layer together
         self._comm.set_transfer_context(old, layer, new)
         self._layer = layer
 
@@ -165,7 +180,13 @@ class EplbxCommunicator:
             self._layer = None
         raise error
 
-    def add_send(self, tensors, dst_rank: int, expert_id: int) -> None:
+    def _context(self):
+        if self._comm is None:
+            raise InvalidArgumentError("eplbx: call set_transfer_context(old_indices, layer_idx) first")
+        return self._comm
+
+    def add_send(self, tensors, dst_rank: int, expert_id: int, **_ignored) -> None:
+        self._context()
         try:
             dst = _check_int(dst_rank, "dst_rank", 0, self._world - 1)
             expert = _check_int(expert_id, "expert_id", 0, _INT32_MAX)
@@ -173,7 +194,8 @@ class EplbxCommunicator:
             self._refuse(e)
         self._comm.add_send(dst, expert)
 
-    def add_recv(self, tensors, src_rank: int, expert_id: int) -> None:
+    def add_recv(self, tensors, src_rank: int, expert_id: int, **_ignored) -> None:
+        self._context()
         try:
             src = _check_int(src_rank, "src_rank", 0, self._world - 1)
             expert = _check_int(expert_id, "expert_id", 0, _INT32_MAX)
@@ -193,10 +215,11 @@ class EplbxCommunicator:
             rows.append((t.data_ptr(), _nbytes(t)))
         self._comm.add_recv(src, expert, rows)
 
-    def execute(self) -> None:
+    def execute(self, **_ignored) -> None:
+        comm = self._context()
         self._layer = None  # the layer's context ends here, whatever execute() raises
-        self._comm.execute()
+        comm.execute()
 
     @property
     def failed(self) -> bool:
-        return self._comm.failed
+        return self._comm is not None and self._comm.failed

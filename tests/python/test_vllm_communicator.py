@@ -75,8 +75,28 @@ def worker(rank, world, port, scenario, results, seed=7):
             # its rows are read with process_vm_readv and the others' are mapped.
             for t in [w for layer in weights for w in layer] + buffer:
                 t.share_memory_()
+        # "deferred": the exchange waits for the first set_transfer_context (rank 1 comes 1.5 s
+        # late: rank 0's constructor must not wait for it), and every call carries a keyword
+        # a newer vLLM might add.
+        deferred = scenario == "deferred"
+        extra = {"perf_context": object()} if deferred else {}
+        if deferred and rank == 1:
+            time.sleep(1.5)
         try:
-            comm = EplbxCommunicator(group, weights, buffer, timeout_s=4.0)
+            started = time.monotonic()
+            comm = EplbxCommunicator(group, weights, buffer, timeout_s=4.0, defer_setup=deferred, **extra)
+            if deferred and rank == 0 and time.monotonic() - started > 1.0:
+                results.put((rank, "setup not deferred", f"{time.monotonic() - started:.2f} s"))
+                return
+            if deferred:
+                try:
+                    comm.add_send([w[0] for w in weights[0]], 1, 0)
+                    results.put((rank, "add_send before any context was accepted", ""))
+                    return
+                except eplbx.InvalidArgumentError as e:
+                    if "set_transfer_context" not in str(e):
+                        results.put((rank, "unclear error", str(e)))
+                        return
         except eplbx.EplbxError as e:
             results.put((rank, type(e).__name__, str(e)))
             return
@@ -101,7 +121,7 @@ def worker(rank, world, port, scenario, results, seed=7):
             old = list(before[layer])
             if scenario == "stale" and rank == 2:
                 old[0], old[1] = old[1], old[0]  # a stale map: two of rank 0's rows swapped
-            comm.set_transfer_context(torch.tensor(old), layer)
+            comm.set_transfer_context(torch.tensor(old), layer, **extra)
             for dst in range(world):  # what the others need from this rank
                 asked = set()
                 for row in range(ROWS):
@@ -109,7 +129,7 @@ def worker(rank, world, port, scenario, results, seed=7):
                     if dst == rank or holds(layer, dst, e) or holder(layer, e) != rank or e in asked:
                         continue
                     asked.add(e)
-                    comm.add_send([w[0] for w in weights[layer]], dst, e)
+                    comm.add_send([w[0] for w in weights[layer]], dst, e, **extra)
             received = {}
             for row in range(ROWS):
                 e = after[layer][rank * ROWS + row]
@@ -120,7 +140,7 @@ def worker(rank, world, port, scenario, results, seed=7):
                 if scenario == "weight_row" and rank == 0:
                     rows = [w[0] for w in weights[layer]]  # a live weight row as receive row
                 try:
-                    comm.add_recv(rows, holder(layer, e), e)
+                    comm.add_recv(rows, holder(layer, e), e, **extra)
                 except eplbx.EplbxError as err:
                     results.put((rank, type(err).__name__, str(err), 0.0))
                     time.sleep(2.0)  # an engine process lives on: its ABORT goes out meanwhile
@@ -129,7 +149,7 @@ def worker(rank, world, port, scenario, results, seed=7):
                 os._exit(3)  # dies mid-layer, its READYs unsent
             started = time.monotonic()
             try:
-                comm.execute()
+                comm.execute(**extra)
             except eplbx.EplbxError as e:
                 if scenario == "weight_row":
                     intact = all(bool((weights[l][t][r] == value(l, before[l][rank * ROWS + r], t)).all())
@@ -210,6 +230,13 @@ def run(world, scenario, timeout=90):
 class VllmCommunicatorTest(unittest.TestCase):
     def test_random_placements_every_row(self):
         out = run(3, "ok")
+        self.assertEqual(out, {0: ("ok", ""), 1: ("ok", ""), 2: ("ok", "")})
+
+    def test_deferred_setup_and_unknown_keywords(self):
+        # vLLM's NIXL communicator defers its remote setup to the first set_transfer_context;
+        # newer vLLM passes more keyword arguments. Before: the constructor was always a
+        # collective, and add_send / add_recv / execute raised TypeError on a new keyword.
+        out = run(3, "deferred")
         self.assertEqual(out, {0: ("ok", ""), 1: ("ok", ""), 2: ("ok", "")})
 
     def test_shared_memory_tensors_are_mapped_and_every_row_is_right(self):

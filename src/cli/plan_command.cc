@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cli/commands.h"
+#include "cli/demo.h"  // SplitPaths
 #include "cli/flags.h"
 #include "common/strings.h"
 #include "eplbx/env.h"
@@ -33,10 +34,7 @@ struct PlanArgs {
 // "2,5" -> {2, 5}, each in [0, ranks), none twice.
 Result<std::vector<bool>> ParseLost(const std::string& list, int ranks) {
   std::vector<bool> live(ranks, true);
-  std::stringstream in(list);
-  std::string item;
-  int count = 0;
-  while (std::getline(in, item, ',')) {
+  for (const std::string& item : SplitPaths(list)) {
     size_t used = 0;
     long r = -1;
     try {
@@ -52,9 +50,7 @@ Result<std::vector<bool>> ParseLost(const std::string& list, int ranks) {
     if (!live[r])
       return Status::InvalidArgument(internal::StrCat("--lost: rank ", r, " listed twice"));
     live[r] = false;
-    ++count;
   }
-  if (count == 0) return Status::InvalidArgument("--lost: no rank given (e.g. --lost 2,5)");
   return live;
 }
 

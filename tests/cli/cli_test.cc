@@ -370,6 +370,7 @@ TEST_F(CliTest, PlanOverTheSurvivorsOfLostRanks) {
                      "--lost: '32' is not a rank (expected 0..31, comma-separated)");
   ExpectOneLineError(Eplbx(base + " --lost 5,x"), "--lost: 'x' is not a rank");
   ExpectOneLineError(Eplbx(base + " --lost 5,5"), "--lost: rank 5 listed twice");
+  ExpectOneLineError(Eplbx(base + " --lost 5,"), "--lost: '' is not a rank");
   ExpectOneLineError(Eplbx(base + " --lost 5 --backup some"),
                      "--backup is 'some' (expected none or all)");
   ExpectOneLineError(Eplbx("plan --load " + load + shape + " --lost 5"),

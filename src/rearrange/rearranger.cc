@@ -394,54 +394,57 @@ RearrangerImpl::LayerJob RearrangerImpl::MakeLayerJob(uint32_t l, const LayerMig
       job.serves.push_back({static_cast<uint32_t>(r.expert), static_cast<uint32_t>(r.dst)});
     }
   }
-  if (!plans.empty() && job.swap) {
-    // Swap: the READs landed in rows no slot uses; the commit copies what the plan copies
-    // within this rank into more such rows and publishes every rank's new table.
-    job.commit = [this, l, tensors, plans = std::move(plans)]() -> uint64_t {
+  // The work within this rank at the commit; then every rank that swaps gets its new table
+  // (each rank computes every rank's alike; an in-place rank's stays).
+  std::function<uint64_t()> local;
+  if (job.swap) {
+    // The READs landed in rows no slot uses; copy what the plan copies within this rank
+    // into more such rows.
+    local = [this, l, tensors, copies = plans[self()].copies]() -> uint64_t {
       uint64_t copied = 0;
-      for (const RowPlan::Copy& c : plans[self()].copies) {
+      for (const RowPlan::Copy& c : copies) {
         for (size_t t = 0; t < tensors; ++t) {
           std::memcpy(WeightRow(l, t, c.dst), WeightRow(l, t, c.src),
                       layout.layers[l][t].bytes_per_expert);
           copied += layout.layers[l][t].bytes_per_expert;
         }
       }
-      for (uint32_t r = 0; r < world(); ++r) {
-        if (plans[r].swap) tables[r][l] = plans[r].table;
+      return copied;
+    };
+  } else {
+    std::vector<LocalCopy> copies;
+    for (const LocalCopy& c : m.local_copies) {
+      if (c.rank == static_cast<int32_t>(self())) copies.push_back(c);
+    }
+    local = [this, l, tensors, slot, rows_of, copies = std::move(copies),
+             changed = std::move(changed)]() mutable -> uint64_t {
+      // Copies from old rows first (the weights are still the old ones), then from rows just
+      // read; then every changed row goes from staging to the weights.
+      uint64_t copied = 0;
+      for (CopySource pass : {CopySource::kOld, CopySource::kNew}) {
+        for (const LocalCopy& c : copies) {
+          if (c.source != pass) continue;
+          for (size_t t = 0; t < tensors; ++t) {
+            const uint8_t* src = pass == CopySource::kOld ? WeightRow(l, t, rows_of[c.src_row])
+                                                          : StageRow(slot, l, t, c.src_row);
+            std::memcpy(StageRow(slot, l, t, c.dst_row), src, layout.layers[l][t].bytes_per_expert);
+            copied += layout.layers[l][t].bytes_per_expert;
+          }
+          changed.push_back(c.dst_row);
+        }
+      }
+      for (int row : changed) {
+        for (size_t t = 0; t < tensors; ++t) {
+          std::memcpy(WeightRow(l, t, rows_of[row]), StageRow(slot, l, t, row),
+                      layout.layers[l][t].bytes_per_expert);
+          copied += layout.layers[l][t].bytes_per_expert;
+        }
       }
       return copied;
     };
-    return job;
   }
-  std::vector<LocalCopy> copies;
-  for (const LocalCopy& c : m.local_copies) {
-    if (c.rank == static_cast<int32_t>(self())) copies.push_back(c);
-  }
-  job.commit = [this, l, tensors, slot, rows_of, copies = std::move(copies),
-                changed = std::move(changed), plans = std::move(plans)]() mutable -> uint64_t {
-    // Copies from old rows first (the weights are still the old ones), then from rows just
-    // read; then every changed row goes from staging to the weights.
-    uint64_t copied = 0;
-    for (CopySource pass : {CopySource::kOld, CopySource::kNew}) {
-      for (const LocalCopy& c : copies) {
-        if (c.source != pass) continue;
-        for (size_t t = 0; t < tensors; ++t) {
-          const uint8_t* src = pass == CopySource::kOld ? WeightRow(l, t, rows_of[c.src_row])
-                                                        : StageRow(slot, l, t, c.src_row);
-          std::memcpy(StageRow(slot, l, t, c.dst_row), src, layout.layers[l][t].bytes_per_expert);
-          copied += layout.layers[l][t].bytes_per_expert;
-        }
-        changed.push_back(c.dst_row);
-      }
-    }
-    for (int row : changed) {
-      for (size_t t = 0; t < tensors; ++t) {
-        std::memcpy(WeightRow(l, t, rows_of[row]), StageRow(slot, l, t, row),
-                    layout.layers[l][t].bytes_per_expert);
-        copied += layout.layers[l][t].bytes_per_expert;
-      }
-    }
-    // Ranks that swap publish their new tables (this one's stays: it committed in place).
+  job.commit = [this, l, local = std::move(local), plans = std::move(plans)]() -> uint64_t {
+    const uint64_t copied = local();
     for (uint32_t r = 0; r < plans.size(); ++r) {
       if (plans[r].swap) tables[r][l] = plans[r].table;
     }

@@ -223,3 +223,340 @@ class EplbxCommunicator:
     @property
     def failed(self) -> bool:
         return self._comm is not None and self._comm.failed
+
+    def rearrange(self, old_maps, new_maps, all_expert_weights, expert_buffer) -> dict:
+        """The whole rearrangement in place, layer by layer, reading straight into the final
+        weight rows where that is safe: vLLM's `rearrange_expert_weights_inplace` on this
+        communicator (install() routes it here), without the copy of every received row out
+        of the buffer. `old_maps` / `new_maps`: layers x slots phy2log (the same on every rank);
+        `all_expert_weights` and `expert_buffer`: the tensors this communicator registered.
+
+        Per layer, every rank computes the same transfers (eplbx.migrate: fewest, best-sourced)
+        and then: a row whose old expert no peer reads from it and this rank does not keep
+        receives its expert directly; any other receive goes through the buffer row of the same
+        index; local moves copy after the layer's reads (from old rows through the buffer where
+        the destination is still needed). Returns {"direct_rows", "buffered_rows",
+        "local_copies", "layers"} for this rank.
+
+        If a layer fails (a peer lost, a timeout), that layer's rows named in the error may hold
+        partial data and every later layer is untouched: the error says so (vLLM's own loop
+        leaves earlier layers moved and its map uncommitted, as here)."""
+        import numpy as np
+        from ._eplbx import migrate
+
+        old = np.stack([_check_map(m, f"old map of layer {i}") for i, m in enumerate(old_maps)])
+        new = np.stack([_check_map(m, f"new map of layer {i}") for i, m in enumerate(new_maps)])
+        layers = len(self._rows)
+        rows = int(all_expert_weights[0][0].shape[0]) if layers else 0
+        if old.shape != new.shape or old.shape != (layers, rows * self._world):
+            raise InvalidArgumentError(
+                f"eplbx: the maps are {old.shape[0]} x {old.shape[1]} (old) and {new.shape[0]} x "
+                f"{new.shape[1]} (new); this communicator has {layers} layers x {rows * self._world} "
+                f"slots ({self._world} ranks x {rows} rows)")
+        plan = migrate(old, new, ranks=self._world)
+        me = self._rank
+        stats = {"direct_rows": 0, "buffered_rows": 0, "local_copies": 0, "layers": 0}
+        for layer in range(layers):
+            if np.array_equal(old[layer], new[layer]):
+                continue  # every rank skips the same layers (the maps are the same everywhere)
+            weights = all_expert_weights[layer]
+            old_local = old[layer][me * rows:(me + 1) * rows]
+            new_experts = set(int(e) for e in new[layer][me * rows:(me + 1) * rows] if e >= 0)
+            transfers = plan["layers"][layer]["transfers"]
+            copies = [c for c in plan["layers"][layer]["local_copies"] if int(c[0]) == me]
+            served = set()  # rows peers read: the first row holding each expert this rank sends
+            for src, _, dst, _, expert, _ in transfers:
+                if int(src) == me:
+                    served.add(int(np.flatnonzero(old_local == expert)[0]))
+
+            def free(row):  # nothing needs this row's old content during the layer
+                e = int(old_local[row])
+                return row not in served and (e < 0 or e not in new_experts)
+
+            self.set_transfer_context(old[layer], layer, new_indices=new[layer])
+            back = []  # buffer rows to copy into the weights after the reads
+            for src, _, dst, dst_row, expert, _ in transfers:
+                if int(src) == me:
+                    self.add_send(None, int(dst), int(expert))
+                elif int(dst) == me:
+                    row = int(dst_row)
+                    if free(row):
+                        self.add_recv([w[row] for w in weights], int(src), int(expert))
+                        stats["direct_rows"] += 1
+                    else:
+                        self.add_recv([b[row] for b in expert_buffer], int(src), int(expert))
+                        back.append(row)
+            # Local moves from old rows into rows still needed during the layer go through the
+            # buffer too, copied now (before any READ lands; only this rank uses its buffer).
+            olds, news = [], []  # (source row, destination row), copied after the reads
+            for _, src_row, dst_row, _, from_new in copies:
+                s, d = int(src_row), int(dst_row)
+                if from_new:
+                    news.append((s, d))
+                elif free(d):
+                    olds.append((s, d))
+                else:
+                    for w, b in zip(weights, expert_buffer):
+                        b[d].copy_(w[s])
+                    back.append(d)
+            try:
+                self.execute()
+            except Exception as e:
+                direct = sorted(int(t[3]) for t in transfers if int(t[2]) == me and free(int(t[3])))
+                raise type(e)(f"{e}; rank {me}: layer {layer} was being read straight into weight "
+                              f"rows {direct} (their contents are not valid now), layers after "
+                              f"{layer} are untouched") from e
+            # Old rows first (their sources hold experts this rank keeps: no READ or copy landed
+            # there), then the buffer, then copies of rows just filled.
+            for s, d in olds:
+                for w in weights:
+                    w[d].copy_(w[s])
+            for d in back:
+                for w, b in zip(weights, expert_buffer):
+                    w[d].copy_(b[d])
+            for s, d in news:
+                for w in weights:
+                    w[d].copy_(w[s])
+            stats["buffered_rows"] += len(back)
+            stats["local_copies"] += len(copies)
+            stats["layers"] += 1
+        return stats
+
+
+# ---------------------------------------------------------------------------------------
+# Switching eplbx on in an installed vLLM: `eplb_config={"communicator": "eplbx"}`.
+
+#: The name vLLM's EPLB config takes to select this communicator.
+BACKEND = "eplbx"
+
+# Options read from the environment by the communicators install() builds (vLLM's config
+# forbids unknown fields, so options travel as environment variables, which vLLM's worker
+# processes inherit). name -> (EplbxCommunicator keyword, parser)
+_ENV_OPTIONS = {
+    "EPLBX_TIMEOUT_S": ("timeout_s", float),
+    "EPLBX_TRANSPORT": ("transport", str),
+    "EPLBX_PATHS": ("paths", str),
+    "EPLBX_DEFER_SETUP": ("defer_setup", lambda v: {"0": False, "1": True}[v]),
+}
+# EPLBX_DIRECT=0: vLLM's own rearrangement loop (through the buffer) on this communicator
+# instead of EplbxCommunicator.rearrange (straight into the weight rows where safe).
+_DIRECT_ENV = "EPLBX_DIRECT"
+# EPLBX_SHARE_MEMORY=0: keep the engine's host tensors where they are (default 1: moved to
+# shared memory once, when the communicator is built).
+_SHARE_ENV = "EPLBX_SHARE_MEMORY"
+
+# Where install() patches vLLM, as found in vLLM 0.33 (the communicator interface with
+# set_transfer_context and per-expert add_send/add_recv): module -> attributes it must have.
+_LAYOUT = {
+    "vllm.config.parallel": ("EPLBCommunicatorBackend", "EPLBConfig", "ParallelConfig"),
+    "vllm.distributed.eplb.eplb_communicator": ("create_eplb_communicator", "EplbCommunicator"),
+    "vllm.distributed.eplb.rebalance_execute": ("rearrange_expert_weights_inplace",),
+}
+_FACTORY_PARAMS = ("group_coordinator", "backend", "expert_weights", "expert_buffer")
+_REARRANGE_PARAMS = ("old_global_expert_indices", "new_global_expert_indices", "expert_weights",
+                     "expert_buffer", "ep_group", "communicator", "is_profile", "rank_mapping")
+
+
+class VllmLayoutError(RuntimeError):
+    """The installed vLLM is not laid out as install() expects: it names the version and
+    what was not found (install() never patches half of vLLM and stays silent)."""
+
+
+def options_from_env(environ=None) -> dict:
+    """EplbxCommunicator keywords from EPLBX_TIMEOUT_S, EPLBX_TRANSPORT, EPLBX_PATHS and
+    EPLBX_DEFER_SETUP (0 or 1); a value that does not parse is an InvalidArgumentError
+    naming the variable."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    out = {}
+    for name, (keyword, parse) in _ENV_OPTIONS.items():
+        raw = environ.get(name)
+        if raw is None or raw == "":
+            continue
+        try:
+            out[keyword] = parse(raw.strip())
+        except (KeyError, ValueError):
+            raise InvalidArgumentError(
+                f"eplbx: environment variable {name}={raw!r} does not parse as the "
+                f"{keyword} option" + (" (0 or 1)" if keyword == "defer_setup" else "")) from None
+    if "timeout_s" in out:
+        out["timeout_s"] = _check_timeout(out["timeout_s"])
+    return out
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(getattr(vllm, "__version__", "unknown"))
+    except Exception as e:  # noqa: BLE001 - reported, not hidden
+        raise VllmLayoutError(f"eplbx.vllm.install(): vLLM is not importable here ({e!r})") from e
+
+
+def _find_layout(version: str) -> dict:
+    import importlib
+
+    found = {}
+    missing = []
+    for module_name, attrs in _LAYOUT.items():
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as e:  # noqa: BLE001
+            missing.append(f"module {module_name} ({type(e).__name__}: {e})")
+            continue
+        found[module_name] = module
+        missing += [f"{module_name}.{a}" for a in attrs if not hasattr(module, a)]
+    import inspect
+
+    for module, name, want in (("vllm.distributed.eplb.eplb_communicator", "create_eplb_communicator",
+                                _FACTORY_PARAMS),
+                               ("vllm.distributed.eplb.rebalance_execute",
+                                "rearrange_expert_weights_inplace", _REARRANGE_PARAMS)):
+        fn = getattr(found.get(module), name, None)
+        if fn is None:
+            continue  # already named above
+        params = tuple(inspect.signature(getattr(fn, "_eplbx_original", fn)).parameters)
+        if params[:len(want)] != want:
+            missing.append(f"{name}{want} (this vLLM has {name}{params})")
+    abstract = getattr(found.get("vllm.distributed.eplb.eplb_communicator"), "EplbCommunicator", None)
+    if abstract is not None and not hasattr(abstract, "set_transfer_context"):
+        missing.append("EplbCommunicator.set_transfer_context (the per-expert interface; "
+                       "this vLLM has the older per-tensor one)")
+    if missing:
+        raise VllmLayoutError(
+            f"eplbx.vllm.install(): vLLM {version} is not laid out as eplbx expects "
+            f"(written against vLLM 0.33): not found: {'; '.join(missing)}. Nothing was "
+            "changed; use one of vLLM's own communicators or an eplbx that knows this vLLM")
+    return found
+
+
+def _create(original, group_coordinator, backend, expert_weights, expert_buffer, *args, **kwargs):
+    if backend != BACKEND:
+        return original(group_coordinator, backend, expert_weights, expert_buffer, *args, **kwargs)
+    try:
+        from vllm.distributed.stateless_coordinator import StatelessGroupCoordinator
+    except Exception:  # noqa: BLE001 - an older vLLM without elastic EP
+        StatelessGroupCoordinator = ()  # noqa: N806
+    if StatelessGroupCoordinator and isinstance(group_coordinator, StatelessGroupCoordinator):
+        raise NotImplementedError(
+            "eplbx: vLLM's elastic EP (stateless process groups) is not supported by the eplbx "
+            "communicator yet; use communicator 'nixl' or 'pynccl' with elastic EP")
+    import os
+
+    share = os.environ.get(_SHARE_ENV, "1")
+    if share not in ("0", "1"):
+        raise InvalidArgumentError(f"eplbx: environment variable {_SHARE_ENV}={share!r} is not 0 or 1")
+    if share == "1":
+        _share_memory([w for layer in expert_weights for w in layer] + list(expert_buffer))
+    return EplbxCommunicator(group_coordinator.cpu_group, expert_weights, expert_buffer,
+                             **options_from_env())
+
+
+def _share_memory(tensors) -> None:
+    """Moves host tensors' storage to shared memory in place (torch's share_memory_(): every
+    view, the model's parameters included, follows), so peers map them and READs are plain
+    copies (docs/python.md). Device tensors are left alone. Where it fails (a small /dev/shm),
+    a warning says so and why, and the communicator reads the plain tensors with CMA."""
+    try:
+        for t in tensors:
+            if t.device.type == "cpu" and not t.is_shared():
+                t.share_memory_()
+    except RuntimeError as e:
+        import logging
+
+        logging.getLogger("eplbx").warning(
+            "eplbx: could not move the expert weights to shared memory (%s); peers read them with "
+            "process_vm_readv instead (slower; docs/python.md). Make /dev/shm larger, or set %s=0 "
+            "to keep plain tensors without this warning", e, _SHARE_ENV)
+
+
+def _rearrange(original, old_global_expert_indices, new_global_expert_indices, expert_weights,
+               expert_buffer, ep_group, communicator, is_profile=False, rank_mapping=None, *args,
+               **kwargs):
+    """vLLM's rearrange_expert_weights_inplace: on an EplbxCommunicator (outside profiling and
+    elastic rank mappings) EplbxCommunicator.rearrange, else vLLM's own."""
+    import os
+
+    direct = os.environ.get(_DIRECT_ENV, "1")
+    if direct not in ("0", "1"):
+        raise InvalidArgumentError(f"eplbx: environment variable {_DIRECT_ENV}={direct!r} is not 0 or 1")
+    if (isinstance(communicator, EplbxCommunicator) and direct == "1" and not is_profile
+            and rank_mapping is None and not args and not kwargs):
+        communicator.rearrange(old_global_expert_indices, new_global_expert_indices, expert_weights,
+                               expert_buffer)
+        return None
+    return original(old_global_expert_indices, new_global_expert_indices, expert_weights, expert_buffer,
+                    ep_group, communicator, is_profile, rank_mapping, *args, **kwargs)
+
+
+def _replace_everywhere(module, name, wrapper) -> None:
+    """Wraps module.<name> and every loaded vLLM module's reference to it (modules that
+    imported it by name), once."""
+    import functools
+    import sys
+
+    original = getattr(module, name)
+    if getattr(original, "_eplbx_original", None):
+        return
+    wrapped = functools.wraps(original)(functools.partial(wrapper, original))
+    wrapped._eplbx_original = original
+    for m in list(sys.modules.values()):
+        if getattr(m, "__name__", "").startswith("vllm") and getattr(m, name, None) is original:
+            setattr(m, name, wrapped)
+
+
+def install() -> str:
+    """Makes `eplb_config={"communicator": "eplbx"}` valid in the installed vLLM and builds
+    EplbxCommunicator for it: adds "eplbx" to the names vLLM's EPLBConfig accepts (its
+    pydantic validators are rebuilt) and wraps vLLM's create_eplb_communicator wherever a
+    loaded vLLM module holds it (other names go to vLLM's own factory unchanged). Options come
+    from EPLBX_TIMEOUT_S, EPLBX_TRANSPORT, EPLBX_PATHS, EPLBX_DEFER_SETUP (options_from_env).
+    It also routes vLLM's synchronous rearrangement (rearrange_expert_weights_inplace) on an
+    EplbxCommunicator to EplbxCommunicator.rearrange, which reads straight into the weight rows
+    where safe (EPLBX_DIRECT=0: vLLM's own loop through the buffer); vLLM's asynchronous EPLB
+    keeps its own loop (transfer_layer, then its copy out of the buffer).
+
+    Idempotent (vLLM loads plugins once per process, maybe more). vLLM runs it in every
+    process through the `vllm.general_plugins` entry point the build writes next to the
+    package; a script that builds EngineArgs from a dict calls it first. An installed vLLM laid
+    out otherwise raises VllmLayoutError naming its version and what was not found, before
+    anything is changed. Returns the vLLM version."""
+    import typing
+
+    version = _vllm_version()
+    layout = _find_layout(version)
+    parallel = layout["vllm.config.parallel"]
+    comm_module = layout["vllm.distributed.eplb.eplb_communicator"]
+
+    names = typing.get_args(parallel.EPLBCommunicatorBackend)
+    if BACKEND not in names:
+        import pydantic
+
+        accepted = typing.Literal[tuple(names) + (BACKEND,)]
+        parallel.EPLBCommunicatorBackend = accepted
+        config_cls = parallel.EPLBConfig
+        config_cls.__annotations__["communicator"] = typing.Optional[accepted]
+        config_cls.__dataclass_fields__["communicator"].type = typing.Optional[accepted]
+        pydantic.dataclasses.rebuild_dataclass(config_cls, force=True)
+        # The configs that validate an EPLBConfig given as a dict embed its schema.
+        for name in ("ParallelConfig",):
+            pydantic.dataclasses.rebuild_dataclass(getattr(parallel, name), force=True)
+
+    _replace_everywhere(comm_module, "create_eplb_communicator", _create)
+    _replace_everywhere(layout["vllm.distributed.eplb.rebalance_execute"], "rearrange_expert_weights_inplace",
+                        _rearrange)
+    return version
+
+
+def _plugin() -> None:
+    """vLLM's `vllm.general_plugins` entry point (run in every vLLM process): install(), and
+    where this vLLM is laid out otherwise, a warning naming the version and what was not found
+    instead of stopping vLLM (its own communicators still work; selecting "eplbx" then fails in
+    vLLM's config validation, after this warning)."""
+    try:
+        install()
+    except VllmLayoutError as e:
+        import logging
+
+        logging.getLogger("eplbx").warning("%s", e)

@@ -363,11 +363,12 @@ class Communicator {
 
   // Maps arrive as int32 arrays already checked (integral, in range) by eplbx/vllm.py.
   void SetTransferContext(const py::array_t<int32_t, py::array::c_style>& old, uint32_t layer,
-                          const std::optional<py::array_t<int32_t, py::array::c_style>>& next) {
+                          const std::optional<py::array_t<int32_t, py::array::c_style>>& next,
+                          bool kept_rows_copied) {
     std::span<const int32_t> new_map;
     if (next) new_map = std::span<const int32_t>(next->data(), next->size());
     Check(comm_->SetTransferContext(std::span<const int32_t>(old.data(), old.size()), layer,
-                                    new_map));
+                                    new_map, kept_rows_copied));
   }
   void AddSend(uint32_t dst, uint32_t expert) { Check(comm_->AddSend(dst, expert)); }
   // `rows`: (address, bytes) of each receive row.
@@ -491,7 +492,7 @@ PYBIND11_MODULE(_eplbx, m) {
            py::arg("regions"), py::arg("timeout_s"), py::arg("transport") = "auto",
            py::arg("paths") = "")
       .def("set_transfer_context", &Communicator::SetTransferContext, py::arg("old"),
-           py::arg("layer"), py::arg("new_map") = py::none())
+           py::arg("layer"), py::arg("new_map") = py::none(), py::arg("kept_rows_copied") = false)
       .def("add_send", &Communicator::AddSend)
       .def("add_recv", &Communicator::AddRecv)
       .def("abort", &Communicator::Abort)

@@ -192,18 +192,21 @@ class EplbCommunicator {
   // `old_phy2log`: the layer's physical slot -> logical expert map in force (all ranks);
   // `new_phy2log` (optional): the map after the rearrangement. Every rank must pass the
   // same maps: Execute compares them across ranks before any READ and fails on every rank,
-  // naming both ranks and the first differing slot, when one differs.
+  // naming both ranks and the first differing slot, when one differs. `kept_rows_copied`
+  // (with `new_phy2log`): the caller has already copied out every row whose expert this rank
+  // keeps (its local moves are done or staged), so such rows may receive (see AddRecv).
   Status SetTransferContext(std::span<const int32_t> old_phy2log, uint32_t layer,
-                            std::span<const int32_t> new_phy2log = {});
+                            std::span<const int32_t> new_phy2log = {},
+                            bool kept_rows_copied = false);
   // `dst_rank` will read this rank's row of `expert` (a no-op on the wire for READ).
   Status AddSend(uint32_t dst_rank, uint32_t expert);
   // READ `expert` from `src_rank` into `dst_rows`: one row per tensor of the layer, each
   // exactly that tensor's bytes_per_expert long (else kInvalidArgument naming the tensor and
   // both sizes), inside memory registered with the agent. A receive row must not overlap
   // another receive row, a weight row of another layer, a row of this layer that a peer
-  // reads (AddSend), or a row whose expert this rank keeps; without `new_phy2log` every
-  // weight row of the layer counts as kept (receive into a buffer, as vLLM does). Those
-  // checks run in Execute, before anything moves.
+  // reads (AddSend), or a row whose expert this rank keeps (unless the context says those
+  // were copied out); without `new_phy2log` every weight row of the layer counts as kept
+  // (receive into a buffer, as vLLM does). Those checks run in Execute, before anything moves.
   Status AddRecv(uint32_t src_rank, uint32_t expert, std::span<const Descriptor> dst_rows);
   // Runs the layer's protocol; on return every AddRecv row holds its expert, or the error
   // names the rank that failed (nothing was committed by the protocol either way).

@@ -161,15 +161,18 @@ class EplbxCommunicator:
     def set_stream(self, stream) -> None:  # host memory: no streams to order against
         pass
 
-    def set_transfer_context(self, old_indices, layer_idx: int, new_indices=None, **_ignored) -> None:
+    def set_transfer_context(self, old_indices, layer_idx: int, new_indices=None,
+                             kept_rows_copied: bool = False, **_ignored) -> None:
         """`old_indices`: the layer's phy2log in force; `new_indices` (optional): the one
         after. Every rank must pass the same maps: execute() compares them across ranks
-        before any READ. Keyword arguments a newer vLLM may add are accepted and ignored."""
+        before any READ. `kept_rows_copied` (with `new_indices`): the caller already copied out
+        the rows whose expert this rank keeps, so those rows may receive. Keyword arguments a
+        newer vLLM may add are accepted and ignored."""
         layer = _check_int(layer_idx, "layer_idx", 0, len(self._rows) - 1)
         old = _check_map(old_indices, f"old_indices of layer {layer}")
         new = None if new_indices is None else _check_map(new_indices, f"new_indices of layer {layer}")
         self._setup()  # deferred setup: every rank reaches its first layer together
-        self._comm.set_transfer_context(old, layer, new)
+        self._comm.set_transfer_context(old, layer, new, bool(kept_rows_copied))
         self._layer = layer
 
     def _refuse(self, error: Exception) -> None:
@@ -231,12 +234,15 @@ class EplbxCommunicator:
         of the buffer. `old_maps` / `new_maps`: layers x slots phy2log (the same on every rank);
         `all_expert_weights` and `expert_buffer`: the tensors this communicator registered.
 
-        Per layer, every rank computes the same transfers (eplbx.migrate: fewest, best-sourced)
-        and then: a row whose old expert no peer reads from it and this rank does not keep
-        receives its expert directly; any other receive goes through the buffer row of the same
-        index; local moves copy after the layer's reads (from old rows through the buffer where
-        the destination is still needed). Returns {"direct_rows", "buffered_rows",
-        "local_copies", "layers"} for this rank.
+        Per layer, every rank computes the same transfers (eplbx.migrate: fewest, best-sourced).
+        Local moves from old rows go first (into free rows directly, into rows still needed
+        through the buffer), so no row's old content is needed here afterwards. Then two
+        execute() rounds, split alike on every rank: in phase 1 rows no peer reads receive
+        their experts directly; in phase 2, once every phase-1 read is done, the rows peers
+        read, unless the source row is itself a phase-2 target (those go through the buffer row
+        of the same index in phase 1). Then the buffer rows, then second replicas of rows just
+        received. Returns {"direct_rows", "buffered_rows", "local_copies", "layers"} for this
+        rank (direct_rows counts local copies written straight into their rows too).
 
         If a layer fails (a peer lost, a timeout), that layer's rows named in the error may hold
         partial data and every later layer is untouched: the error says so (vLLM's own loop
@@ -260,63 +266,74 @@ class EplbxCommunicator:
             if np.array_equal(old[layer], new[layer]):
                 continue  # every rank skips the same layers (the maps are the same everywhere)
             weights = all_expert_weights[layer]
-            old_local = old[layer][me * rows:(me + 1) * rows]
-            new_experts = set(int(e) for e in new[layer][me * rows:(me + 1) * rows] if e >= 0)
-            transfers = plan["layers"][layer]["transfers"]
-            copies = [c for c in plan["layers"][layer]["local_copies"] if int(c[0]) == me]
-            served = set()  # rows peers read: the first row holding each expert this rank sends
-            for src, _, dst, _, expert, _ in transfers:
-                if int(src) == me:
-                    served.add(int(np.flatnonzero(old_local == expert)[0]))
+            o, n = old[layer], new[layer]
+            transfers = [tuple(int(x) for x in t[:5]) for t in plan["layers"][layer]["transfers"]]
+            copies = [tuple(int(x) for x in c) for c in plan["layers"][layer]["local_copies"] if int(c[0]) == me]
 
-            def free(row):  # nothing needs this row's old content during the layer
-                e = int(old_local[row])
-                return row not in served and (e < 0 or e not in new_experts)
+            def first_row(rank, expert):  # the row a peer's READ of `expert` reads on `rank`
+                return int(np.flatnonzero(o[rank * rows:(rank + 1) * rows] == expert)[0])
 
-            self.set_transfer_context(old[layer], layer, new_indices=new[layer])
-            back = []  # buffer rows to copy into the weights after the reads
-            for src, _, dst, dst_row, expert, _ in transfers:
-                if int(src) == me:
-                    self.add_send(None, int(dst), int(expert))
-                elif int(dst) == me:
-                    row = int(dst_row)
-                    if free(row):
-                        self.add_recv([w[row] for w in weights], int(src), int(expert))
-                        stats["direct_rows"] += 1
-                    else:
-                        self.add_recv([b[row] for b in expert_buffer], int(src), int(expert))
-                        back.append(row)
-            # Local moves from old rows into rows still needed during the layer go through the
-            # buffer too, copied now (before any READ lands; only this rank uses its buffer).
-            olds, news = [], []  # (source row, destination row), copied after the reads
-            for _, src_row, dst_row, _, from_new in copies:
-                s, d = int(src_row), int(dst_row)
+            served = set()  # (rank, row) some peer reads during the layer
+            for src, _, _, _, expert in transfers:
+                served.add((src, first_row(src, expert)))
+            keeps = set(int(e) for e in n[me * rows:(me + 1) * rows] if e >= 0)
+
+            def free(row):  # no peer reads it and its old expert does not stay on this rank
+                return (me, row) not in served and int(o[me * rows + row]) not in keeps
+
+            # Local moves from old rows first, before any READ can land: into free rows directly,
+            # into rows still needed through the buffer row of the same index. Afterwards no
+            # row's old content is needed here any more ("kept rows copied").
+            back, direct, news = [], [], []  # buffer rows to copy in; rows written directly
+            for _, s_row, d_row, _, from_new in copies:
                 if from_new:
-                    news.append((s, d))
-                elif free(d):
-                    olds.append((s, d))
+                    news.append((s_row, d_row))  # a second replica of a row received now
+                elif free(d_row):
+                    for w in weights:
+                        w[d_row].copy_(w[s_row])
+                    direct.append(d_row)
                 else:
                     for w, b in zip(weights, expert_buffer):
-                        b[d].copy_(w[s])
-                    back.append(d)
-            try:
-                self.execute()
-            except Exception as e:
-                direct = sorted(int(t[3]) for t in transfers if int(t[2]) == me and free(int(t[3])))
-                raise type(e)(f"{e}; rank {me}: layer {layer} was being read straight into weight "
-                              f"rows {direct} (their contents are not valid now), layers after "
-                              f"{layer} are untouched") from e
-            # Old rows first (their sources hold experts this rank keeps: no READ or copy landed
-            # there), then the buffer, then copies of rows just filled.
-            for s, d in olds:
-                for w in weights:
-                    w[d].copy_(w[s])
-            for d in back:
+                        b[d_row].copy_(w[s_row])
+                    back.append(d_row)
+            # Phase 1 reads straight into rows no peer reads; phase 2, once every phase-1 read
+            # is done, into rows peers read in phase 1, unless the source row is itself a
+            # phase-2 target (then through the buffer in phase 1). Every rank computes the
+            # same split.
+            second = [t for t in transfers if (t[2], t[3]) in served]
+            targets = {(t[2], t[3]) for t in second}
+            second = {t for t in second if (t[0], first_row(t[0], t[4])) not in targets}
+            for phase in (1, 2):
+                if phase == 2 and not second:
+                    break  # the same on every rank
+                self.set_transfer_context(o, layer, new_indices=n, kept_rows_copied=True)
+                for t in transfers:
+                    src, _, dst, row, expert = t
+                    if (t in second) != (phase == 2):
+                        continue
+                    if src == me:
+                        self.add_send(None, dst, expert)
+                    elif dst == me:
+                        if phase == 2 or (me, row) not in served:
+                            self.add_recv([w[row] for w in weights], src, expert)
+                            direct.append(row)
+                        else:
+                            self.add_recv([b[row] for b in expert_buffer], src, expert)
+                            back.append(row)
+                try:
+                    self.execute()
+                except Exception as e:
+                    raise type(e)(f"{e}; rank {me}: layer {layer} (phase {phase} of its reads) was being "
+                                  f"written straight into weight rows {sorted(direct)} (their contents are "
+                                  f"not valid now), layers after {layer} are untouched") from e
+            # Then the buffer, then copies of rows just filled.
+            for d_row in back:
                 for w, b in zip(weights, expert_buffer):
-                    w[d].copy_(b[d])
-            for s, d in news:
+                    w[d_row].copy_(b[d_row])
+            for s_row, d_row in news:
                 for w in weights:
-                    w[d].copy_(w[s])
+                    w[d_row].copy_(w[s_row])
+            stats["direct_rows"] += len(direct)
             stats["buffered_rows"] += len(back)
             stats["local_copies"] += len(copies)
             stats["layers"] += 1

@@ -587,6 +587,7 @@ Result<PeerId> Rearranger::peer(uint32_t rank) const {
 struct EplbCommunicator::State {
   std::unique_ptr<internal::RearrangerImpl> impl;
   std::vector<int32_t> old_map, new_map;
+  bool kept_rows_copied = false;  // the caller copied out the rows whose expert stays here
   bool has_context = false;
   internal::RearrangerImpl::LayerJob job;
 
@@ -655,7 +656,7 @@ Status EplbCommunicator::State::CheckReceiveRows() const {
                              "buffer, or pass the new map)");
       continue;
     }
-    for (uint32_t k = 0; k < rows; ++k) {
+    for (uint32_t k = 0; k < rows && !kept_rows_copied; ++k) {
       if (e >= 0 && new_map[me * rows + k] == e)
         why_live[row] = StrCat("which holds expert ", e, ", kept by this rank");
     }
@@ -725,7 +726,8 @@ Result<std::unique_ptr<EplbCommunicator>> EplbCommunicator::Create(Agent* agent,
 }
 
 Status EplbCommunicator::SetTransferContext(std::span<const int32_t> old_phy2log, uint32_t layer,
-                                            std::span<const int32_t> new_phy2log) {
+                                            std::span<const int32_t> new_phy2log,
+                                            bool kept_rows_copied) {
   State& s = *state_;
   const auto& d = *s.impl;
   if (d.failed)
@@ -748,7 +750,12 @@ Status EplbCommunicator::SetTransferContext(std::span<const int32_t> old_phy2log
                                           " (ranks x rows)"));
   }
   s.old_map.assign(old_phy2log.begin(), old_phy2log.end());
+  if (kept_rows_copied && new_phy2log.empty()) {
+    return Status::InvalidArgument(
+        StrCat("rank ", d.self(), ": layer ", layer, ": kept_rows_copied needs the new map"));
+  }
   s.new_map.assign(new_phy2log.begin(), new_phy2log.end());
+  s.kept_rows_copied = kept_rows_copied;
   s.job = {};
   s.job.layer = layer;
   s.has_context = true;

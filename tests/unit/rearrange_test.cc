@@ -453,6 +453,7 @@ TEST(RearrangerFaultTest, DelaysAndDuplicatesChangeNothing) {
 struct VllmDrive {
   std::vector<std::vector<int32_t>> before, after;
   bool pass_new_map = false;
+  bool kept_rows_copied = false;  // passed to SetTransferContext
   // Changes the map rank `r` passes for layer `l` (a stale map).
   std::function<void(uint32_t r, int l, std::vector<int32_t>& map)> map_of;
   // Replaces the receive row of tensor `t` (a short row, a weight row).
@@ -506,7 +507,8 @@ struct VllmDrive {
       if (map_of) map_of(r, l, old_map);
       Status s = (*comm)->SetTransferContext(
           old_map, l,
-          pass_new_map ? std::span<const int32_t>(after[l]) : std::span<const int32_t>());
+          pass_new_map ? std::span<const int32_t>(after[l]) : std::span<const int32_t>(),
+          kept_rows_copied);
       for (int dst = 0; dst < kRanks; ++dst) {  // what others need from this rank
         std::vector<int32_t> asked;
         for (int row = 0; row < kRows; ++row) {
@@ -645,6 +647,79 @@ TEST(EplbCommunicatorTest, ReceiveRowsThatAreLiveWeightsAreRefused) {
   }
 }
 
+// A row whose expert the rank keeps (it moves to another of its rows) is refused as a receive
+// row, naming the kept expert; once the caller says it copied such rows out
+// (kept_rows_copied, what eplbx.vllm's rearrange does before any READ), it may receive, and
+// the expert lands in it. A row a peer reads stays refused either way.
+TEST(EplbCommunicatorTest, KeptRowsReceiveOnlyOnceTheCallerCopiedThemOut) {
+  // A seed where rank 0, layer 0 receives some expert and has a row whose old expert it keeps
+  // at another row while no peer reads it (a peer reads the lowest rank's copy).
+  for (int seed = 1;; ++seed) {
+    ASSERT_LT(seed, 500) << "no such placement";
+    VllmDrive probe(seed);
+    const auto& b = probe.before[0];
+    const auto& a = probe.after[0];
+    auto rank_of_first = [&](int32_t e) {
+      for (int s = 0; s < kRanks * kRows; ++s) {
+        if (b[s] == e) return s / kRows;
+      }
+      return -1;
+    };
+    int pick = -1;
+    bool receives = false;
+    for (int k = 0; k < kRows; ++k) {
+      const int32_t e = b[k];
+      bool kept = false, wanted_elsewhere = false;
+      for (int s = 0; s < kRanks * kRows; ++s) {
+        if (a[s] != e) continue;
+        if (s < kRows)
+          kept |= s != k;  // rank 0 holds e afterwards at another row
+        else
+          wanted_elsewhere = true;
+      }
+      if (kept && a[k] != e && !(wanted_elsewhere && rank_of_first(e) == 0)) pick = k;
+    }
+    for (int k = 0; k < kRows; ++k) {
+      bool held = false;
+      for (int j = 0; j < kRows; ++j) held |= b[j] == a[k];
+      receives |= !held;
+    }
+    if (pick < 0 || !receives) continue;
+    for (bool copied : {false, true}) {
+      VllmDrive d(seed);
+      d.pass_new_map = true;
+      d.kept_rows_copied = copied;
+      int calls = 0;  // rank 0's thread only
+      d.recv_row = [&](uint32_t r, int l, int t, Descriptor row, Rank& rank) {
+        if (r != 0 || l != 0 || calls++ >= 2) return row;
+        // The first expert rank 0 receives (both tensors) goes into row `pick`.
+        return Descriptor::Of(rank.weights[0][t].data() + pick * kBytes[t], kBytes[t]);
+      };
+      d.Run();
+      if (!copied) {
+        EXPECT_NE(d.errors[0].find("kept by this rank"), std::string::npos) << d.errors[0];
+        continue;
+      }
+      EXPECT_EQ(d.errors[0], "");
+      for (uint32_t r = 1; r < kRanks; ++r) EXPECT_EQ(d.errors[r], "") << "rank " << r;
+      // Row `pick` now holds the first expert rank 0 received, whole.
+      int32_t first = -1;
+      for (int k = 0; k < kRows && first < 0; ++k) {
+        bool held = false;
+        for (int j = 0; j < kRows; ++j) held |= b[j] == a[k];
+        if (!held) first = a[k];
+      }
+      for (int t = 0; t < 2; ++t) {
+        for (uint64_t i = 0; i < kBytes[t]; ++i) {
+          ASSERT_EQ(d.ranks[0]->weights[0][t][pick * kBytes[t] + i], Byte(0, first, t, i))
+              << "tensor " << t << " byte " << i;
+        }
+      }
+    }
+    break;
+  }
+}
+
 TEST(EplbCommunicatorTest, MisuseIsRejectedClearly) {
   std::mt19937 rng(2);
   std::vector<std::vector<int32_t>> before = {RandomMap(rng), RandomMap(rng), RandomMap(rng)};
@@ -662,6 +737,12 @@ TEST(EplbCommunicatorTest, MisuseIsRejectedClearly) {
   EXPECT_NE(
       (*comm)->SetTransferContext(before[0], 7).message().find("layer 7 is not in the layout"),
       std::string::npos);
+  const std::vector<int32_t> four(before[0].begin(), before[0].begin() + 4);
+  EXPECT_NE((*comm)
+                ->SetTransferContext(four, 0, {}, true)
+                .message()
+                .find("kept_rows_copied needs the new map"),
+            std::string::npos);
   layout.spare_rows = 1;  // vLLM's contract moves rows in place: no row tables
   EXPECT_NE(EplbCommunicator::Create(rank->agent.get(), boot.get(), layout)
                 .status()

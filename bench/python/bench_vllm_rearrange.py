@@ -231,6 +231,8 @@ def check_worker(rank, world, port, results):
             os.environ["EPLBX_DIRECT"] = direct
             rearrange(torch.tensor(old), torch.tensor(new), weights, buffer, group.device_group, comm)
             expect(f"rearrange_expert_weights_inplace, EPLBX_DIRECT={direct}", new)
+            if direct == "1" and not (comm.last_rearrange and comm.last_rearrange["layers"] > 0):
+                failures.append(f"vLLM's call did not run eplbx's rearrange: {comm.last_rearrange}")
         stats = comm.rearrange(torch.tensor(maps[4]), torch.tensor(maps[1]), weights, buffer)
         expect("EplbxCommunicator.rearrange", maps[1])
         # 2. Asynchronous EPLB: set_stream, then transfer_layer from the worker thread, the

@@ -119,6 +119,7 @@ class EplbxCommunicator:
         self._rank, self._world = rank, world
         self._rows = []  # per layer, per tensor: (dtype, row shape, bytes per row)
         self._layer = None
+        self.last_rearrange = None  # figures of the last rearrange() (vLLM drops its return value)
         layers = []
         tensors = []
         for layer, layer_tensors in enumerate(all_expert_weights):
@@ -241,8 +242,9 @@ class EplbxCommunicator:
         their experts directly; in phase 2, once every phase-1 read is done, the rows peers
         read, unless the source row is itself a phase-2 target (those go through the buffer row
         of the same index in phase 1). Then the buffer rows, then second replicas of rows just
-        received. Returns {"direct_rows", "buffered_rows", "local_copies", "layers"} for this
-        rank (direct_rows counts local copies written straight into their rows too).
+        received. Returns this rank's figures, also kept as `last_rearrange` (vLLM drops the
+        return value): {"direct_rows" (local copies written straight into their rows count
+        too), "buffered_rows", "local_copies", "layers", "bytes_received", "seconds"}.
 
         If a layer fails (a peer lost, a timeout), that layer's rows named in the error may hold
         partial data and every later layer is untouched: the error says so (vLLM's own loop
@@ -259,9 +261,13 @@ class EplbxCommunicator:
                 f"eplbx: the maps are {old.shape[0]} x {old.shape[1]} (old) and {new.shape[0]} x "
                 f"{new.shape[1]} (new); this communicator has {layers} layers x {rows * self._world} "
                 f"slots ({self._world} ranks x {rows} rows)")
+        import time
+
+        t0 = time.perf_counter()
         plan = migrate(old, new, ranks=self._world)
         me = self._rank
-        stats = {"direct_rows": 0, "buffered_rows": 0, "local_copies": 0, "layers": 0}
+        stats = {"direct_rows": 0, "buffered_rows": 0, "local_copies": 0, "layers": 0,
+                 "bytes_received": 0, "seconds": 0.0}
         for layer in range(layers):
             if np.array_equal(old[layer], new[layer]):
                 continue  # every rank skips the same layers (the maps are the same everywhere)
@@ -314,6 +320,7 @@ class EplbxCommunicator:
                     if src == me:
                         self.add_send(None, dst, expert)
                     elif dst == me:
+                        stats["bytes_received"] += sum(nbytes for _, _, nbytes in self._rows[layer])
                         if phase == 2 or (me, row) not in served:
                             self.add_recv([w[row] for w in weights], src, expert)
                             direct.append(row)
@@ -337,6 +344,8 @@ class EplbxCommunicator:
             stats["buffered_rows"] += len(back)
             stats["local_copies"] += len(copies)
             stats["layers"] += 1
+        stats["seconds"] = time.perf_counter() - t0
+        self.last_rearrange = stats
         return stats
 
 

@@ -67,6 +67,44 @@ Result<SurvivorPlan> PlanSurvivors(const Placement& in_force, const LoadMatrix& 
                                    const Topology& topology, const std::vector<bool>& live,
                                    const SurvivorOptions& options = {});
 
+// ---- Elastic resize (docs/placement.md, "Adding and removing ranks") --------------------
+//
+// Ranks join with empty slots and ranks leave gracefully: a leaving rank is still readable
+// until the migration is done (its experts are drained to the others first), unlike a lost
+// one. Slots per rank stay as they are.
+struct ResizeRequest {
+  int add = 0;              // new ranks, numbered after the existing ones, with empty slots
+  std::vector<int> remove;  // existing ranks that leave once drained (any order, none twice)
+};
+
+struct ResizePlan {
+  std::vector<int> added_ranks;    // ascending
+  std::vector<int> removed_ranks;  // ascending
+  // The ranks that serve afterwards, as ids of the span (every old rank, then the added
+  // ones): the kept ranks in order, then the added ranks. Rank k after the resize is
+  // members[k] during it.
+  std::vector<int> members;
+  Topology topology;  // after: members.size() ranks (nodes kept when the change is whole nodes)
+  // During the move, over the span (old ranks + added ones): what the slots hold now (added
+  // ranks empty), the placement to reach (removed ranks empty), and the migration between
+  // them (removed ranks are sources only; added ranks destinations only).
+  Placement sources;
+  Placement placement;
+  MigrationPlan migration;
+  // `placement` over the ranks after the resize, renumbered by `members`.
+  Placement after;
+};
+
+// `in_force` over `topology`; `load`: the load to balance for. The new placement is planned
+// incremental (options.policy) from what the staying ranks hold, on the topology after; the
+// migration's sources are every old rank, the leaving ones included. Nodes are kept (ranks per
+// node unchanged) when only whole nodes are added or removed, else the plan and the migration
+// see one node. Errors (nothing planned), named: a negative or too large add, a rank to remove
+// out of range or listed twice, no rank left, fewer slots after than experts.
+Result<ResizePlan> PlanResize(const Placement& in_force, const LoadMatrix& load,
+                              const Topology& topology, const ResizeRequest& request,
+                              const SurvivorOptions& options = {});
+
 }  // namespace eplbx
 
 #endif  // EPLBX_SURVIVORS_H_

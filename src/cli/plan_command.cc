@@ -28,11 +28,15 @@ struct PlanArgs {
   double tolerance = 0.002;
   Topology topology;
   std::string lost;             // "2,5": ranks lost (re-place over the survivors)
+  int add_ranks = 0;            // elastic resize: ranks joining with empty slots
+  std::string remove_ranks;     // elastic resize: "2,5": ranks leaving once drained
   std::string backup = "none";  // none or all: may orphaned experts come from a backup
 };
 
-// "2,5" -> {2, 5}, each in [0, ranks), none twice.
-Result<std::vector<bool>> ParseLost(const std::string& list, int ranks) {
+// "2,5" -> {2, 5} as flags (true: not listed), each in [0, ranks), none twice; errors name
+// `flag`.
+Result<std::vector<bool>> ParseRankList(const std::string& list, int ranks,
+                                        const std::string& flag) {
   std::vector<bool> live(ranks, true);
   for (const std::string& item : SplitPaths(list)) {
     size_t used = 0;
@@ -43,12 +47,12 @@ Result<std::vector<bool>> ParseLost(const std::string& list, int ranks) {
       used = 0;
     }
     if (item.empty() || used != item.size() || r < 0 || r >= ranks) {
-      return Status::InvalidArgument(internal::StrCat("--lost: ", internal::Printable(item),
+      return Status::InvalidArgument(internal::StrCat(flag, ": ", internal::Printable(item),
                                                       " is not a rank (expected 0..", ranks - 1,
                                                       ", comma-separated)"));
     }
     if (!live[r])
-      return Status::InvalidArgument(internal::StrCat("--lost: rank ", r, " listed twice"));
+      return Status::InvalidArgument(internal::StrCat(flag, ": rank ", r, " listed twice"));
     live[r] = false;
   }
   return live;
@@ -189,6 +193,8 @@ Status RunPlan(const PlanArgs& args) {
         "--policy incremental needs --previous FILE (the placement in force, e.g. an earlier "
         "plan's output)");
   }
+  if (!args.lost.empty() && (args.add_ranks != 0 || !args.remove_ranks.empty()))
+    return Status::InvalidArgument("--lost and --add-ranks / --remove-ranks: one at a time");
   if (!args.lost.empty()) {
     if (options.previous == nullptr) {
       return Status::InvalidArgument(
@@ -198,7 +204,7 @@ Status RunPlan(const PlanArgs& args) {
       return Status::InvalidArgument(internal::StrCat(
           "--backup is ", internal::Printable(args.backup), " (expected none or all)"));
     }
-    Result<std::vector<bool>> live = ParseLost(args.lost, args.topology.ranks);
+    Result<std::vector<bool>> live = ParseRankList(args.lost, args.topology.ranks, "--lost");
     if (!live.ok()) return live.status();
     SurvivorOptions so;
     so.policy = *policy == Policy::kDeepSeek ? Policy::kIncremental : *policy;
@@ -238,6 +244,54 @@ Status RunPlan(const PlanArgs& args) {
                          " slots (", sp->experts_recovered,
                          " experts no survivor held) filled from the backup\n");
     return io::WriteOutput(args.out, text);
+  }
+  if (args.add_ranks != 0 || !args.remove_ranks.empty()) {
+    if (options.previous == nullptr) {
+      return Status::InvalidArgument(
+          "--add-ranks / --remove-ranks need --previous FILE (the placement in force)");
+    }
+    ResizeRequest request;
+    request.add = args.add_ranks;
+    if (!args.remove_ranks.empty()) {
+      Result<std::vector<bool>> stay =
+          ParseRankList(args.remove_ranks, args.topology.ranks, "--remove-ranks");
+      if (!stay.ok()) return stay.status();
+      for (int r = 0; r < args.topology.ranks; ++r) {
+        if (!(*stay)[r]) request.remove.push_back(r);
+      }
+    }
+    SurvivorOptions so;
+    so.policy = *policy == Policy::kDeepSeek ? Policy::kIncremental : *policy;
+    so.tolerance = args.tolerance;
+    const auto start = Env::Default()->Now();
+    Result<ResizePlan> rp = PlanResize(*previous, *load, args.topology, request, so);
+    const double plan_ms =
+        std::chrono::duration<double, std::milli>(Env::Default()->Now() - start).count();
+    if (!rp.ok()) return rp.status();
+    Result<Balance> balance = ComputeBalance(rp->after, *load, rp->topology.ranks);
+    if (!balance.ok()) return balance.status();
+    const MigrationSummary& m = rp->migration.summary;
+    if (args.format == "json") {
+      nlohmann::json json = io::PlanToJson(PolicyName(so.policy), rp->after, *balance, plan_ms);
+      json["resize"] = {{"added_ranks", rp->added_ranks},
+                        {"removed_ranks", rp->removed_ranks},
+                        {"members", rp->members},
+                        {"ranks", rp->topology.ranks},
+                        {"nodes", rp->topology.nodes},
+                        {"migration",
+                         {{"remote_transfers", m.remote_transfers},
+                          {"local_copies", m.local_copies},
+                          {"rounds", m.rounds}}}};
+      return io::WriteOutput(args.out, json.dump() + "\n");
+    }
+    return io::WriteOutput(
+        args.out, FormatTable(rp->after, *load, rp->topology, *balance, PolicyName(so.policy),
+                              plan_ms, args.format == "table-full") +
+                      internal::StrCat("\nresize: ", rp->added_ranks.size(), " ranks added, ",
+                                       rp->removed_ranks.size(), " removed (drained first); ",
+                                       rp->topology.ranks, " ranks after, on ", rp->topology.nodes,
+                                       " nodes; ", m.remote_transfers, " remote reads and ",
+                                       m.local_copies, " local copies\n"));
   }
   const auto start = Env::Default()->Now();
   Result<Placement> placement = Plan(*load, args.topology, options);
@@ -317,6 +371,14 @@ void AddPlanCommand(CLI::App& app, Action& run) {
                   "--lost: none (an expert only lost ranks held is an error, named) or all (a "
                   "backup holds every expert: those are listed as recovered)")
       ->capture_default_str();
+  cmd->add_option("--add-ranks", args->add_ranks,
+                  "Elastic resize: ranks joining with empty slots (numbered after the existing "
+                  "ones); re-place from --previous; the output is the placement after, with "
+                  "\"resize\" (members, migration)")
+      ->check(IntIn<int>(0, 1 << 16));
+  cmd->add_option("--remove-ranks", args->remove_ranks,
+                  "Elastic resize: ranks leaving gracefully, comma-separated (drained first: "
+                  "the migration may read from them); ranks after are renumbered in order");
   cmd->add_option("--out", args->out, "Output file ('-' for stdout)")->capture_default_str();
   cmd->add_option("--format", args->format,
                   "json, table (a summary: balancedness, replication, the least balanced "

@@ -18,6 +18,48 @@ std::string RankList(const std::vector<int>& ranks) {
   return out;
 }
 
+// The ranks `members` (ids in a span of ranks with `per_rank` slots each) planned on `small`
+// (their topology, in that order), incremental from what the span's slots hold (`held`,
+// layers x span slots, -1 empty): the plan spread back over the span (other ranks' slots
+// empty) and compact (member k's slots are k * per_rank ...).
+struct OverMembers {
+  std::vector<int32_t> span;
+  Placement compact;
+};
+Result<OverMembers> PlanOverMembers(const LoadMatrix& load, const std::vector<int32_t>& held,
+                                    int experts, int span_slots, int per_rank,
+                                    const std::vector<int>& members, const Topology& small,
+                                    Policy policy, double tolerance) {
+  const int layers = load.layers();
+  std::vector<int32_t> compact(static_cast<size_t>(layers) * small.slots, -1);
+  for (int l = 0; l < layers; ++l) {
+    for (size_t k = 0; k < members.size(); ++k) {
+      for (int i = 0; i < per_rank; ++i) {
+        compact[static_cast<size_t>(l) * small.slots + k * per_rank + i] =
+            held[static_cast<size_t>(l) * span_slots + members[k] * per_rank + i];
+      }
+    }
+  }
+  EPLBX_ASSIGN_OR_RETURN(Placement previous,
+                         Placement::FromPhy2Log(layers, small.slots, experts, compact));
+  PlanOptions po;
+  po.policy = policy;
+  po.tolerance = tolerance;
+  po.previous = &previous;
+  EPLBX_ASSIGN_OR_RETURN(Placement planned, Plan(load, small, po));
+  OverMembers out{std::vector<int32_t>(static_cast<size_t>(layers) * span_slots, -1),
+                  std::move(planned)};
+  for (int l = 0; l < layers; ++l) {
+    for (size_t k = 0; k < members.size(); ++k) {
+      for (int i = 0; i < per_rank; ++i) {
+        out.span[static_cast<size_t>(l) * span_slots + members[k] * per_rank + i] =
+            out.compact.phy2log(l, static_cast<int>(k) * per_rank + i);
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 Result<SurvivorPlan> PlanSurvivors(const Placement& in_force, const LoadMatrix& load,
@@ -96,44 +138,30 @@ Result<SurvivorPlan> PlanSurvivors(const Placement& in_force, const LoadMatrix& 
   for (int r : lost) ++lost_per_node[topology.node_of_rank(r)];
   for (int n : lost_per_node) even = even && n == lost_per_node[0];
   small.nodes = even && small.ranks % topology.nodes == 0 ? topology.nodes : 1;
-  std::vector<int32_t> compact(static_cast<size_t>(layers) * small.slots, -1);
-  for (int l = 0; l < layers; ++l) {
-    for (size_t k = 0; k < alive.size(); ++k) {
-      for (int i = 0; i < per_rank; ++i) {
-        compact[static_cast<size_t>(l) * small.slots + k * per_rank + i] =
-            held[static_cast<size_t>(l) * slots + alive[k] * per_rank + i];
-      }
-    }
-  }
-  EPLBX_ASSIGN_OR_RETURN(Placement previous,
-                         Placement::FromPhy2Log(layers, small.slots, experts, compact));
-  PlanOptions po;
-  po.policy = options.policy;
-  po.tolerance = options.tolerance;
-  po.previous = &previous;
-  Result<Placement> planned = Plan(load, small, po);
+  Result<OverMembers> planned = PlanOverMembers(load, held, experts, slots, per_rank, alive, small,
+                                                options.policy, options.tolerance);
   if (!planned.ok()) return planned.status().WithPrefix("survivor planning");
 
-  // Spread back over every rank's slots; the lost ranks' stay empty.
-  std::vector<int32_t> out(static_cast<size_t>(layers) * slots, -1), interim = held;
+  // The lost ranks' slots stay empty.
+  std::vector<int32_t> interim = held;
   SurvivorPlan plan;
   plan.lost_ranks = lost;
   for (int l = 0; l < layers; ++l) {
-    for (size_t k = 0; k < alive.size(); ++k) {
+    for (int r : alive) {
       for (int i = 0; i < per_rank; ++i) {
-        const int slot = alive[k] * per_rank + i;
-        const int32_t e = planned->phy2log(l, static_cast<int>(k) * per_rank + i);
-        out[static_cast<size_t>(l) * slots + slot] = e;
+        const size_t at = static_cast<size_t>(l) * slots + r * per_rank + i;
+        const int32_t e = planned->span[at];
         // A slot whose expert no survivor holds keeps its contents through the migration
         // and is filled from the backup afterwards.
         if (e >= 0 && sources.logcnt(l, e) == 0) {
-          plan.recovered.push_back({l, e, slot});
+          plan.recovered.push_back({l, e, r * per_rank + i});
         } else {
-          interim[static_cast<size_t>(l) * slots + slot] = e;
+          interim[at] = e;
         }
       }
     }
   }
+  const std::vector<int32_t>& out = planned->span;
   plan.experts_recovered = static_cast<int64_t>(orphans.size());
   EPLBX_ASSIGN_OR_RETURN(plan.placement, Placement::FromPhy2Log(layers, slots, experts, out));
   EPLBX_ASSIGN_OR_RETURN(plan.interim, Placement::FromPhy2Log(layers, slots, experts, interim));
@@ -144,6 +172,91 @@ Result<SurvivorPlan> PlanSurvivors(const Placement& in_force, const LoadMatrix& 
   if (!m.ok()) return m.status().WithPrefix("survivor planning: the migration among survivors");
   plan.migration = std::move(*m);
   plan.sources = std::move(sources);
+  return plan;
+}
+
+Result<ResizePlan> PlanResize(const Placement& in_force, const LoadMatrix& load,
+                              const Topology& topology, const ResizeRequest& request,
+                              const SurvivorOptions& options) {
+  EPLBX_RETURN_IF_ERROR(topology.Validate(in_force.experts()));
+  const int layers = in_force.layers(), slots = in_force.slots(), experts = in_force.experts();
+  if (slots != topology.slots || load.layers() != layers || load.experts() != experts) {
+    return Status::InvalidArgument(
+        StrCat("resize planning: the placement is ", layers, " layers x ", slots, " slots x ",
+               experts, " experts, the load ", load.layers(), " x ", load.experts(),
+               ", the topology ", topology.slots, " slots; they must agree"));
+  }
+  const int per_rank = topology.slots_per_rank(), rpn = topology.ranks_per_node();
+  if (request.add < 0 || request.add > Topology::kMaxSlots) {
+    return Status::InvalidArgument(StrCat("resize planning: ", request.add,
+                                          " ranks to add (expected 0..", Topology::kMaxSlots, ")"));
+  }
+  const int span_ranks = topology.ranks + request.add;
+  std::vector<bool> leaves(topology.ranks, false);
+  for (int r : request.remove) {
+    if (r < 0 || r >= topology.ranks) {
+      return Status::InvalidArgument(StrCat("resize planning: rank ", r,
+                                            " to remove is not a rank (expected 0..",
+                                            topology.ranks - 1, ")"));
+    }
+    if (leaves[r])
+      return Status::InvalidArgument(StrCat("resize planning: rank ", r, " listed twice"));
+    leaves[r] = true;
+  }
+  ResizePlan plan;
+  for (int r = 0; r < topology.ranks; ++r) {
+    if (leaves[r])
+      plan.removed_ranks.push_back(r);
+    else
+      plan.members.push_back(r);
+  }
+  for (int r = topology.ranks; r < span_ranks; ++r) {
+    plan.added_ranks.push_back(r);
+    plan.members.push_back(r);
+  }
+  const int after_ranks = static_cast<int>(plan.members.size());
+  if (after_ranks == 0) {
+    return Status::InvalidArgument(StrCat("resize planning: removing every one of the ",
+                                          topology.ranks, " ranks leaves none to serve"));
+  }
+  if (static_cast<int64_t>(after_ranks) * per_rank < experts) {
+    return Status::InvalidArgument(
+        StrCat("resize planning: ", after_ranks, " ranks after the resize have ",
+               int64_t{after_ranks} * per_rank, " slots (", per_rank, " each) for ", experts,
+               " experts; every expert needs a slot: remove fewer ranks or add some"));
+  }
+  // Whole nodes only: ranks per node stay, so every member keeps its node.
+  bool whole = topology.nodes > 1 && request.add % rpn == 0;
+  std::vector<int> leaving_per_node(topology.nodes, 0);
+  for (int r : plan.removed_ranks) ++leaving_per_node[topology.node_of_rank(r)];
+  for (int n : leaving_per_node) whole = whole && (n == 0 || n == rpn);
+  plan.topology = topology;
+  plan.topology.ranks = after_ranks;
+  plan.topology.slots = after_ranks * per_rank;
+  plan.topology.nodes = whole ? after_ranks / rpn : 1;
+  EPLBX_RETURN_IF_ERROR(plan.topology.Validate(experts).WithPrefix("resize planning"));
+
+  // The span: every old rank (what it holds now), then the added ranks (empty).
+  const int span_slots = span_ranks * per_rank;
+  std::vector<int32_t> held(static_cast<size_t>(layers) * span_slots, -1);
+  for (int l = 0; l < layers; ++l) {
+    for (int s = 0; s < slots; ++s)
+      held[static_cast<size_t>(l) * span_slots + s] = in_force.phy2log(l, s);
+  }
+  Result<OverMembers> planned =
+      PlanOverMembers(load, held, experts, span_slots, per_rank, plan.members, plan.topology,
+                      options.policy, options.tolerance);
+  if (!planned.ok()) return planned.status().WithPrefix("resize planning");
+  EPLBX_ASSIGN_OR_RETURN(plan.sources, Placement::FromPhy2Log(layers, span_slots, experts, held));
+  EPLBX_ASSIGN_OR_RETURN(plan.placement,
+                         Placement::FromPhy2Log(layers, span_slots, experts, planned->span));
+  plan.after = std::move(planned->compact);
+  MigrationOptions mo = options.migration;
+  mo.ranks = span_ranks;
+  mo.nodes = whole ? span_ranks / rpn : 1;
+  Result<MigrationPlan> m = PlanMigration(plan.sources, plan.placement, mo);
+  if (!m.ok()) return m.status().WithPrefix("resize planning: the migration");
+  plan.migration = std::move(*m);
   return plan;
 }
 

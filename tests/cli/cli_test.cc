@@ -377,6 +377,51 @@ TEST_F(CliTest, PlanOverTheSurvivorsOfLostRanks) {
                      "--lost needs --previous FILE");
 }
 
+// Elastic resize (issue 20, item 4): a whole node joins (nodes kept), two ranks leave
+// (planned as one node), bad requests named.
+TEST_F(CliTest, PlanAnElasticResize) {
+  const std::string load = std::string(EPLBX_EXAMPLES) + "/dsv3_load.json";
+  const std::string shape = " --slots 288 --ranks 32 --nodes 4 --groups 8";
+  const std::string prev = (dir_ / "prev.json").string();
+  ASSERT_EQ(Eplbx("plan --load " + load + shape + " --out " + prev).exit_code, 0);
+  const std::string base = "plan --load " + load + shape + " --previous " + prev;
+  CliRun r = Eplbx(base + " --add-ranks 8");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["policy"], "incremental");
+  EXPECT_EQ(j["resize"]["added_ranks"], (std::vector<int>{32, 33, 34, 35, 36, 37, 38, 39}));
+  EXPECT_EQ(j["resize"]["ranks"], 40);
+  EXPECT_EQ(j["resize"]["nodes"], 5);
+  EXPECT_GT(j["resize"]["migration"]["remote_transfers"].get<int>(), 0);
+  ASSERT_EQ(j["phy2log"].size(), 58u);
+  for (const auto& layer : j["phy2log"]) {
+    ASSERT_EQ(layer.size(), 360u);
+    for (int s = 32 * 9; s < 40 * 9; ++s)
+      ASSERT_GE(layer[s].get<int>(), 0) << s;  // new ranks serve
+  }
+  r = Eplbx(base + " --remove-ranks 31,30");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["resize"]["removed_ranks"], (std::vector<int>{30, 31}));
+  EXPECT_EQ(j["resize"]["ranks"], 30);
+  EXPECT_EQ(j["resize"]["nodes"], 1);
+  EXPECT_EQ(j["phy2log"][0].size(), 270u);
+  CliRun t = Eplbx(base + " --add-ranks 8 --format table");
+  ASSERT_EQ(t.exit_code, 0) << t.err;
+  EXPECT_NE(t.out.find("resize: 8 ranks added, 0 removed (drained first); 40 ranks after, on 5 "
+                       "nodes; "),
+            std::string::npos)
+      << t.out;
+  ExpectOneLineError(Eplbx(base + " --remove-ranks 24,25,26,27,28,29,30,31"),
+                     "24 ranks after the resize have 216 slots (9 each) for 256 experts");
+  ExpectOneLineError(Eplbx(base + " --remove-ranks 32"),
+                     "--remove-ranks: '32' is not a rank (expected 0..31, comma-separated)");
+  ExpectOneLineError(Eplbx(base + " --remove-ranks 3,3"), "--remove-ranks: rank 3 listed twice");
+  ExpectOneLineError(Eplbx(base + " --add-ranks 1 --lost 2"), "one at a time");
+  ExpectOneLineError(Eplbx("plan --load " + load + shape + " --add-ranks 8"),
+                     "--add-ranks / --remove-ranks need --previous FILE");
+}
+
 TEST_F(CliTest, TraceSynthAndSimulate) {
   const std::string trace = (dir_ / "t.jsonl").string();
   ASSERT_EQ(

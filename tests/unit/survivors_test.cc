@@ -180,5 +180,135 @@ TEST(SurvivorsTest, LossesAcrossNodesAreReplacedToo) {
   }
 }
 
+// ---- Elastic resize (issue 20, item 4) ----------------------------------------------------
+
+// The resize plan is what it says: the sources are what the old ranks hold (added ranks
+// empty), the placement uses exactly the members' slots and serves every expert, the
+// migration turns one into the other reading only from old ranks (the leaving ones included)
+// and writing only to members, and `after` is the placement renumbered by `members`.
+void ExpectResizeConsistent(const World& w, const ResizePlan& p) {
+  const int per_rank = w.topo.slots_per_rank();
+  const int span_ranks = w.topo.ranks + static_cast<int>(p.added_ranks.size());
+  const int span_slots = span_ranks * per_rank;
+  std::set<int> members(p.members.begin(), p.members.end());
+  ASSERT_EQ(p.placement.slots(), span_slots);
+  ASSERT_TRUE(p.placement.CheckEveryExpertPlaced().ok())
+      << p.placement.CheckEveryExpertPlaced().ToString();
+  ASSERT_EQ(p.after.slots(), static_cast<int>(p.members.size()) * per_rank);
+  ASSERT_TRUE(p.after.CheckEveryExpertPlaced().ok());
+  EXPECT_EQ(p.topology.ranks, static_cast<int>(p.members.size()));
+  for (int l = 0; l < w.load.layers(); ++l) {
+    for (int s = 0; s < span_slots; ++s) {
+      const int r = s / per_rank;
+      EXPECT_EQ(p.sources.phy2log(l, s), r < w.topo.ranks ? w.in_force.phy2log(l, s) : -1);
+      if (!members.count(r)) EXPECT_EQ(p.placement.phy2log(l, s), -1) << "slot " << s;
+    }
+    for (size_t k = 0; k < p.members.size(); ++k) {
+      for (int i = 0; i < per_rank; ++i) {
+        EXPECT_EQ(p.after.phy2log(l, static_cast<int>(k) * per_rank + i),
+                  p.placement.phy2log(l, p.members[k] * per_rank + i));
+      }
+    }
+    std::vector<int32_t> before(p.sources.phy2log().begin() + l * span_slots,
+                                p.sources.phy2log().begin() + (l + 1) * span_slots);
+    Result<std::vector<int32_t>> after = ApplyMigration(before, p.migration.layers[l], span_ranks);
+    ASSERT_TRUE(after.ok()) << after.status().ToString();
+    for (int s = 0; s < span_slots; ++s) {
+      // Members end with the new placement; leaving ranks keep their rows (they leave).
+      EXPECT_EQ((*after)[s],
+                members.count(s / per_rank) ? p.placement.phy2log(l, s) : p.sources.phy2log(l, s))
+          << "layer " << l << " slot " << s;
+    }
+    for (const RemoteRead& r : p.migration.layers[l].transfers) {
+      EXPECT_LT(r.src, w.topo.ranks) << "a READ from a rank that held nothing";
+      EXPECT_TRUE(members.count(r.dst)) << "a READ into leaving rank " << r.dst;
+    }
+  }
+}
+
+// One rank joins a 4-rank deployment with empty slots: the plan fills them, moving only what
+// the new rank's share needs (incremental: old ranks keep most rows), and the load spreads
+// over five ranks.
+TEST(ResizeTest, AnAddedRankTakesItsShareOfExperts) {
+  World w = MakeWorld(4, 8, 16, 1, 3, 7);
+  Result<ResizePlan> p = PlanResize(w.in_force, w.load, w.topo, {.add = 1});
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->added_ranks, std::vector<int>{4});
+  EXPECT_TRUE(p->removed_ranks.empty());
+  EXPECT_EQ(p->members, (std::vector<int>{0, 1, 2, 3, 4}));
+  ExpectResizeConsistent(w, *p);
+  int filled = 0;
+  for (int l = 0; l < w.load.layers(); ++l) {
+    for (int i = 0; i < 8; ++i) filled += p->placement.phy2log(l, 4 * 8 + i) >= 0;
+  }
+  EXPECT_EQ(filled, w.load.layers() * 8);  // the new rank serves from all its slots
+  // Incremental: per layer at most the new rank's 8 slots plus a few rebalancing moves.
+  EXPECT_LE(p->migration.summary.remote_transfers + p->migration.summary.local_copies,
+            int64_t{w.load.layers()} * 12);
+  Result<Balance> b = ComputeBalance(p->after, w.load, 5);
+  ASSERT_TRUE(b.ok());
+  EXPECT_GT(b->total, 0.8);
+}
+
+// Rank 2 leaves gracefully: its slots end empty, what only it held is drained from it (the
+// migration may read from it), and a deployment serves on the four others renumbered.
+TEST(ResizeTest, ALeavingRankIsDrainedFirst) {
+  World w = MakeWorld(4, 4, 8, 1, 2, 3);  // 16 slots, 8 experts, two replicas each
+  // Layer 0: rank 2 is the only holder of expert 5.
+  std::vector<int32_t> map = w.in_force.phy2log();
+  const std::vector<int32_t> layer0 = {0, 1, 2, 3, 4, 0, 6, 7, 4, 5, 6, 7, 4, 1, 6, 7};
+  std::copy(layer0.begin(), layer0.end(), map.begin());
+  w.in_force = *Placement::FromPhy2Log(2, 16, 8, map);
+  ASSERT_TRUE(w.in_force.CheckEveryExpertPlaced().ok());
+  Result<ResizePlan> p = PlanResize(w.in_force, w.load, w.topo, {.remove = {2}});
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_EQ(p->removed_ranks, std::vector<int>{2});
+  EXPECT_EQ(p->members, (std::vector<int>{0, 1, 3}));
+  ExpectResizeConsistent(w, *p);
+  bool drained = false;
+  for (const RemoteRead& r : p->migration.layers[0].transfers)
+    drained |= r.src == 2 && r.expert == 5;
+  EXPECT_TRUE(drained) << "an expert only rank 2 held must be read from rank 2";
+  // Adding and removing in one plan: rank 0 leaves, two join.
+  Result<ResizePlan> q = PlanResize(w.in_force, w.load, w.topo, {.add = 2, .remove = {0}});
+  ASSERT_TRUE(q.ok()) << q.status().ToString();
+  EXPECT_EQ(q->members, (std::vector<int>{1, 2, 3, 4, 5}));
+  ExpectResizeConsistent(w, *q);
+}
+
+// Whole nodes keep ranks per node (the plan and the migration see the nodes); anything else is
+// planned as one node.
+TEST(ResizeTest, WholeNodesKeepTheirNodes) {
+  World w = MakeWorld(4, 6, 12, 2, 2, 5);  // two nodes of two ranks
+  Result<ResizePlan> grow = PlanResize(w.in_force, w.load, w.topo, {.add = 2});
+  ASSERT_TRUE(grow.ok()) << grow.status().ToString();
+  EXPECT_EQ(grow->topology.nodes, 3);
+  ExpectResizeConsistent(w, *grow);
+  Result<ResizePlan> node = PlanResize(w.in_force, w.load, w.topo, {.remove = {2, 3}});
+  ASSERT_TRUE(node.ok()) << node.status().ToString();
+  EXPECT_EQ(node->topology.nodes, 1);  // one node of two ranks left
+  EXPECT_EQ(node->topology.ranks_per_node(), 2);
+  ExpectResizeConsistent(w, *node);
+  Result<ResizePlan> one = PlanResize(w.in_force, w.load, w.topo, {.add = 1});
+  ASSERT_TRUE(one.ok()) << one.status().ToString();
+  EXPECT_EQ(one->topology.nodes, 1);
+  ExpectResizeConsistent(w, *one);
+}
+
+TEST(ResizeTest, BadRequestsAreNamed) {
+  World w = MakeWorld(4, 4, 8, 1, 2, 3);
+  auto message = [&](ResizeRequest r) {
+    return std::string(PlanResize(w.in_force, w.load, w.topo, r).status().message());
+  };
+  EXPECT_NE(message({.add = -1}).find("-1 ranks to add"), std::string::npos);
+  EXPECT_NE(message({.remove = {4}}).find("rank 4 to remove is not a rank (expected 0..3)"),
+            std::string::npos);
+  EXPECT_NE(message({.remove = {1, 1}}).find("rank 1 listed twice"), std::string::npos);
+  EXPECT_NE(message({.remove = {0, 1, 2, 3}}).find("leaves none to serve"), std::string::npos);
+  EXPECT_NE(message({.remove = {0, 1, 2}})
+                .find("1 ranks after the resize have 4 slots (4 each) for 8 experts"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace eplbx

@@ -28,6 +28,11 @@ class Bootstrap {
                                                      std::chrono::milliseconds timeout) = 0;
   // Returns once every rank called it (or the error naming who did not).
   Status Barrier(std::chrono::milliseconds timeout) { return AllGather({}, timeout).status(); }
+  // Membership with epochs (a coordinator that tracks it, see ServeSocketBootstrap): the
+  // epoch this member last heard of and which ranks were members then. Without it: epoch 0,
+  // every rank a member.
+  virtual uint64_t epoch() const { return 0; }
+  virtual std::vector<bool> members() const { return std::vector<bool>(size(), true); }
 };
 
 // A member of a group that talks to one coordinator over a connected stream socket: the
@@ -46,12 +51,20 @@ class SocketBootstrap final : public Bootstrap {
                                              std::chrono::milliseconds timeout) override;
   // A frame for the coordinator's `on_message` (reports).
   Status SendMessage(std::string_view bytes);
+  // With a coordinator that tracks membership: every contribution carries this member's
+  // epoch; a round result or a refusal brings the current epoch and member set. A refusal
+  // (a member was lost, or this member's epoch is old) is kAborted naming why: learn the new
+  // member set (members()) and contribute again. Non-members' contributions are empty.
+  uint64_t epoch() const override { return epoch_; }
+  std::vector<bool> members() const override { return members_; }
 
  private:
   int fd_;
   uint32_t rank_;
   uint32_t size_;
   Env* env_;
+  uint64_t epoch_ = 1;
+  std::vector<bool> members_;
 };
 
 // The coordinator: reads frames from the members' sockets (index = rank), answers each
@@ -64,12 +77,22 @@ class SocketBootstrap final : public Bootstrap {
 // `on_lost` (if set) hears of every member that closed its socket or missed a round's
 // timeout: one that will not report any more (a callback may come twice for one member).
 // Timeouts are measured on `env`'s clock (null: Env::Default()).
+//
+// `membership` (docs/deploy.md, "Membership and epochs"): the group starts at epoch 1 with
+// every rank a member. A member that closes its socket or misses a round's timeout is
+// declared lost: the epoch goes up by one and the rank is no member from then on. A round in
+// progress then fails for every member in it with the new epoch and member set ("rank 2 left:
+// epoch 2, members 0, 1"), so every survivor acts on the same set; a contribution made at an
+// older epoch is refused the same way, naming both epochs. A round completes when every
+// member contributed; its result carries the epoch and the member set. Any frame from a rank
+// declared lost is answered "declared lost at epoch N: rejoin as a new member" and the rank is
+// not heard any more.
 Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::milliseconds idle_timeout,
                             const std::function<void(uint32_t, std::string)>& on_message,
                             const std::function<bool()>& stop = nullptr,
                             std::chrono::milliseconds round_timeout = std::chrono::milliseconds(0),
                             const std::function<void(uint32_t)>& on_lost = nullptr,
-                            Env* env = nullptr);
+                            Env* env = nullptr, bool membership = false);
 
 // ---- TCP rendezvous (multi-host) -------------------------------------------------------
 //
@@ -112,6 +135,8 @@ class TcpStore {
                std::chrono::milliseconds round_timeout = std::chrono::milliseconds(0),
                const std::function<void(uint32_t)>& on_lost = nullptr);
   const std::vector<std::string>& refusals() const { return refusals_; }
+  // Serve with membership and epochs (see ServeSocketBootstrap). Call before Serve.
+  void set_membership(bool on) { membership_ = on; }
 
  private:
   TcpStore() = default;
@@ -123,6 +148,7 @@ class TcpStore {
   Env* env_ = nullptr;
   std::vector<int> members_;
   std::vector<std::string> refusals_;
+  bool membership_ = false;
 };
 
 // Joins the store at addr:port (retrying until it listens, up to `timeout`).

@@ -91,14 +91,53 @@ bool ReadFrame(int fd, std::chrono::steady_clock::time_point deadline, uint8_t* 
 }  // namespace internal
 
 using internal::kContribute;
+using internal::kContributeAt;
 using internal::kFailed;
 using internal::kGathered;
+using internal::kGatheredAt;
 using internal::kMessage;
+using internal::kRefused;
 using internal::ReadFrame;
 using internal::WriteFrame;
 
 SocketBootstrap::SocketBootstrap(int fd, uint32_t rank, uint32_t size, Env* env)
-    : fd_(fd), rank_(rank), size_(size), env_(EnvOrDefault(env)) {}
+    : fd_(fd), rank_(rank), size_(size), env_(EnvOrDefault(env)), members_(size, true) {}
+
+namespace {
+
+// [u64 epoch][u32 n][u8 member] x n: the membership head of kGatheredAt and kRefused.
+void WriteMembership(internal::ByteWriter& w, uint64_t epoch, const std::vector<bool>& members) {
+  w.U64(epoch);
+  w.U32(static_cast<uint32_t>(members.size()));
+  for (bool m : members) w.U8(m ? 1 : 0);
+}
+
+Status ReadMembership(internal::ByteReader& r, uint32_t size, uint64_t* epoch,
+                      std::vector<bool>* members) {
+  uint32_t n = 0;
+  if (!r.U64("epoch", epoch) || !r.U32("members", &n)) return r.status();
+  if (n != size) {
+    return Status::Corruption(StrCat("membership of ", n, " ranks for a group of ", size));
+  }
+  members->assign(n, false);
+  for (uint32_t i = 0; i < n; ++i) {
+    uint8_t m = 0;
+    if (!r.U8(StrCat("member[", i, "]"), &m)) return r.status();
+    (*members)[i] = m != 0;
+  }
+  return Status::OK();
+}
+
+// "0, 1, 3"
+std::string MemberList(const std::vector<bool>& members) {
+  std::string out;
+  for (size_t i = 0; i < members.size(); ++i) {
+    if (members[i]) out += StrCat(out.empty() ? "" : ", ", i);
+  }
+  return out.empty() ? "none" : out;
+}
+
+}  // namespace
 SocketBootstrap::~SocketBootstrap() {
   if (fd_ >= 0) close(fd_);
 }
@@ -112,7 +151,11 @@ Status SocketBootstrap::SendMessage(std::string_view bytes) {
 
 Result<std::vector<std::string>> SocketBootstrap::AllGather(std::string_view mine,
                                                             std::chrono::milliseconds timeout) {
-  if (!WriteFrame(fd_, kContribute, mine)) {
+  internal::ByteWriter contribution;
+  contribution.U64(epoch_);
+  std::string frame = contribution.Take();
+  frame.append(mine);
+  if (!WriteFrame(fd_, kContributeAt, frame)) {
     return Status::Unavailable(StrCat("rank ", rank_, ": the coordinator is gone (all-gather)"));
   }
   uint8_t type = 0;
@@ -126,9 +169,17 @@ Result<std::vector<std::string>> SocketBootstrap::AllGather(std::string_view min
     return Status::Unavailable(StrCat("rank ", rank_, ": the coordinator is gone (all-gather)"));
   }
   if (type == kFailed) return Status::Unavailable(body);
-  if (type != kGathered)
+  if (type != kGathered && type != kGatheredAt && type != kRefused)
     return Status::Corruption(StrCat("rank ", rank_, ": unexpected frame type ", +type));
   internal::ByteReader r(body, "all-gather result");
+  if (type == kGatheredAt || type == kRefused) {
+    EPLBX_RETURN_IF_ERROR(ReadMembership(r, size_, &epoch_, &members_));
+    if (type == kRefused) {
+      std::string why;
+      if (!r.Str32("why", kMaxFrame, &why)) return r.status();
+      return Status::Aborted(why);
+    }
+  }
   uint32_t count = 0;
   if (!r.U32("count", &count)) return r.status();
   if (count != size_) {
@@ -146,7 +197,8 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
                             const std::function<void(uint32_t, std::string)>& on_message,
                             const std::function<bool()>& stop,
                             std::chrono::milliseconds round_timeout,
-                            const std::function<void(uint32_t)>& on_lost, Env* env) {
+                            const std::function<void(uint32_t)>& on_lost, Env* env,
+                            bool membership) {
   env = EnvOrDefault(env);
   const size_t n = fds.size();
   auto lost = [&](size_t i) {
@@ -155,11 +207,36 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
   std::vector<bool> open(n, true);
   std::vector<std::optional<std::string>> round(n);
   size_t open_count = n;
+  // Membership (when on): who is a member, since which epoch each non-member is out.
+  uint64_t epoch = 1;
+  std::vector<bool> member(n, true);
+  std::vector<uint64_t> lost_at(n, 0);
+  auto refuse = [&](size_t i, const std::string& why) {
+    internal::ByteWriter w;
+    WriteMembership(w, epoch, member);
+    w.Str32(why);
+    WriteFrame(fds[i], kRefused, w.Take());
+  };
   auto fail_round = [&](const std::string& why) {
     for (size_t i = 0; i < n; ++i) {
-      if (open[i] && round[i]) WriteFrame(fds[i], kFailed, why);
+      if (open[i] && round[i]) {
+        if (membership)
+          refuse(i, why);
+        else
+          WriteFrame(fds[i], kFailed, why);
+      }
       round[i].reset();
     }
+  };
+  // Membership: rank i is out from the next epoch on; a round in progress fails for the
+  // members in it, with the new epoch and member set.
+  auto declare_lost = [&](size_t i, const std::string& why) {
+    lost(i);
+    if (!member[i]) return;
+    member[i] = false;
+    lost_at[i] = ++epoch;
+    round[i].reset();
+    fail_round(StrCat(why, ": epoch ", epoch, ", members ", MemberList(member)));
   };
   auto last_frame = env->Now();
   Clock::time_point round_started{};
@@ -173,13 +250,42 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
     if (round_started == Clock::time_point{}) round_started = env->Now();
     if (round_timeout.count() <= 0 || env->Now() - round_started < round_timeout) return;
     std::string missing;
+    std::vector<size_t> late;
     for (size_t i = 0; i < n; ++i) {
-      if (round[i]) continue;
+      if (round[i] || (membership && !member[i])) continue;
       missing += StrCat(missing.empty() ? "" : ", ", "rank ", i);
-      lost(i);
+      late.push_back(i);
     }
-    fail_round(
-        StrCat(missing, " did not join the all-gather within ", round_timeout.count(), " ms"));
+    const std::string why =
+        StrCat(missing, " did not join the all-gather within ", round_timeout.count(), " ms");
+    if (membership) {
+      // Every late rank is out; the survivors hear of it once, at the last epoch.
+      for (size_t i : late) {
+        lost(i);
+        member[i] = false;
+        lost_at[i] = epoch + 1;
+      }
+      ++epoch;
+      fail_round(StrCat(why, ": epoch ", epoch, ", members ", MemberList(member)));
+    } else {
+      for (size_t i : late) lost(i);
+      fail_round(why);
+    }
+    round_started = {};
+  };
+  auto complete_round = [&] {
+    for (size_t j = 0; j < n; ++j) {
+      if ((!membership || member[j]) && !round[j]) return;
+    }
+    internal::ByteWriter w;
+    if (membership) WriteMembership(w, epoch, member);
+    w.U32(static_cast<uint32_t>(n));
+    for (auto& c : round) w.Str32(c ? *c : std::string());
+    const std::string all = w.Take();
+    for (size_t j = 0; j < n; ++j) {
+      if (open[j] && round[j]) WriteFrame(fds[j], membership ? kGatheredAt : kGathered, all);
+      round[j].reset();
+    }
     round_started = {};
   };
   while (open_count > 0) {
@@ -211,38 +317,61 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
       if (!ReadFrame(fds[i], env->Now() + std::chrono::seconds(5), &type, &body, &timed_out, env)) {
         open[i] = false;
         --open_count;
+        if (membership) {
+          declare_lost(i, StrCat("rank ", i, " left"));
+          complete_round();
+          continue;
+        }
         lost(i);
         if (std::any_of(round.begin(), round.end(), [](const auto& c) { return c.has_value(); })) {
           fail_round(StrCat("rank ", i, " left before the all-gather completed"));
         }
         continue;
       }
+      if (membership && !member[i]) {
+        // Declared lost (it missed a round, stopped): it is not heard any more.
+        WriteFrame(fds[i], kFailed,
+                   StrCat("rank ", i, " was declared lost at epoch ", lost_at[i],
+                          " (the group is at epoch ", epoch, ", members ", MemberList(member),
+                          "): rejoin as a new member"));
+        open[i] = false;
+        --open_count;
+        continue;
+      }
       if (type == kMessage) {
         on_message(static_cast<uint32_t>(i), std::move(body));
         continue;
       }
-      if (type != kContribute) continue;
-      round[i] = std::move(body);
-      bool complete = true;
-      for (size_t j = 0; j < n; ++j) complete = complete && round[j].has_value();
-      if (!complete) {
-        // A member that already left can never contribute.
-        for (size_t j = 0; j < n; ++j) {
-          if (!open[j] && !round[j]) {
-            fail_round(StrCat("rank ", j, " left before the all-gather completed"));
-            break;
-          }
+      if (type == kContributeAt) {
+        internal::ByteReader at(body, "contribution");
+        uint64_t their = 0;
+        if (!at.U64("epoch", &their)) continue;
+        if (membership && their != epoch) {
+          refuse(i, StrCat("rank ", i, " contributed at epoch ", their, "; the group is at epoch ",
+                           epoch, " (members ", MemberList(member),
+                           "): learn the member set and contribute again"));
+          continue;
         }
+        body.erase(0, 8);
+      } else if (type != kContribute) {
         continue;
       }
-      internal::ByteWriter w;
-      w.U32(static_cast<uint32_t>(n));
-      for (auto& c : round) w.Str32(*c);
-      const std::string all = w.Take();
-      for (size_t j = 0; j < n; ++j) {
-        if (open[j]) WriteFrame(fds[j], kGathered, all);
-        round[j].reset();
+      round[i] = std::move(body);
+      if (!membership) {
+        bool complete = true;
+        for (size_t j = 0; j < n; ++j) complete = complete && round[j].has_value();
+        if (!complete) {
+          // A member that already left can never contribute.
+          for (size_t j = 0; j < n; ++j) {
+            if (!open[j] && !round[j]) {
+              fail_round(StrCat("rank ", j, " left before the all-gather completed"));
+              break;
+            }
+          }
+          continue;
+        }
       }
+      complete_round();
     }
   }
   return Status::OK();

@@ -216,7 +216,7 @@ Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
     for (int fd : members_) KeepAlive(fd, round_timeout);
   }
   return ServeSocketBootstrap(members_, idle_timeout, on_message, stop, round_timeout, on_lost,
-                              env_);
+                              env_, membership_);
 }
 
 Result<std::unique_ptr<SocketBootstrap>> JoinTcpStore(const std::string& addr, uint16_t port,

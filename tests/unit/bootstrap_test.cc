@@ -258,6 +258,109 @@ TEST(TcpStoreTest, MembersThatMissARoundOrLeaveAreLost) {
   serve.join();
 }
 
+// Membership with epochs (issue 20, item 1): a member that misses a round is declared lost,
+// the epoch goes up, the survivors in the round hear the new member set by name and go on
+// without it; a contribution from an older epoch is refused naming both epochs; a member
+// that leaves is out at the next epoch; a rank declared lost that comes back is told to
+// rejoin as a new member.
+TEST(TcpStoreTest, MembershipWithEpochs) {
+  const uint16_t port = Port();
+  auto store = TcpStore::Listen("127.0.0.1", port, "t", 4);
+  ASSERT_TRUE(store.ok());
+  (*store)->set_membership(true);
+  std::mutex mu;
+  std::set<uint32_t> lost;
+  std::atomic<bool> done{false};
+  std::thread serve([&] {
+    (void)(*store)->Serve(
+        milliseconds(5000), milliseconds(10000), [](uint32_t, std::string) {},
+        [&] { return done.load(); }, milliseconds(300),
+        [&](uint32_t r) {
+          std::lock_guard<std::mutex> lock(mu);
+          lost.insert(r);
+        });
+  });
+  std::vector<std::unique_ptr<SocketBootstrap>> m(4);
+  std::vector<std::thread> joins;
+  for (uint32_t r = 0; r < 4; ++r) {
+    joins.emplace_back([&, r] {
+      auto b = JoinTcpStore("127.0.0.1", port, "t", r, 4, milliseconds(5000));
+      if (b.ok()) m[r] = std::move(*b);
+    });
+  }
+  for (std::thread& t : joins) t.join();
+  ASSERT_TRUE(m[0] && m[1] && m[2] && m[3]);
+  auto gather = [&](std::vector<uint32_t> ranks) {
+    std::vector<Result<std::vector<std::string>>> out(4, Status::Internal("unset"));
+    std::vector<std::thread> t;
+    for (uint32_t r : ranks) {
+      t.emplace_back([&, r] { out[r] = m[r]->AllGather(std::to_string(r), milliseconds(5000)); });
+    }
+    for (std::thread& x : t) x.join();
+    return out;
+  };
+  // Epoch 1, everyone: a plain round, the epoch and member set come with it.
+  auto g = gather({0, 1, 2, 3});
+  for (uint32_t r = 0; r < 4; ++r) {
+    ASSERT_TRUE(g[r].ok()) << g[r].status().ToString();
+    EXPECT_EQ(*g[r], (std::vector<std::string>{"0", "1", "2", "3"}));
+    EXPECT_EQ(m[r]->epoch(), 1u);
+  }
+  // Rank 3 stays silent (stopped): declared lost after 300 ms; 0, 1 and 2 are refused with
+  // the new epoch and member set, all the same.
+  g = gather({0, 1, 2});
+  for (uint32_t r = 0; r < 3; ++r) {
+    EXPECT_EQ(g[r].status().code(), Code::kAborted) << g[r].status().ToString();
+    EXPECT_NE(g[r].status().message().find(
+                  "rank 3 did not join the all-gather within 300 ms: epoch 2, members 0, 1, 2"),
+              std::string::npos)
+        << g[r].status().ToString();
+    EXPECT_EQ(m[r]->epoch(), 2u);
+    EXPECT_EQ(m[r]->members(), (std::vector<bool>{true, true, true, false}));
+  }
+  // Epoch 2: the survivors go on without it (its contribution is empty).
+  g = gather({0, 1, 2});
+  for (uint32_t r = 0; r < 3; ++r) {
+    ASSERT_TRUE(g[r].ok()) << g[r].status().ToString();
+    EXPECT_EQ(*g[r], (std::vector<std::string>{"0", "1", "2", ""}));
+  }
+  // Rank 2 leaves while rank 0 waits in a round: rank 0 hears it at epoch 3. Rank 1, not in
+  // that round, still says epoch 2: refused, naming both epochs; then both go on.
+  Result<std::vector<std::string>> g0 = Status::Internal("unset");
+  std::thread t0([&] { g0 = m[0]->AllGather("zero", milliseconds(5000)); });
+  std::this_thread::sleep_for(milliseconds(100));
+  m[2].reset();
+  t0.join();
+  EXPECT_NE(g0.status().message().find("rank 2 left: epoch 3, members 0, 1"), std::string::npos)
+      << g0.status().ToString();
+  auto g1 = m[1]->AllGather("one", milliseconds(5000));
+  EXPECT_NE(g1.status().message().find(
+                "rank 1 contributed at epoch 2; the group is at epoch 3 (members 0, 1): learn "
+                "the member set and contribute again"),
+            std::string::npos)
+      << g1.status().ToString();
+  EXPECT_EQ(m[1]->epoch(), 3u);
+  g = gather({0, 1});
+  for (uint32_t r = 0; r < 2; ++r) {
+    ASSERT_TRUE(g[r].ok()) << g[r].status().ToString();
+    EXPECT_EQ(*g[r], (std::vector<std::string>{"0", "1", "", ""}));
+    EXPECT_EQ(m[r]->members(), (std::vector<bool>{true, true, false, false}));
+  }
+  // Rank 3 resumes: it was declared lost at epoch 2 and must rejoin as a new member.
+  auto g3 = m[3]->AllGather("three", milliseconds(5000));
+  EXPECT_EQ(g3.status().code(), Code::kUnavailable);
+  EXPECT_NE(g3.status().message().find("rank 3 was declared lost at epoch 2 (the group is at "
+                                       "epoch 3, members 0, 1): rejoin as a new member"),
+            std::string::npos)
+      << g3.status().ToString();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(lost, (std::set<uint32_t>{2, 3}));
+  }
+  done = true;
+  serve.join();
+}
+
 TEST(RendezvousEnvTest, NamesTheMissingVariable) {
   MapEnv vars;  // the process environment is never touched
   vars.Unset("EPLBX_MASTER_ADDR");

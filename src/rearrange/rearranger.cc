@@ -749,11 +749,11 @@ Status EplbCommunicator::SetTransferContext(std::span<const int32_t> old_phy2log
                                           " has ", new_phy2log.size(), " slots, expected ", slots,
                                           " (ranks x rows)"));
   }
-  s.old_map.assign(old_phy2log.begin(), old_phy2log.end());
   if (kept_rows_copied && new_phy2log.empty()) {
     return Status::InvalidArgument(
         StrCat("rank ", d.self(), ": layer ", layer, ": kept_rows_copied needs the new map"));
   }
+  s.old_map.assign(old_phy2log.begin(), old_phy2log.end());
   s.new_map.assign(new_phy2log.begin(), new_phy2log.end());
   s.kept_rows_copied = kept_rows_copied;
   s.job = {};

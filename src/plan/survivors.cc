@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <string>
+#include <string_view>
 
 #include "common/strings.h"
 
@@ -16,6 +17,20 @@ std::string RankList(const std::vector<int>& ranks) {
   std::string out = ranks.size() == 1 ? "rank " : "ranks ";
   for (size_t i = 0; i < ranks.size(); ++i) out += StrCat(i ? ", " : "", ranks[i]);
   return out;
+}
+
+// The placement, the load and the topology describe the same deployment.
+Status CheckShapes(std::string_view what, const Placement& in_force, const LoadMatrix& load,
+                   const Topology& topology) {
+  EPLBX_RETURN_IF_ERROR(topology.Validate(in_force.experts()));
+  if (in_force.slots() != topology.slots || load.layers() != in_force.layers() ||
+      load.experts() != in_force.experts()) {
+    return Status::InvalidArgument(
+        StrCat(what, ": the placement is ", in_force.layers(), " layers x ", in_force.slots(),
+               " slots x ", in_force.experts(), " experts, the load ", load.layers(), " x ",
+               load.experts(), ", the topology ", topology.slots, " slots; they must agree"));
+  }
+  return Status::OK();
 }
 
 // The ranks `members` (ids in a span of ranks with `per_rank` slots each) planned on `small`
@@ -65,14 +80,8 @@ Result<OverMembers> PlanOverMembers(const LoadMatrix& load, const std::vector<in
 Result<SurvivorPlan> PlanSurvivors(const Placement& in_force, const LoadMatrix& load,
                                    const Topology& topology, const std::vector<bool>& live,
                                    const SurvivorOptions& options) {
-  EPLBX_RETURN_IF_ERROR(topology.Validate(in_force.experts()));
+  EPLBX_RETURN_IF_ERROR(CheckShapes("survivor planning", in_force, load, topology));
   const int layers = in_force.layers(), slots = in_force.slots(), experts = in_force.experts();
-  if (slots != topology.slots || load.layers() != layers || load.experts() != experts) {
-    return Status::InvalidArgument(
-        StrCat("survivor planning: the placement is ", layers, " layers x ", slots, " slots x ",
-               experts, " experts, the load ", load.layers(), " x ", load.experts(),
-               ", the topology ", topology.slots, " slots; they must agree"));
-  }
   if (live.size() != static_cast<size_t>(topology.ranks)) {
     return Status::InvalidArgument(StrCat("survivor planning: ", live.size(),
                                           " liveness flags for ", topology.ranks,
@@ -178,14 +187,8 @@ Result<SurvivorPlan> PlanSurvivors(const Placement& in_force, const LoadMatrix& 
 Result<ResizePlan> PlanResize(const Placement& in_force, const LoadMatrix& load,
                               const Topology& topology, const ResizeRequest& request,
                               const SurvivorOptions& options) {
-  EPLBX_RETURN_IF_ERROR(topology.Validate(in_force.experts()));
+  EPLBX_RETURN_IF_ERROR(CheckShapes("resize planning", in_force, load, topology));
   const int layers = in_force.layers(), slots = in_force.slots(), experts = in_force.experts();
-  if (slots != topology.slots || load.layers() != layers || load.experts() != experts) {
-    return Status::InvalidArgument(
-        StrCat("resize planning: the placement is ", layers, " layers x ", slots, " slots x ",
-               experts, " experts, the load ", load.layers(), " x ", load.experts(),
-               ", the topology ", topology.slots, " slots; they must agree"));
-  }
   const int per_rank = topology.slots_per_rank(), rpn = topology.ranks_per_node();
   if (request.add < 0 || request.add > Topology::kMaxSlots) {
     return Status::InvalidArgument(StrCat("resize planning: ", request.add,

@@ -39,6 +39,7 @@ class CliTest : public ::testing::Test {
     fs::create_directories(dir_);
   }
   void TearDown() override { fs::remove_all(dir_); }
+  std::string PlanFromDsv3InForce(std::string* load, std::string* shape);
 
   CliRun Eplbx(const std::string& args) {
     const fs::path out = dir_ / "stdout", err = dir_ / "stderr";
@@ -337,12 +338,19 @@ TEST_F(CliTest, BalancedAndIncrementalWithMoves) {
 
 // After a lost rank (issue 20, item 2): `plan --previous P --lost R` re-places over the
 // survivors; experts only lost ranks held need a backup (named otherwise).
-TEST_F(CliTest, PlanOverTheSurvivorsOfLostRanks) {
-  const std::string load = std::string(EPLBX_EXAMPLES) + "/dsv3_load.json";
-  const std::string shape = " --slots 288 --ranks 32 --nodes 4 --groups 8";
+// `plan` of the DeepSeek-V3 example (32 ranks, 4 nodes, 288 slots) from a placement planned
+// for it, written to prev.json in the test's folder.
+std::string CliTest::PlanFromDsv3InForce(std::string* load, std::string* shape) {
+  *load = std::string(EPLBX_EXAMPLES) + "/dsv3_load.json";
+  *shape = " --slots 288 --ranks 32 --nodes 4 --groups 8";
   const std::string prev = (dir_ / "prev.json").string();
-  ASSERT_EQ(Eplbx("plan --load " + load + shape + " --out " + prev).exit_code, 0);
-  const std::string base = "plan --load " + load + shape + " --previous " + prev;
+  EXPECT_EQ(Eplbx("plan --load " + *load + *shape + " --out " + prev).exit_code, 0);
+  return "plan --load " + *load + *shape + " --previous " + prev;
+}
+
+TEST_F(CliTest, PlanOverTheSurvivorsOfLostRanks) {
+  std::string load, shape;
+  const std::string base = PlanFromDsv3InForce(&load, &shape);
   // DeepSeek's plan gives most experts one replica: rank 5 held the only copy of some.
   ExpectOneLineError(Eplbx(base + " --lost 5"), "rank 5 was lost with the only replicas of ");
   ExpectOneLineError(Eplbx(base + " --lost 5"), "register a host backup or the checkpoint");
@@ -380,11 +388,8 @@ TEST_F(CliTest, PlanOverTheSurvivorsOfLostRanks) {
 // Elastic resize (issue 20, item 4): a whole node joins (nodes kept), two ranks leave
 // (planned as one node), bad requests named.
 TEST_F(CliTest, PlanAnElasticResize) {
-  const std::string load = std::string(EPLBX_EXAMPLES) + "/dsv3_load.json";
-  const std::string shape = " --slots 288 --ranks 32 --nodes 4 --groups 8";
-  const std::string prev = (dir_ / "prev.json").string();
-  ASSERT_EQ(Eplbx("plan --load " + load + shape + " --out " + prev).exit_code, 0);
-  const std::string base = "plan --load " + load + shape + " --previous " + prev;
+  std::string load, shape;
+  const std::string base = PlanFromDsv3InForce(&load, &shape);
   CliRun r = Eplbx(base + " --add-ranks 8");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   nlohmann::json j = nlohmann::json::parse(r.out);

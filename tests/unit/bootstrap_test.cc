@@ -1,4 +1,5 @@
 // The TCP rendezvous store and its refusals; the in-memory group.
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <set>
@@ -204,32 +205,57 @@ TEST(TcpStoreTest, DeadlinesFollowTheEnvClock) {
 
 // A member that misses a round's timeout, or leaves, is reported lost, so that whoever
 // collects reports stops waiting for it (the worker's report with a dead link).
-TEST(TcpStoreTest, MembersThatMissARoundOrLeaveAreLost) {
-  const uint16_t port = Port();
-  auto store = TcpStore::Listen("127.0.0.1", port, "t", 3);
-  ASSERT_TRUE(store.ok());
+// A store of `world` members served on a thread with a 300 ms round timeout, every member
+// joined; `lost` collects the store's on_lost calls. Stops serving when destroyed.
+struct JoinedStore {
+  JoinedStore(uint32_t world, bool membership) : port(Port()) {
+    auto listening = TcpStore::Listen("127.0.0.1", port, "t", world);
+    if (!listening.ok()) return;
+    store = std::move(*listening);
+    store->set_membership(membership);
+    serve = std::thread([this] {
+      (void)store->Serve(
+          milliseconds(5000), milliseconds(10000), [](uint32_t, std::string) {},
+          [this] { return done.load(); }, milliseconds(300),
+          [this](uint32_t r) {
+            std::lock_guard<std::mutex> lock(mu);
+            lost.insert(r);
+          });
+    });
+    m.resize(world);
+    std::vector<std::thread> joins;
+    for (uint32_t r = 0; r < world; ++r) {
+      joins.emplace_back([this, r, world] {
+        auto b = JoinTcpStore("127.0.0.1", port, "t", r, world, milliseconds(5000));
+        if (b.ok()) m[r] = std::move(*b);
+      });
+    }
+    for (std::thread& t : joins) t.join();
+  }
+  ~JoinedStore() {
+    done = true;
+    if (serve.joinable()) serve.join();
+  }
+  bool joined() const {
+    return std::all_of(m.begin(), m.end(), [](const auto& b) { return b != nullptr; });
+  }
+  std::set<uint32_t> Lost() {
+    std::lock_guard<std::mutex> lock(mu);
+    return lost;
+  }
+  uint16_t port;
+  std::unique_ptr<TcpStore> store;
+  std::thread serve;
+  std::atomic<bool> done{false};
   std::mutex mu;
   std::set<uint32_t> lost;
-  std::atomic<bool> done{false};
-  std::thread serve([&] {
-    (void)(*store)->Serve(
-        milliseconds(5000), milliseconds(5000), [](uint32_t, std::string) {},
-        [&] { return done.load(); }, milliseconds(300),
-        [&](uint32_t r) {
-          std::lock_guard<std::mutex> lock(mu);
-          lost.insert(r);
-        });
-  });
-  std::vector<std::unique_ptr<SocketBootstrap>> m(3);
-  std::vector<std::thread> joins;
-  for (uint32_t r = 0; r < 3; ++r) {
-    joins.emplace_back([&, r] {
-      auto b = JoinTcpStore("127.0.0.1", port, "t", r, 3, milliseconds(5000));
-      if (b.ok()) m[r] = std::move(*b);
-    });
-  }
-  for (std::thread& t : joins) t.join();
-  ASSERT_TRUE(m[0] && m[1] && m[2]);
+  std::vector<std::unique_ptr<SocketBootstrap>> m;
+};
+
+TEST(TcpStoreTest, MembersThatMissARoundOrLeaveAreLost) {
+  JoinedStore served(3, false);
+  ASSERT_TRUE(served.joined());
+  auto& m = served.m;
   // Rank 2 stays silent: the round fails for 0 and 1 after 300 ms, naming it.
   Result<std::vector<std::string>> g1 = Status::Internal("unset");
   std::thread t1([&] { g1 = m[1]->AllGather("one", milliseconds(3000)); });
@@ -238,24 +264,11 @@ TEST(TcpStoreTest, MembersThatMissARoundOrLeaveAreLost) {
   EXPECT_NE(g0.status().message().find("rank 2 did not join the all-gather within 300 ms"),
             std::string::npos)
       << g0.status().ToString();
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    EXPECT_EQ(lost, (std::set<uint32_t>{2}));
-  }
+  EXPECT_EQ(served.Lost(), (std::set<uint32_t>{2}));
   m[1].reset();  // leaves
-  for (int i = 0; i < 100; ++i) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (lost.count(1)) break;
-    }
+  for (int i = 0; i < 100 && !served.Lost().count(1); ++i)
     std::this_thread::sleep_for(milliseconds(20));
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    EXPECT_EQ(lost, (std::set<uint32_t>{1, 2}));
-  }
-  done = true;
-  serve.join();
+  EXPECT_EQ(served.Lost(), (std::set<uint32_t>{1, 2}));
 }
 
 // Membership with epochs (issue 20, item 1): a member that misses a round is declared lost,
@@ -264,32 +277,9 @@ TEST(TcpStoreTest, MembersThatMissARoundOrLeaveAreLost) {
 // that leaves is out at the next epoch; a rank declared lost that comes back is told to
 // rejoin as a new member.
 TEST(TcpStoreTest, MembershipWithEpochs) {
-  const uint16_t port = Port();
-  auto store = TcpStore::Listen("127.0.0.1", port, "t", 4);
-  ASSERT_TRUE(store.ok());
-  (*store)->set_membership(true);
-  std::mutex mu;
-  std::set<uint32_t> lost;
-  std::atomic<bool> done{false};
-  std::thread serve([&] {
-    (void)(*store)->Serve(
-        milliseconds(5000), milliseconds(10000), [](uint32_t, std::string) {},
-        [&] { return done.load(); }, milliseconds(300),
-        [&](uint32_t r) {
-          std::lock_guard<std::mutex> lock(mu);
-          lost.insert(r);
-        });
-  });
-  std::vector<std::unique_ptr<SocketBootstrap>> m(4);
-  std::vector<std::thread> joins;
-  for (uint32_t r = 0; r < 4; ++r) {
-    joins.emplace_back([&, r] {
-      auto b = JoinTcpStore("127.0.0.1", port, "t", r, 4, milliseconds(5000));
-      if (b.ok()) m[r] = std::move(*b);
-    });
-  }
-  for (std::thread& t : joins) t.join();
-  ASSERT_TRUE(m[0] && m[1] && m[2] && m[3]);
+  JoinedStore served(4, true);
+  ASSERT_TRUE(served.joined());
+  auto& m = served.m;
   auto gather = [&](std::vector<uint32_t> ranks) {
     std::vector<Result<std::vector<std::string>>> out(4, Status::Internal("unset"));
     std::vector<std::thread> t;
@@ -353,12 +343,7 @@ TEST(TcpStoreTest, MembershipWithEpochs) {
                                        "epoch 3, members 0, 1): rejoin as a new member"),
             std::string::npos)
       << g3.status().ToString();
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    EXPECT_EQ(lost, (std::set<uint32_t>{2, 3}));
-  }
-  done = true;
-  serve.join();
+  EXPECT_EQ(served.Lost(), (std::set<uint32_t>{2, 3}));
 }
 
 TEST(RendezvousEnvTest, NamesTheMissingVariable) {

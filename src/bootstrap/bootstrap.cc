@@ -90,7 +90,6 @@ bool ReadFrame(int fd, std::chrono::steady_clock::time_point deadline, uint8_t* 
 
 }  // namespace internal
 
-using internal::kContribute;
 using internal::kContributeAt;
 using internal::kFailed;
 using internal::kGathered;
@@ -342,20 +341,17 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
         on_message(static_cast<uint32_t>(i), std::move(body));
         continue;
       }
-      if (type == kContributeAt) {
-        internal::ByteReader at(body, "contribution");
-        uint64_t their = 0;
-        if (!at.U64("epoch", &their)) continue;
-        if (membership && their != epoch) {
-          refuse(i, StrCat("rank ", i, " contributed at epoch ", their, "; the group is at epoch ",
-                           epoch, " (members ", MemberList(member),
-                           "): learn the member set and contribute again"));
-          continue;
-        }
-        body.erase(0, 8);
-      } else if (type != kContribute) {
+      if (type != kContributeAt) continue;
+      internal::ByteReader at(body, "contribution");
+      uint64_t their = 0;
+      if (!at.U64("epoch", &their)) continue;
+      if (membership && their != epoch) {
+        refuse(i, StrCat("rank ", i, " contributed at epoch ", their, "; the group is at epoch ",
+                         epoch, " (members ", MemberList(member),
+                         "): learn the member set and contribute again"));
         continue;
       }
+      body.erase(0, 8);
       round[i] = std::move(body);
       if (!membership) {
         bool complete = true;

@@ -13,15 +13,15 @@
 namespace eplbx::internal {
 
 enum FrameType : uint8_t {
-  kContribute = 1,    // member -> coordinator: all-gather contribution
-  kMessage = 2,       // member -> coordinator: a report
-  kGathered = 3,      // coordinator -> member: every contribution
-  kFailed = 4,        // coordinator -> member: why the round or the join failed
-  kHello = 5,         // member -> store: rank, world size, token
-  kWelcome = 6,       // store -> member: joined
-  kContributeAt = 7,  // member -> coordinator: [u64 epoch][contribution]
-  kGatheredAt = 8,    // coordinator -> member (membership): [u64 epoch][members][contributions]
-  kRefused = 9,       // coordinator -> member (membership): [u64 epoch][members][why]; try again
+  kContributeOld = 1,  // unused since contributions carry an epoch (kContributeAt); reserved
+  kMessage = 2,        // member -> coordinator: a report
+  kGathered = 3,       // coordinator -> member: every contribution
+  kFailed = 4,         // coordinator -> member: why the round or the join failed
+  kHello = 5,          // member -> store: rank, world size, token
+  kWelcome = 6,        // store -> member: joined
+  kContributeAt = 7,   // member -> coordinator: [u64 epoch][contribution]
+  kGatheredAt = 8,     // coordinator -> member (membership): [u64 epoch][members][contributions]
+  kRefused = 9,        // coordinator -> member (membership): [u64 epoch][members][why]; try again
 };
 
 bool WriteFrame(int fd, uint8_t type, std::string_view body);

@@ -20,6 +20,9 @@ std::string StrCat(Args&&... args) {
 
 // User input quoted for a one-line message: in single quotes, control bytes,
 // backslashes and bytes >= 0x80 escaped as \xNN, cut to `max` bytes of input ("..." after).
+// "0x1f00": an address as the errors print it.
+inline std::string Hex(uint64_t v) { return StrCat("0x", std::hex, v); }
+
 inline std::string Printable(std::string_view text, size_t max = 64) {
   static constexpr char kHex[] = "0123456789abcdef";
   std::string out = "'";

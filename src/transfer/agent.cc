@@ -9,6 +9,7 @@
 #include "common/strings.h"
 #include "eplbx/transfer.h"
 #include "transfer/agent_core.h"
+#include "transfer/device_memory.h"
 #include "transfer/shm/copier.h"
 
 namespace eplbx {
@@ -95,15 +96,21 @@ std::vector<std::string> Agent::paths() const { return core_->path_names(); }
 std::vector<PathTotals> Agent::PathBytes() const { return core_->PathBytes(); }
 
 Result<RegisteredRegion> Agent::RegisterMemory(void* ptr, size_t bytes) {
+  // Device memory first (its addresses may appear in /proc/self/maps as driver mappings).
+  const bool device = ptr != nullptr && bytes > 0 &&
+                      internal::IsCudaDevicePointer(reinterpret_cast<uintptr_t>(ptr));
   // Memory in a writable shared file mapping (memfd, /dev/shm: torch's share_memory_()) is
   // published as mappable, so same-host peers copy it with memcpy instead of process_vm_readv.
-  std::optional<internal::SharedFile> file =
-      ptr != nullptr && bytes > 0 ? internal::FindSharedFile(ptr, bytes) : std::nullopt;
+  std::optional<internal::SharedFile> file = ptr != nullptr && bytes > 0 && !device
+                                                 ? internal::FindSharedFile(ptr, bytes)
+                                                 : std::nullopt;
   RegisteredRegion r;
   r.data_ = ptr;
   r.size_ = bytes;
   if (file) r.fd_ = file->fd;  // r's destructor closes it, also on failure below
-  Result<uint64_t> id = core_->Register(ptr, bytes, file.value_or(internal::SharedFile{}));
+  const MemoryKind kind =
+      device ? MemoryKind::kCuda : (file ? MemoryKind::kHostFile : MemoryKind::kHost);
+  Result<uint64_t> id = core_->Register(ptr, bytes, file.value_or(internal::SharedFile{}), kind);
   if (!id.ok()) return id.status();
   r.core_ = core_;
   r.id_ = *id;
@@ -136,7 +143,8 @@ Result<RegisteredRegion> Agent::AllocateShared(size_t bytes) {
   r.size_ = bytes;
   r.owns_mapping_ = true;
   r.fd_ = fd;
-  Result<uint64_t> id = core_->Register(p, bytes, internal::SharedFile{fd, 0});
+  Result<uint64_t> id =
+      core_->Register(p, bytes, internal::SharedFile{fd, 0}, MemoryKind::kHostFile);
   if (!id.ok()) return id.status();  // r's destructor unmaps and closes
   r.core_ = core_;
   r.id_ = *id;

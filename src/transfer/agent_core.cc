@@ -30,8 +30,6 @@ std::string DetectHostId() {
                 ReadLink("/proc/self/ns/pid"));
 }
 
-std::string Hex(uint64_t v) { return StrCat("0x", std::hex, v); }
-
 std::vector<std::string> SplitList(std::string_view text) {
   std::vector<std::string> out;
   size_t start = 0;
@@ -73,7 +71,10 @@ Result<std::vector<std::string>> ResolvePaths(const AgentConfig& config, Env* en
   if (config.backend == "loopback" || transport == Transport::kAuto) {
     return DefaultPaths(config.backend);
   }
-  if (transport == Transport::kShm) return std::vector<std::string>{"shm", "cma"};
+  if (transport == Transport::kShm) {
+    if (CudaPathByDefault()) return std::vector<std::string>{"shm", "cma", "cuda_ipc"};
+    return std::vector<std::string>{"shm", "cma"};
+  }
   return std::vector<std::string>{"ucx"};
 }
 
@@ -172,7 +173,7 @@ std::vector<PathTotals> AgentCore::PathBytes() const {
   return totals_;
 }
 
-Result<uint64_t> AgentCore::Register(void* ptr, size_t bytes, SharedFile file) {
+Result<uint64_t> AgentCore::Register(void* ptr, size_t bytes, SharedFile file, MemoryKind kind) {
   const uint64_t addr = reinterpret_cast<uintptr_t>(ptr);
   if (ptr == nullptr || bytes == 0 || addr + bytes < addr) {
     return Status::InvalidArgument(StrCat("agent '", name_, "': cannot register [", Hex(addr),
@@ -202,14 +203,28 @@ Result<uint64_t> AgentCore::Register(void* ptr, size_t bytes, SharedFile file) {
   }
   view.addr = addr;
   view.bytes = bytes;
-  view.kind = file.fd >= 0 ? MemoryKind::kHostFile : MemoryKind::kHost;
+  view.kind = kind;
   view.file = file;
-  for (size_t i = 0; i < paths_.size(); ++i) {
-    Status s = paths_[i]->RegisterMemory(view);
+  if (std::none_of(paths_.begin(), paths_.end(), [&](const DataPath* p) {
+        return p->caps().Moves(kind) || p->caps().CopiesLocal(kind);
+      })) {
+    return Status::InvalidArgument(StrCat(
+        "agent '", name_, "': [", Hex(addr), ", +", bytes, ") is ", MemoryKindName(kind),
+        " memory and none of the data paths [", JoinList(path_names_), "] moves it",
+        kind == MemoryKind::kCuda ? NoCudaPathHint() : ""));
+  }
+  // A path registers what it moves for peers or copies on our side (UCX never maps device
+  // memory it cannot reach).
+  std::vector<DataPath*> registered;
+  for (DataPath* p : paths_) {
+    const PathCaps caps = p->caps();
+    if (!caps.Moves(kind) && !caps.CopiesLocal(kind)) continue;
+    Status s = p->RegisterMemory(view);
     if (!s.ok()) {
-      for (size_t j = 0; j < i; ++j) paths_[j]->DeregisterMemory(view.id);
+      for (DataPath* q : registered) q->DeregisterMemory(view.id);
       return s;
     }
+    registered.push_back(p);
   }
   std::lock_guard<std::mutex> lock(mu_);
   regions_[addr] = LocalRegion{view.id, addr, bytes, view.kind, file};
@@ -445,12 +460,13 @@ Result<PeerInfo> AgentCore::Peer(PeerId peer) const {
 }
 
 Status AgentCore::CheckLocal(XferOp op, const PeerRecord& p, size_t i, const Descriptor& d,
-                             uint64_t* region) const {
+                             uint64_t* region, MemoryKind* kind) const {
   auto it = regions_.upper_bound(d.addr);
   if (it != regions_.begin()) {
     const LocalRegion& r = std::prev(it)->second;
     if (d.addr >= r.addr && d.bytes <= r.bytes && d.addr - r.addr <= r.bytes - d.bytes) {
       *region = r.id;
+      *kind = r.kind;
       return Status::OK();
     }
   }
@@ -513,10 +529,19 @@ Result<TransferId> AgentCore::Post(XferOp op, PeerId peer, std::span<const Descr
       if (local[i].bytes == 0) continue;
       uint32_t region = 0;
       uint64_t local_region = 0;
-      EPLBX_RETURN_IF_ERROR(CheckLocal(op, p, i, local[i], &local_region));
+      MemoryKind local_kind = MemoryKind::kHost;
+      EPLBX_RETURN_IF_ERROR(CheckLocal(op, p, i, local[i], &local_region, &local_kind));
       EPLBX_RETURN_IF_ERROR(CheckRemote(op, p, i, remote[i], &region));
       const uint8_t path = p.region_path[region];
       const PathCaps caps = paths_[path]->caps();
+      if (!caps.CopiesLocal(local_kind)) {
+        return Status::InvalidArgument(StrCat(
+            "agent '", name_, "': ", OpName(op), " with '", p.meta.name, "': local descriptor ",
+            i, " lies in ", MemoryKindName(local_kind), " memory, which data path '",
+            paths_[path]->name(), "' (chosen for the peer's ", MemoryKindName(p.meta.regions[region].kind),
+            " region ", region, ") cannot copy; nothing was sent (keep both sides of a transfer in "
+            "the same kind of memory)"));
+      }
       if (op == XferOp::kRead ? !caps.read : !caps.write) {
         return Status::NotSupported(StrCat("agent '", name_, "': ", OpName(op), " with '",
                                            p.meta.name, "': data path '", paths_[path]->name(),

@@ -44,7 +44,8 @@ class AgentCore : public CoreListener {
   std::vector<PathTotals> PathBytes() const;
 
   // Returns the new region's id.
-  Result<uint64_t> Register(void* ptr, size_t bytes, SharedFile file);
+  // `kind`: kHost, kHostFile (with `file`) or kCuda (device memory, found by the caller).
+  Result<uint64_t> Register(void* ptr, size_t bytes, SharedFile file, MemoryKind kind);
   void Deregister(uint64_t id);
   std::string Metadata() const;
 
@@ -119,7 +120,7 @@ class AgentCore : public CoreListener {
 
   AgentCore(std::string name, AgentConfig config, std::string host_id);
   Status CheckLocal(XferOp op, const PeerRecord& p, size_t i, const Descriptor& d,
-                    uint64_t* region) const;
+                    uint64_t* region, MemoryKind* kind) const;
   Status CheckRemote(XferOp op, const PeerRecord& p, size_t i, const Descriptor& d,
                      uint32_t* region) const;
   std::vector<LocalRegionView> RegionViews() const;  // REQUIRES: mu_ held

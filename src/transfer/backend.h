@@ -1,6 +1,6 @@
 // Internal: the transfer seam (ARCHITECTURE.md, "Transfer seam"; docs/transfer.md, "Seam").
 // An agent has one ControlChannel (connection info, notifications, heartbeats, liveness) and
-// an ordered list of DataPaths (shm, cma, ucx, loopback, later cuda_ipc), each moving some
+// an ordered list of DataPaths (shm, cma, cuda_ipc, ucx, loopback), each moving some
 // memory kinds between some peers. The agent core owns names, regions, peers, bounds
 // checks, path choice and transfer states; "a notification leaves only after the data
 // landed" is implemented once, in the core. Parts are created in one place (paths.cc);
@@ -123,12 +123,19 @@ class ControlChannel {
 
 // Which memory a path moves, and between which peers.
 struct PathCaps {
-  uint32_t kinds = 0;  // bit (1 << MemoryKind)
+  uint32_t kinds = 0;  // bit (1 << MemoryKind): the peer's regions it reaches
+  // Kinds of our own memory it can copy to and from; 0: host and host_file.
+  uint32_t local_kinds = 0;
   bool same_host = false;
   bool other_hosts = false;
   bool read = true;
   bool write = true;
   bool Moves(MemoryKind k) const { return (kinds & (1u << static_cast<unsigned>(k))) != 0; }
+  bool CopiesLocal(MemoryKind k) const {
+    const uint32_t host = (1u << static_cast<unsigned>(MemoryKind::kHost)) |
+                          (1u << static_cast<unsigned>(MemoryKind::kHostFile));
+    return ((local_kinds != 0 ? local_kinds : host) & (1u << static_cast<unsigned>(k))) != 0;
+  }
 };
 
 class DataPath {
@@ -160,15 +167,22 @@ struct AgentParts {
 };
 
 // The control channel `control` ("ucx", "loopback") and the data paths `paths`
-// ("shm", "cma", "ucx", "loopback"), in that order. The control channel reports to
+// ("shm", "cma", "cuda_ipc", "ucx", "loopback"), in that order. The control channel reports to
 // `listener`, the data path at index i to `path_listeners[i]`.
 Result<AgentParts> CreateParts(std::string_view control, const std::vector<std::string>& paths,
                                const PartOptions& options, CoreListener* listener,
                                const std::vector<CoreListener*>& path_listeners);
 
-// The default preference order for a control channel (auto): shm, cma, ucx for "ucx";
-// loopback for "loopback".
+// The default preference order for a control channel (auto): shm, cma, ucx for "ucx"
+// (shm, cma, cuda_ipc, ucx when CudaPathByDefault()); loopback for "loopback".
 std::vector<std::string> DefaultPaths(std::string_view control);
+
+// Whether this build has the cuda_ipc path (EPLBX_WITH_CUDA); whether the defaults list it
+// (built, and the process has loaded the CUDA driver: it uses a GPU); what to tell a user
+// who registered device memory that no listed path moves ("; ..." or "").
+bool CudaPathBuilt();
+bool CudaPathByDefault();
+std::string NoCudaPathHint();
 
 }  // namespace eplbx::internal
 

@@ -4,15 +4,38 @@
 #include "common/strings.h"
 #include "transfer/backend.h"
 #include "transfer/cma/cma_path.h"
+#include "transfer/device_memory.h"
 #include "transfer/loopback/loopback_path.h"
 #include "transfer/shm/shm_path.h"
 #include "transfer/ucx/ucx_path.h"
 #include "transfer/ucx/ucx_worker.h"
+#ifdef EPLBX_WITH_CUDA
+#include "transfer/cuda/cuda_ipc_path.h"
+#endif
 
 namespace eplbx::internal {
 
+bool CudaPathBuilt() {
+#ifdef EPLBX_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::string NoCudaPathHint() {
+  return CudaPathBuilt() ? "; list cuda_ipc among the data paths (EPLBX_PATHS=shm,cma,cuda_ipc,ucx), "
+                           "or create the agent after CUDA is in use (it is then listed by "
+                           "default)"
+                         : "; this eplbx was built without CUDA (configure it with "
+                           "-DEPLBX_WITH_CUDA=ON where the CUDA toolkit is installed)";
+}
+
+bool CudaPathByDefault() { return CudaPathBuilt() && CudaDriverLoaded(); }
+
 std::vector<std::string> DefaultPaths(std::string_view control) {
   if (control == "loopback") return {"loopback"};
+  if (CudaPathByDefault()) return {"shm", "cma", "cuda_ipc", "ucx"};
   return {"shm", "cma", "ucx"};
 }
 
@@ -23,9 +46,13 @@ Result<AgentParts> CreateParts(std::string_view control, const std::vector<std::
   if (paths.empty()) return Status::InvalidArgument(StrCat(who, ": no data path given"));
   std::set<std::string_view> seen;
   for (const std::string& p : paths) {
-    if (p != "shm" && p != "cma" && p != "ucx" && p != "loopback") {
+    if (p == "cuda_ipc" && !CudaPathBuilt()) {
+      return Status::InvalidArgument(StrCat(who, ": data path 'cuda_ipc' is not in this build",
+                                            NoCudaPathHint()));
+    }
+    if (p != "shm" && p != "cma" && p != "cuda_ipc" && p != "ucx" && p != "loopback") {
       return Status::InvalidArgument(StrCat(who, ": unknown data path ", Printable(p),
-                                            " (expected shm, cma, ucx or loopback)"));
+                                            " (expected shm, cma, cuda_ipc, ucx or loopback)"));
     }
     if (!seen.insert(p).second) {
       return Status::InvalidArgument(StrCat(who, ": data path '", p, "' listed twice"));
@@ -64,6 +91,10 @@ Result<AgentParts> CreateParts(std::string_view control, const std::vector<std::
       parts.paths.push_back(CreateCmaPath(copier, options.agent_name, l));
     } else if (p == "ucx") {
       parts.paths.push_back(CreateUcxRmaPath(worker, options.agent_name, l));
+#ifdef EPLBX_WITH_CUDA
+    } else if (p == "cuda_ipc") {
+      parts.paths.push_back(CreateCudaIpcPath(options.agent_name, l));
+#endif
     } else {
       parts.paths.push_back(CreateLoopbackPath(options, l));
     }

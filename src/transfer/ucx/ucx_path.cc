@@ -27,6 +27,10 @@ Status UcxWorker::UnpackRkeys(PeerId id, const std::vector<std::string>& rkeys) 
            DestroyRkeys(*p);
            for (size_t i = 0; i < rkeys.size(); ++i) {
              ucp_rkey_h rkey = nullptr;
+             if (rkeys[i].empty()) {  // a region UCX does not reach (device memory)
+               p->rkeys.push_back(nullptr);
+               continue;
+             }
              ucs_status_t st = ucp_ep_rkey_unpack(p->ep, rkeys[i].data(), &rkey);
              if (st != UCS_OK) {
                DestroyRkeys(*p);
@@ -202,13 +206,15 @@ class UcxRmaPath final : public DataPath {
         DecodeUcxSection(peer.section, peer.regions->size(), peer.name);
     if (!rkeys.ok()) return rkeys.status();
     for (size_t i = 0; i < rkeys->size(); ++i) {
-      if ((*rkeys)[i].empty()) {
+      // Host memory always has a key; device memory has none with a UCX without CUDA.
+      if ((*rkeys)[i].empty() && caps().Moves((*peer.regions)[i].kind)) {
         return Status::Corruption(StrCat("peer '", peer.name, "' region ", i, " has no UCX key"));
       }
     }
     return worker_->UnpackRkeys(peer.id, *rkeys);
   }
 
+  // Every region of a kind in caps() has a key (checked at Connect); the core names others.
   bool Reaches(PeerId, uint32_t, std::string*) const override { return true; }
   void Disconnect(PeerId) override {}  // the worker's endpoint close ends the RMA
   Status Post(PathRequest request) override { return worker_->PostRma(std::move(request)); }

@@ -68,7 +68,9 @@ void UcxWorker::FinishCloses() {
 }
 
 void UcxWorker::DestroyRkeys(PeerState& p) {
-  for (ucp_rkey_h k : p.rkeys) ucp_rkey_destroy(k);
+  for (ucp_rkey_h k : p.rkeys) {
+    if (k != nullptr) ucp_rkey_destroy(k);
+  }
   p.rkeys.clear();
 }
 

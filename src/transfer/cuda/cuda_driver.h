@@ -1,0 +1,98 @@
+// Internal: the CUDA driver API, loaded at run time (dlopen "libcuda.so.1"), so that a
+// build with CUDA runs on machines without a driver or GPU: there every CUDA feature says
+// "no CUDA device: <why>" (docs/transfer.md, "Device memory"). Built only with
+// EPLBX_WITH_CUDA (the toolkit's cuda.h gives the types; nothing links libcuda or cudart).
+#ifndef EPLBX_SRC_TRANSFER_CUDA_CUDA_DRIVER_H_
+#define EPLBX_SRC_TRANSFER_CUDA_CUDA_DRIVER_H_
+
+#include <cuda.h>
+
+#include <string>
+#include <string_view>
+
+#include "eplbx/status.h"
+
+namespace eplbx::internal::cuda {
+
+// Every driver function eplbx calls (the names cuda.h maps to versioned symbols, such as
+// cuMemGetAddressRange -> cuMemGetAddressRange_v2, are resolved under those symbols).
+#define EPLBX_CUDA_DRIVER_FUNCTIONS(X)  \
+  X(cuInit)                             \
+  X(cuDriverGetVersion)                 \
+  X(cuGetErrorName)                     \
+  X(cuDeviceGetCount)                   \
+  X(cuDeviceGet)                        \
+  X(cuDeviceGetUuid)                    \
+  X(cuDeviceGetName)                    \
+  X(cuDeviceCanAccessPeer)              \
+  X(cuDevicePrimaryCtxRetain)           \
+  X(cuDevicePrimaryCtxRelease)          \
+  X(cuCtxSetCurrent)                    \
+  X(cuPointerGetAttribute)              \
+  X(cuMemGetAddressRange)               \
+  X(cuIpcGetMemHandle)                  \
+  X(cuIpcOpenMemHandle)                 \
+  X(cuIpcCloseMemHandle)                \
+  X(cuMemRetainAllocationHandle)        \
+  X(cuMemGetAllocationPropertiesFromHandle) \
+  X(cuMemGetAllocationGranularity)      \
+  X(cuMemExportToShareableHandle)       \
+  X(cuMemImportFromShareableHandle)     \
+  X(cuMemCreate)                        \
+  X(cuMemRelease)                       \
+  X(cuMemAddressReserve)                \
+  X(cuMemAddressFree)                   \
+  X(cuMemMap)                           \
+  X(cuMemUnmap)                         \
+  X(cuMemSetAccess)                     \
+  X(cuMemAlloc)                         \
+  X(cuMemFree)                          \
+  X(cuMemHostAlloc)                     \
+  X(cuMemFreeHost)                      \
+  X(cuMemcpyAsync)                      \
+  X(cuMemcpyHtoD)                       \
+  X(cuMemcpyDtoH)                       \
+  X(cuMemsetD8)                         \
+  X(cuStreamCreate)                     \
+  X(cuStreamDestroy)                    \
+  X(cuStreamSynchronize)                \
+  X(cuStreamWaitEvent)                  \
+  X(cuEventCreate)                      \
+  X(cuEventDestroy)                     \
+  X(cuEventRecord)                      \
+  X(cuEventQuery)                       \
+  X(cuEventSynchronize)                 \
+  X(cuEventElapsedTime)
+
+struct Driver {
+#define EPLBX_CUDA_DECLARE(name) decltype(&::name) name = nullptr;
+  EPLBX_CUDA_DRIVER_FUNCTIONS(EPLBX_CUDA_DECLARE)
+#undef EPLBX_CUDA_DECLARE
+  int version = 0;       // cuDriverGetVersion, e.g. 13000
+  int device_count = 0;  // > 0
+
+  // "cuIpcOpenMemHandle: CUDA_ERROR_INVALID_VALUE" style text for a failed call.
+  std::string Error(std::string_view call, CUresult r) const;
+};
+
+// The driver, loaded and initialised once per process; "no CUDA device: ..." (kUnavailable)
+// when libcuda.so.1 is missing, a function is missing, cuInit fails or no device is visible.
+Result<const Driver*> LoadDriver();
+
+// The text of "no CUDA device: ..." for this process, or empty when a device is present.
+std::string NoDeviceReason();
+
+// A device's identity across processes (its UUID as 16 raw bytes) and its ordinal here.
+Result<std::string> DeviceUuid(const Driver& d, int ordinal);
+// The ordinal of the device with `uuid` in this process, or -1 (CUDA_VISIBLE_DEVICES).
+int OrdinalOfUuid(const Driver& d, std::string_view uuid);
+// "GPU-xxxxxxxx-xxxx-..." as nvidia-smi prints it.
+std::string UuidText(std::string_view uuid);
+
+// Makes the primary context of `ordinal` current on this thread (retained once per ordinal,
+// kept for the process's life).
+Status UseDevice(const Driver& d, int ordinal);
+
+}  // namespace eplbx::internal::cuda
+
+#endif  // EPLBX_SRC_TRANSFER_CUDA_CUDA_DRIVER_H_

@@ -1,0 +1,37 @@
+#include "transfer/device_memory.h"
+
+#include <dlfcn.h>
+
+namespace eplbx::internal {
+namespace {
+
+// The driver API's stable ABI (cuda.h): CUresult cuPointerGetAttribute(void*, int, CUdeviceptr).
+using PointerGetAttribute = int (*)(void* data, int attribute, unsigned long long ptr);
+constexpr int kAttributeMemoryType = 2;  // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+constexpr int kAttributeIsManaged = 8;   // CU_POINTER_ATTRIBUTE_IS_MANAGED
+constexpr unsigned kMemoryTypeDevice = 2;  // CU_MEMORYTYPE_DEVICE
+
+PointerGetAttribute LoadedDriver() {
+  // Never loads the driver: only finds it when the process already has it.
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (lib == nullptr) return nullptr;
+  auto f = reinterpret_cast<PointerGetAttribute>(dlsym(lib, "cuPointerGetAttribute"));
+  dlclose(lib);  // the process keeps its own reference
+  return f;
+}
+
+}  // namespace
+
+bool CudaDriverLoaded() { return LoadedDriver() != nullptr; }
+
+bool IsCudaDevicePointer(uint64_t p) {
+  PointerGetAttribute get = LoadedDriver();
+  if (get == nullptr) return false;
+  unsigned type = 0;
+  // Not initialised, an unknown pointer (plain host memory): not device memory.
+  if (get(&type, kAttributeMemoryType, p) != 0 || type != kMemoryTypeDevice) return false;
+  unsigned managed = 0;
+  return get(&managed, kAttributeIsManaged, p) != 0 || managed == 0;
+}
+
+}  // namespace eplbx::internal

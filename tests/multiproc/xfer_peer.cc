@@ -12,7 +12,9 @@
 // Output on start: META <hex blob>, BASE <buffer address>, SIZE <bytes>.
 // --memory plain (new[]), allocate (Agent::AllocateShared) or file: a MAP_SHARED mapping
 // of an unlinked /dev/shm file, registered from an offset that is not page-aligned (what
-// torch's share_memory_() gives), with RegisterMemory.
+// torch's share_memory_() gives), with RegisterMemory. In a build with CUDA also cuda
+// (cuMemAlloc) and cuda-vmm (two cuMemCreate allocations back to back) on device 0: HASH
+// and the checks of EXPECT then copy the range to the host first.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -29,6 +31,9 @@
 
 #include "eplbx/transfer.h"
 #include "multiproc/peer_util.h"
+#ifdef EPLBX_WITH_CUDA
+#include "multiproc/device_buffer.h"
+#endif
 
 using eplbx::testing::FillPattern;
 using eplbx::testing::Fnv1a;
@@ -53,6 +58,15 @@ int main(int argc, char** argv) {
     else if (a == "--timeout-ms")
       timeout_ms = std::stoi(next());
   }
+#ifdef EPLBX_WITH_CUDA
+  // As an engine would: CUDA is in use before the agent exists, so cuda_ipc is a default path.
+  if (memory.rfind("cuda", 0) == 0) {
+    if (auto d = eplbx::internal::cuda::LoadDriver(); !d.ok()) {
+      std::cout << "ERR " << d.status().ToString() << std::endl;
+      return 1;
+    }
+  }
+#endif
   eplbx::AgentConfig config;
   config.peer_timeout = std::chrono::milliseconds(timeout_ms);
   auto agent = eplbx::Agent::Create(name, config);
@@ -60,8 +74,11 @@ int main(int argc, char** argv) {
     std::cout << "ERR " << agent.status().ToString() << std::endl;
     return 1;
   }
-  eplbx::RegisteredRegion region;
   std::unique_ptr<uint8_t[]> owned;
+#ifdef EPLBX_WITH_CUDA
+  std::unique_ptr<eplbx::testing::DeviceBuffer> device;  // outlives the region
+#endif
+  eplbx::RegisteredRegion region;
   int file_fd = -1;
   constexpr size_t kLead = 4096 + 100;  // --memory file: file offset of the region
   eplbx::Result<eplbx::RegisteredRegion> r = eplbx::Status::InvalidArgument("--memory " + memory);
@@ -83,6 +100,19 @@ int main(int argc, char** argv) {
     r = (*agent)->RegisterMemory(static_cast<uint8_t*>(m) + 100, bytes);  // fd stays open
     file_fd = fd;
     if (r.ok() && !r->shared()) r = eplbx::Status::Internal("file memory not seen as shared");
+#ifdef EPLBX_WITH_CUDA
+  } else if (memory == "cuda" || memory == "cuda-vmm") {
+    auto dev = eplbx::testing::DeviceBuffer::Create(bytes, memory == "cuda-vmm");
+    if (!dev.ok()) {
+      std::cout << "ERR " << dev.status().ToString() << std::endl;
+      return 1;
+    }
+    device = std::move(*dev);
+    std::vector<uint8_t> pattern(bytes);
+    FillPattern(pattern.data(), bytes, seed, 0);
+    eplbx::Status up = device->Upload(pattern.data(), 0, bytes);
+    r = up.ok() ? (*agent)->RegisterMemory(device->data(), bytes) : up;
+#endif
   } else if (memory == "plain") {
     owned.reset(new uint8_t[bytes]);
     r = (*agent)->RegisterMemory(owned.get(), bytes);
@@ -93,7 +123,18 @@ int main(int argc, char** argv) {
   }
   region = std::move(*r);
   auto* buf = static_cast<uint8_t*>(region.data());
-  FillPattern(buf, bytes, seed, 0);
+  // The hash of [off, off + len) of the buffer, wherever it lives (0 when out of range).
+  auto hash = [&](uint64_t off, uint64_t len) -> uint64_t {
+    if (off > bytes || len > bytes - off) return 0;
+#ifdef EPLBX_WITH_CUDA
+    if (device != nullptr) {
+      auto host = device->Download(off, len);
+      return host.ok() ? Fnv1a(host->data(), len) : 0;
+    }
+#endif
+    return Fnv1a(buf + off, len);
+  };
+  if (owned != nullptr || memory == "allocate" || memory == "file") FillPattern(buf, bytes, seed, 0);
   std::cout << "META " << eplbx::testing::ToHex((*agent)->Metadata()) << "\n"
             << "BASE " << region.addr() << "\n"
             << "SIZE " << bytes << std::endl;
@@ -114,7 +155,7 @@ int main(int argc, char** argv) {
     } else if (cmd == "HASH") {
       uint64_t off = 0, len = 0;
       in >> off >> len;
-      std::cout << "HASH " << (off + len <= bytes ? Fnv1a(buf + off, len) : 0) << std::endl;
+      std::cout << "HASH " << hash(off, len) << std::endl;
     } else if (cmd == "EXPECT") {
       size_t count = 0;
       int wait_ms = 0;
@@ -128,9 +169,9 @@ int main(int argc, char** argv) {
         for (const auto& n : (*agent)->WaitNotifications(left)) {
           std::istringstream p(n.payload);
           std::string tag;
-          uint64_t off = 0, len = 0, hash = 0;
-          p >> tag >> off >> len >> hash;
-          const bool ok = tag == "CHECK" && off + len <= bytes && Fnv1a(buf + off, len) == hash;
+          uint64_t off = 0, len = 0, want = 0;
+          p >> tag >> off >> len >> want;
+          const bool ok = tag == "CHECK" && off + len <= bytes && hash(off, len) == want;
           std::cout << "NOTIFY " << n.peer << " " << (ok ? "OK" : "BAD") << std::endl;
           ++seen;
         }

@@ -1,0 +1,367 @@
+// The cuda_ipc data path (built with EPLBX_WITH_CUDA). Without a device: its metadata section,
+// and what an agent says when a peer offers device memory it cannot open ("no CUDA device").
+// With a device: transfers between real processes on one GPU (cudaMalloc and cuMem memory),
+// every byte checked, and a peer killed mid-transfer. Device tests skip with the reason.
+#include <signal.h>
+
+#include <chrono>
+#include <iostream>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/bytes.h"
+#include "eplbx/transfer.h"
+#include "multiproc/child.h"
+#include "multiproc/device_buffer.h"
+#include "multiproc/peer_util.h"
+#include "transfer/backend.h"
+#include "transfer/cuda/cuda_driver.h"
+#include "transfer/cuda/cuda_section.h"
+#include "transfer/device_memory.h"
+#include "transfer/metadata.h"
+#include "transfer/ucx/ucx_path.h"
+
+namespace eplbx {
+namespace {
+
+using internal::AgentMetadata;
+using internal::RegionInfo;
+using internal::cuda::Chunk;
+using internal::cuda::DecodeCudaSection;
+using internal::cuda::EncodeCudaSection;
+using internal::cuda::HandleKind;
+using internal::cuda::RegionHandle;
+using std::chrono::milliseconds;
+using testing::Child;
+using testing::DeviceBuffer;
+using testing::PatternByte;
+
+// ---- the section, no device needed ------------------------------------------------------
+
+std::vector<RegionInfo> Regions() {
+  return {{0x1000, 4096, MemoryKind::kHost},
+          {0x7f0000100000, 3 << 20, MemoryKind::kCuda},
+          {0x7f0000500000, 1 << 20, MemoryKind::kCuda}};
+}
+
+std::vector<RegionHandle> Handles() {
+  std::vector<RegionHandle> h(3);
+  h[1].kind = HandleKind::kLegacy;
+  h[1].device_uuid = std::string(16, '\x11');
+  h[1].base = 0x7f0000000000;
+  h[1].bytes = 8 << 20;
+  h[1].ipc_handle = std::string(64, '\x22');
+  h[2].kind = HandleKind::kVmm;
+  h[2].device_uuid = std::string(16, '\x33');
+  h[2].base = 0x7f0000400000;
+  h[2].bytes = 4 << 20;
+  h[2].chunks = {Chunk{0, 2 << 20, 17}, Chunk{2 << 20, 2 << 20, 18}};
+  return h;
+}
+
+TEST(CudaSectionTest, RoundTripsBothHandleKinds) {
+  auto decoded = DecodeCudaSection(EncodeCudaSection(Handles()), Regions(), "b");
+  ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
+  const std::vector<RegionHandle> want = Handles();
+  ASSERT_EQ(decoded->size(), 3u);
+  EXPECT_EQ((*decoded)[0].kind, HandleKind::kNone);
+  EXPECT_EQ((*decoded)[1].kind, HandleKind::kLegacy);
+  EXPECT_EQ((*decoded)[1].ipc_handle, want[1].ipc_handle);
+  EXPECT_EQ((*decoded)[1].device_uuid, want[1].device_uuid);
+  EXPECT_EQ((*decoded)[1].base, want[1].base);
+  EXPECT_EQ((*decoded)[2].kind, HandleKind::kVmm);
+  ASSERT_EQ((*decoded)[2].chunks.size(), 2u);
+  EXPECT_EQ((*decoded)[2].chunks[1].offset, 2u << 20);
+  EXPECT_EQ((*decoded)[2].chunks[1].fd, 18u);
+}
+
+TEST(CudaSectionTest, RejectsEveryMalformedSectionByName) {
+  auto error = [](std::vector<RegionHandle> h, std::vector<RegionInfo> regions,
+                  std::string extra = "") {
+    auto d = DecodeCudaSection(EncodeCudaSection(h) + extra, regions, "b");
+    EXPECT_FALSE(d.ok());
+    return d.ok() ? std::string() : d.status().message();
+  };
+  auto has = [](const std::string& text, const std::string& part) {
+    return text.find(part) != std::string::npos;
+  };
+  std::vector<RegionInfo> regions = Regions();
+  regions.pop_back();
+  EXPECT_TRUE(has(error(Handles(), regions), "handles for 3 regions, the header lists 2"));
+  std::vector<RegionHandle> h = Handles();
+  h[1].kind = HandleKind::kNone;
+  EXPECT_TRUE(has(error(h, Regions()), "region[1] is cuda memory but its handle kind is 0"));
+  regions = Regions();
+  regions[0].kind = MemoryKind::kCuda;
+  h = Handles();
+  EXPECT_TRUE(has(error(h, regions), "region[0] is cuda memory but its handle kind is 0"));
+  h = Handles();
+  h[1].bytes = 1 << 20;  // the region is 3 MiB at +1 MiB
+  EXPECT_TRUE(has(error(h, Regions()), "region[1] [0x7f0000100000, +3145728) is not inside its "
+                                       "allocation [0x7f0000000000, +1048576)"));
+  h = Handles();
+  h[2].chunks[1].offset = 3 << 20;
+  EXPECT_TRUE(has(error(h, Regions()), "region[2].chunk[1] [+3145728, 2097152 bytes) does not "
+                                       "continue at +2097152"));
+  h = Handles();
+  h[2].chunks.pop_back();
+  EXPECT_TRUE(has(error(h, Regions()), "region[2] chunks cover 2097152 of its 4194304 bytes"));
+  h = Handles();
+  h[2].chunks.clear();
+  EXPECT_TRUE(has(error(h, Regions()), "region[2] has 0 chunks"));
+  EXPECT_TRUE(has(error(Handles(), Regions(), "x"), "1 trailing bytes"));
+  std::string s = EncodeCudaSection(Handles());
+  s[4 + 1] = 7;  // region 1's handle kind
+  auto d = DecodeCudaSection(s, Regions(), "b");
+  ASSERT_FALSE(d.ok());
+  EXPECT_TRUE(has(d.status().message(), "region[1].handle_kind is 7 (known: 0 none, 1 ipc, 2 vmm)"));
+  s = EncodeCudaSection(Handles());
+  d = DecodeCudaSection(s.substr(0, s.size() - 3), Regions(), "b");
+  ASSERT_FALSE(d.ok());
+  EXPECT_TRUE(has(d.status().message(), "cuda_ipc section of peer 'b'"));
+}
+
+// ---- without a device -------------------------------------------------------------------
+
+// A copy of `b`'s metadata that also lists device memory: a legacy handle nobody can open here.
+std::string WithDeviceRegion(const std::string& blob) {
+  auto m = internal::DecodeAgentMetadata(blob);
+  EXPECT_TRUE(m.ok());
+  AgentMetadata out = *m;
+  out.regions.push_back(RegionInfo{0x7f0000100000, 1 << 20, MemoryKind::kCuda});
+  out.sections.clear();
+  auto keys = internal::DecodeUcxSection(m->Section("ucx")->body, m->regions.size(), m->name);
+  EXPECT_TRUE(keys.ok());
+  internal::ByteWriter w;
+  w.U32(static_cast<uint32_t>(out.regions.size()));
+  for (const std::string& k : *keys) w.Str32(k);
+  w.Str32("");  // UCX without CUDA support publishes no key for device memory
+  out.sections.push_back({"ucx", w.Take()});
+  std::vector<RegionHandle> h(out.regions.size());
+  h.back().kind = HandleKind::kLegacy;
+  h.back().device_uuid = std::string(16, '\x11');
+  h.back().base = 0x7f0000100000;
+  h.back().bytes = 1 << 20;
+  h.back().ipc_handle = std::string(64, '\x22');
+  out.sections.push_back({"cuda_ipc", EncodeCudaSection(h)});
+  return internal::EncodeAgentMetadata(out);
+}
+
+TEST(CudaPathTest, WithoutADeviceHostMemoryMovesAsBeforeAndDeviceMemoryIsRefusedWithTheReason) {
+  const std::string no_device = internal::cuda::NoDeviceReason();
+  if (no_device.empty()) GTEST_SKIP() << "a CUDA device is present; this test is for machines without one";
+  AgentConfig config;
+  config.paths = {"shm", "cma", "cuda_ipc", "ucx"};
+  auto a = Agent::Create("a", config);
+  auto b = Agent::Create("b", config);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status().ToString();
+  EXPECT_EQ((*a)->paths(), config.paths);
+  std::vector<uint8_t> src(1 << 16, 7), dst(1 << 16, 0);
+  auto rs = (*b)->RegisterMemory(src.data(), src.size());
+  auto rd = (*a)->RegisterMemory(dst.data(), dst.size());
+  ASSERT_TRUE(rs.ok() && rd.ok()) << rs.status().ToString();
+  // Host memory: cuda_ipc stays out of the way.
+  auto peer = (*a)->Connect((*b)->Metadata());
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  const Descriptor l = Descriptor::Of(dst.data(), dst.size());
+  const Descriptor r = Descriptor::Of(src.data(), src.size());
+  auto x = (*a)->Read(*peer, {&l, 1}, {&r, 1});
+  ASSERT_TRUE(x.ok()) << x.status().ToString();
+  EXPECT_EQ((*a)->Wait(*x, std::chrono::seconds(10)).state, TransferState::kDone);
+  EXPECT_EQ(dst, src);
+  // A peer offering device memory: refused at Connect, every path saying why.
+  auto c = Agent::Create("c", config);
+  ASSERT_TRUE(c.ok());
+  auto p = (*c)->Connect(WithDeviceRegion((*b)->Metadata()));
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), Code::kUnavailable);
+  const std::string m = p.status().message();
+  EXPECT_NE(m.find("reaches region 1 (cuda) of peer 'b'"), std::string::npos) << m;
+  EXPECT_NE(m.find("cuda_ipc: " + no_device), std::string::npos) << m;
+  EXPECT_NE(m.find("ucx: moves no cuda memory"), std::string::npos) << m;
+  EXPECT_NE(m.find("no CUDA device: libcuda.so.1 not found"), std::string::npos) << m;
+  std::cout << "the refusal: " << m << "\n";
+}
+
+TEST(CudaPathTest, DefaultsListCudaIpcOnlyOnceTheProcessUsesCuda) {
+  const std::vector<std::string> host = {"shm", "cma", "ucx"};
+  const std::vector<std::string> cuda = {"shm", "cma", "cuda_ipc", "ucx"};
+  auto defaults = [&] { return internal::CudaDriverLoaded() ? cuda : host; };
+  EXPECT_EQ((*Agent::Create("a"))->paths(), defaults());
+  // Loading the driver (what any CUDA use does) puts cuda_ipc into the defaults; where
+  // libcuda.so.1 is missing nothing is loaded and they stay host-only.
+  const bool found = internal::cuda::NoDeviceReason().find("libcuda.so.1 not found") ==
+                     std::string::npos;
+  EXPECT_EQ(internal::CudaDriverLoaded(), found);
+  EXPECT_EQ((*Agent::Create("b"))->paths(), found ? cuda : host);
+}
+
+// ---- with a device: real processes on one GPU -------------------------------------------
+
+constexpr int kPeerTimeoutMs = 2000;
+
+struct DevicePeer {
+  std::unique_ptr<Child> child;
+  std::string blob;
+  uint64_t base = 0;
+
+  static DevicePeer Start(const std::string& name, uint64_t bytes, uint64_t seed,
+                          const std::string& memory) {
+    DevicePeer p;
+    p.child = std::make_unique<Child>(std::vector<std::string>{
+        EPLBX_XFER_PEER, "--name", name, "--bytes", std::to_string(bytes), "--seed",
+        std::to_string(seed), "--timeout-ms", std::to_string(kPeerTimeoutMs), "--memory",
+        memory});
+    p.blob = testing::FromHex(p.child->Expect("META "));
+    p.base = std::stoull(p.child->Expect("BASE "));
+    return p;
+  }
+};
+
+class CudaIpcMultiProcTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    const std::string why = internal::cuda::NoDeviceReason();
+    if (!why.empty()) GTEST_SKIP() << why;
+  }
+  std::unique_ptr<Agent> MakeAgent(const std::string& name) {
+    AgentConfig config;
+    config.peer_timeout = milliseconds(kPeerTimeoutMs);
+    auto agent = Agent::Create(name, config);  // the driver is loaded: cuda_ipc is a default
+    EXPECT_TRUE(agent.ok()) << agent.status().ToString();
+    return agent.ok() ? std::move(*agent) : nullptr;
+  }
+};
+
+bool MatchesPattern(const std::vector<uint8_t>& got, uint64_t seed, uint64_t offset) {
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != PatternByte(seed, offset + i)) {
+      ADD_FAILURE() << "byte " << i << " of a row from peer offset " << offset << " is wrong";
+      return false;
+    }
+  }
+  return true;
+}
+
+TEST_P(CudaIpcMultiProcTest, ReadsAndWritesDeviceRowsEveryByteChecked) {
+  constexpr uint64_t kBytes = 64ull << 20, kRow = 1 << 20, kSeed = 5;
+  DevicePeer peer = DevicePeer::Start("gpu-peer", kBytes, kSeed, GetParam());
+  ASSERT_FALSE(peer.blob.empty());
+  auto agent = MakeAgent("tester");
+  ASSERT_NE(agent, nullptr);
+  auto local = DeviceBuffer::Create(kBytes, false);
+  ASSERT_TRUE(local.ok()) << local.status().ToString();
+  auto region = agent->RegisterMemory((*local)->data(), kBytes);
+  ASSERT_TRUE(region.ok()) << region.status().ToString();
+  auto pid = agent->Connect(peer.blob);
+  ASSERT_TRUE(pid.ok()) << pid.status().ToString();
+  PeerInfo info = *agent->Peer(*pid);
+  ASSERT_EQ(info.paths.size(), 1u);
+  EXPECT_EQ(info.paths[0].kind, MemoryKind::kCuda);
+  EXPECT_EQ(info.paths[0].path, "cuda_ipc");
+
+  // 16 rows from random places (the cuda-vmm peer's second allocation starts half way).
+  std::mt19937_64 rng(3);
+  std::vector<Descriptor> l, r;
+  std::vector<uint64_t> from;
+  for (int i = 0; i < 16; ++i) {
+    const uint64_t off = (rng() % (kBytes / kRow - 1)) * kRow + rng() % 4096;
+    from.push_back(off);
+    l.push_back({reinterpret_cast<uintptr_t>((*local)->data()) + i * kRow, kRow});
+    r.push_back({peer.base + off, kRow});
+  }
+  // One row across the middle of the peer's buffer.
+  from.push_back(kBytes / 2 - kRow / 2);
+  l.push_back({reinterpret_cast<uintptr_t>((*local)->data()) + 16 * kRow, kRow});
+  r.push_back({peer.base + from.back(), kRow});
+  auto x = agent->Read(*pid, l, r);
+  ASSERT_TRUE(x.ok()) << x.status().ToString();
+  TransferStatus st = agent->Wait(*x, std::chrono::seconds(30));
+  ASSERT_EQ(st.state, TransferState::kDone) << st.error.ToString();
+  for (size_t i = 0; i < from.size(); ++i) {
+    auto got = (*local)->Download(i * kRow, kRow);
+    ASSERT_TRUE(got.ok());
+    ASSERT_TRUE(MatchesPattern(*got, kSeed, from[i])) << "row " << i;
+  }
+
+  // WRITE 4 rows back with a notification; the peer checks the bytes when it arrives.
+  peer.child->Send("EXPECT 1 10000");
+  const uint64_t dst = 8 * kRow + 123;
+  const Descriptor wl{reinterpret_cast<uintptr_t>((*local)->data()), 4 * kRow};
+  const Descriptor wr{peer.base + dst, 4 * kRow};
+  auto want = (*local)->Download(0, 4 * kRow);
+  ASSERT_TRUE(want.ok());
+  const std::string check = "CHECK " + std::to_string(dst) + " " + std::to_string(4 * kRow) +
+                            " " + std::to_string(testing::Fnv1a(want->data(), want->size()));
+  auto w = agent->Write(*pid, {&wl, 1}, {&wr, 1}, check);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  st = agent->Wait(*w, std::chrono::seconds(30));
+  ASSERT_EQ(st.state, TransferState::kDone) << st.error.ToString();
+  EXPECT_EQ(peer.child->Expect("NOTIFY "), "tester OK");
+
+  // Host memory on our side reads the peer's device rows too.
+  std::vector<uint8_t> host(kRow);
+  auto hr = agent->RegisterMemory(host.data(), host.size());
+  ASSERT_TRUE(hr.ok()) << hr.status().ToString();
+  const Descriptor hl = Descriptor::Of(host.data(), kRow);
+  const Descriptor hrem{peer.base + 5 * kRow, kRow};
+  auto h = agent->Read(*pid, {&hl, 1}, {&hrem, 1});
+  ASSERT_TRUE(h.ok()) << h.status().ToString();
+  ASSERT_EQ(agent->Wait(*h, std::chrono::seconds(30)).state, TransferState::kDone);
+  EXPECT_TRUE(MatchesPattern(host, kSeed, 5 * kRow));
+  EXPECT_GT(agent->PathBytes().size(), 0u);
+}
+
+TEST_P(CudaIpcMultiProcTest, APeerKilledMidTransferEndsItAndIsReportedWithoutAHang) {
+  constexpr uint64_t kBytes = 512ull << 20, kRow = 16ull << 20;
+  DevicePeer peer = DevicePeer::Start("doomed", kBytes, 9, GetParam());
+  ASSERT_FALSE(peer.blob.empty());
+  auto agent = MakeAgent("survivor");
+  ASSERT_NE(agent, nullptr);
+  auto local = DeviceBuffer::Create(kBytes, false);
+  ASSERT_TRUE(local.ok()) << local.status().ToString();
+  auto region = agent->RegisterMemory((*local)->data(), kBytes);
+  ASSERT_TRUE(region.ok()) << region.status().ToString();
+  auto pid = agent->Connect(peer.blob);
+  ASSERT_TRUE(pid.ok()) << pid.status().ToString();
+  std::vector<TransferId> ids;
+  for (uint64_t off = 0; off < kBytes; off += kRow) {
+    const Descriptor l{reinterpret_cast<uintptr_t>((*local)->data()) + off, kRow};
+    const Descriptor r{peer.base + off, kRow};
+    auto x = agent->Read(*pid, {&l, 1}, {&r, 1});
+    ASSERT_TRUE(x.ok()) << x.status().ToString();
+    ids.push_back(*x);
+  }
+  kill(peer.child->pid(), SIGKILL);
+  const auto start = std::chrono::steady_clock::now();
+  for (TransferId id : ids) {
+    // Copies already queued finish (the mapping keeps the memory alive) or fail; none hangs.
+    EXPECT_NE(agent->Wait(id, std::chrono::seconds(10)).state, TransferState::kInProgress);
+  }
+  // The control channel finds the peer gone; later transfers fail at once, naming it.
+  Status later = Status::OK();
+  while (std::chrono::steady_clock::now() - start < milliseconds(kPeerTimeoutMs * 3)) {
+    const Descriptor l{reinterpret_cast<uintptr_t>((*local)->data()), kRow};
+    const Descriptor r{peer.base, kRow};
+    auto x = agent->Read(*pid, {&l, 1}, {&r, 1});
+    if (!x.ok()) {
+      later = x.status();
+      break;
+    }
+    agent->Wait(*x, std::chrono::seconds(10));
+    std::this_thread::sleep_for(milliseconds(50));
+  }
+  EXPECT_EQ(later.code(), Code::kUnavailable) << later.ToString();
+  EXPECT_NE(later.message().find("doomed"), std::string::npos) << later.ToString();
+}
+
+INSTANTIATE_TEST_SUITE_P(Memory, CudaIpcMultiProcTest, ::testing::Values("cuda", "cuda-vmm"),
+                         [](const auto& info) { return info.param == "cuda" ? "CudaMalloc" : "CuMemVmm"; });
+
+}  // namespace
+}  // namespace eplbx

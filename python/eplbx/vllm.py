@@ -36,13 +36,20 @@ def _nbytes(t) -> int:
     return t.element_size() * t.numel()
 
 
-def _check_cpu(t, what: str) -> None:
-    if t.device.type != "cpu":
+def _check_tensor(t, what: str, device=None):
+    """`t` is a contiguous host or CUDA tensor, on `device` when given (one memory per
+    communicator: all host, or all on this rank's GPU); returns its device."""
+    if t.device.type not in ("cpu", "cuda"):
         raise NotImplementedError(
-            f"eplbx: {what} is on {t.device}; this eplbx build moves host memory only "
-            "(GPU tensors need a CUDA-capable backend, not available yet)")
+            f"eplbx: {what} is on {t.device}; eplbx moves host memory and CUDA device memory")
+    if device is not None and t.device != device:
+        raise InvalidArgumentError(
+            f"eplbx: {what} is on {t.device} but the communicator's first weight tensor is on "
+            f"{device}; every weight and buffer tensor must be in one memory (all host, or all on "
+            "this rank's GPU)")
     if not t.is_contiguous():
         raise ValueError(f"eplbx: {what} is not contiguous; expert rows must be contiguous")
+    return t.device
 
 
 def _check_int(value, what: str, lo: int, hi: int) -> int:
@@ -101,7 +108,7 @@ def _merged_regions(tensors) -> list[tuple[int, int]]:
 
 
 class EplbxCommunicator:
-    """vLLM's EplbCommunicator interface on eplbx (host tensors)."""
+    """vLLM's EplbCommunicator interface on eplbx (host or CUDA tensors)."""
 
     def __init__(self, cpu_group, all_expert_weights, expert_buffer, timeout_s: float = 300.0,
                  transport: str = "auto", paths: str = "", defer_setup: bool = False, **_ignored):
@@ -122,10 +129,12 @@ class EplbxCommunicator:
         self.last_rearrange = None  # figures of the last rearrange() (vLLM drops its return value)
         layers = []
         tensors = []
+        self._device = None  # where every tensor lives (cpu or one cuda device)
+        self._stream = None  # set_stream(): the engine's stream the transfers are ordered with
         for layer, layer_tensors in enumerate(all_expert_weights):
             spec = []
             for index, w in enumerate(layer_tensors):
-                _check_cpu(w, f"weight tensor {index} of layer {layer}")
+                self._device = _check_tensor(w, f"weight tensor {index} of layer {layer}", self._device)
                 rows = int(w.shape[0])
                 per_expert = _nbytes(w) // rows if rows else 0
                 spec.append((f"tensor{index}", str(w.dtype).replace("torch.", ""), [int(d) for d in w.shape[1:]],
@@ -135,7 +144,7 @@ class EplbxCommunicator:
             self._rows.append([(w.dtype, tuple(w.shape[1:]), _nbytes(w) // int(w.shape[0]) if w.shape[0] else 0)
                                for w in layer_tensors])
         for index, b in enumerate(expert_buffer):
-            _check_cpu(b, f"expert_buffer tensor {index}")
+            _check_tensor(b, f"expert_buffer tensor {index}", self._device)
             tensors.append(b)
 
         def allgather(blob: bytes) -> list:
@@ -159,8 +168,24 @@ class EplbxCommunicator:
     def needs_profile_buffer_reservation(self) -> bool:
         return False
 
-    def set_stream(self, stream) -> None:  # host memory: no streams to order against
-        pass
+    def set_stream(self, stream) -> None:
+        """CUDA tensors: the engine's stream. execute() starts its transfers only after the work
+        already queued on it (the engine may still be writing the buffer or the rows it sends),
+        and returns with the received rows in place, so work queued on it afterwards sees them.
+        Host tensors: nothing to order against."""
+        self._stream = stream
+
+    def _device_work_done(self) -> None:
+        """Waits for the device work queued so far on the engine's stream and on the current
+        one (copies this communicator queued itself), so transfers read finished rows."""
+        if self._device is None or self._device.type != "cuda":
+            return
+        import torch
+
+        current = torch.cuda.current_stream(self._device)
+        if self._stream is not None and self._stream != current:
+            self._stream.synchronize()
+        current.synchronize()
 
     def set_transfer_context(self, old_indices, layer_idx: int, new_indices=None,
                              kept_rows_copied: bool = False, **_ignored) -> None:
@@ -207,7 +232,10 @@ class EplbxCommunicator:
             self._refuse(e)
         rows = []
         for index, t in enumerate(tensors):
-            _check_cpu(t, f"receive row {index} of expert {expert}")
+            try:
+                _check_tensor(t, f"receive row {index} of expert {expert}", self._device)
+            except InvalidArgumentError as e:
+                self._refuse(e)
             if self._layer is not None and index < len(self._rows[self._layer]):
                 dtype, shape, nbytes = self._rows[self._layer][index]
                 if t.dtype != dtype or tuple(t.shape) != shape or _nbytes(t) != nbytes:
@@ -222,7 +250,8 @@ class EplbxCommunicator:
     def execute(self, **_ignored) -> None:
         comm = self._context()
         self._layer = None  # the layer's context ends here, whatever execute() raises
-        comm.execute()
+        self._device_work_done()
+        comm.execute()  # returns once every read landed (device copies completed)
 
     @property
     def failed(self) -> bool:

@@ -20,12 +20,17 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "cli/demo.h"
 #include "cli/flags.h"
 #include "common/numbers.h"
 #include "common/strings.h"
 #include "eplbx/env.h"
 #include "eplbx/transfer.h"
 #include "tools/measure.h"
+#include "transfer/backend.h"
+#ifdef EPLBX_WITH_CUDA
+#include "transfer/cuda/cuda_driver.h"
+#endif
 
 namespace eplbx::cli {
 namespace {
@@ -45,6 +50,7 @@ struct XferOptions {
   double seconds = 0.4;  // per configuration
   bool json = false;
   bool perftest = false;
+  std::string memory = "host";  // host, or cuda: device memory on GPU 0 in both processes
 };
 
 Result<uint64_t> ParseSize(std::string_view s) {
@@ -111,22 +117,51 @@ bool ReadAll(int fd, void* p, size_t n) {
   return true;
 }
 
-// Registers two buffers (plain memory and AllocateShared), sends its metadata and their
-// addresses, then serves until the parent closes the socket.
-[[noreturn]] void RunTarget(int fd, uint64_t bytes) {
-  auto agent = Agent::Create("xfer-target", {});
-  if (!agent.ok()) {
-    std::cerr << "eplbx: error: bench target: " << agent.status().message() << "\n";
-    _exit(1);
+// Tells the parent why the target cannot serve: a zero-length blob, then the message.
+[[noreturn]] void TargetFails(int fd, const std::string& why) {
+  uint64_t header[3] = {0, why.size(), 0};
+  WriteAll(fd, header, sizeof(header));
+  WriteAll(fd, why.data(), why.size());
+  _exit(1);
+}
+
+// Registers two buffers (plain memory and AllocateShared; with `cuda`, device memory on GPU
+// 0 instead, through the driver loaded only here, after the fork), sends its metadata and
+// their addresses, then serves until the parent closes the socket.
+[[noreturn]] void RunTarget(int fd, uint64_t bytes, bool cuda) {
+  std::unique_ptr<uint8_t[]> plain;
+  uint8_t* first = nullptr;
+#ifdef EPLBX_WITH_CUDA
+  if (cuda) {
+    Result<const internal::cuda::Driver*> d = internal::cuda::LoadDriver();
+    if (!d.ok()) TargetFails(fd, d.status().message());
+    if (Status u = internal::cuda::UseDevice(**d, 0); !u.ok()) TargetFails(fd, u.message());
+    CUdeviceptr p = 0;
+    if (CUresult r = (*d)->cuMemAlloc(&p, bytes); r != CUDA_SUCCESS) {
+      TargetFails(fd, (*d)->Error("cuMemAlloc", r));
+    }
+    (*d)->cuMemsetD8(p, 7, bytes);
+    first = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(p));
   }
-  std::unique_ptr<uint8_t[]> plain(new uint8_t[bytes]);
-  std::memset(plain.get(), 7, bytes);
-  auto r1 = (*agent)->RegisterMemory(plain.get(), bytes);
-  auto r2 = (*agent)->AllocateShared(bytes);
-  if (!r1.ok() || !r2.ok()) _exit(1);
-  std::memset(r2->data(), 7, bytes);
+#endif
+  if (cuda && first == nullptr) TargetFails(fd, StrCat("no CUDA device", internal::NoCudaPathHint()));
+  auto agent = Agent::Create("xfer-target", {});
+  if (!agent.ok()) TargetFails(fd, agent.status().message());
+  if (!cuda) {
+    plain.reset(new uint8_t[bytes]);
+    std::memset(plain.get(), 7, bytes);
+    first = plain.get();
+  }
+  auto r1 = (*agent)->RegisterMemory(first, bytes);
+  if (!r1.ok()) TargetFails(fd, r1.status().message());
+  Result<RegisteredRegion> r2 = Status::NotFound("no second buffer");
+  if (!cuda) {
+    r2 = (*agent)->AllocateShared(bytes);
+    if (!r2.ok()) TargetFails(fd, r2.status().message());
+    std::memset(r2->data(), 7, bytes);
+  }
   std::string blob = (*agent)->Metadata();
-  uint64_t header[3] = {blob.size(), r1->addr(), r2->addr()};
+  uint64_t header[3] = {blob.size(), r1->addr(), r2.ok() ? r2->addr() : 0};
   if (!WriteAll(fd, header, sizeof(header)) || !WriteAll(fd, blob.data(), blob.size())) _exit(1);
   char c;
   while (read(fd, &c, 1) > 0) {
@@ -146,7 +181,7 @@ struct Target {
   }
 };
 
-Status StartTarget(Target* t, uint64_t bytes) {
+Status StartTarget(Target* t, uint64_t bytes, bool cuda = false) {
   int sv[2];
   if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
     return Status::Unavailable(StrCat("socketpair: ", std::strerror(errno)));
@@ -155,13 +190,18 @@ Status StartTarget(Target* t, uint64_t bytes) {
   t->pid = fork();
   if (t->pid == 0) {
     close(sv[0]);
-    RunTarget(sv[1], bytes);
+    RunTarget(sv[1], bytes, cuda);
   }
   close(sv[1]);
   t->fd = sv[0];
   uint64_t header[3];
   if (!ReadAll(t->fd, header, sizeof(header)) || header[0] > (16u << 20)) {
-    return Status::Unavailable("bench target process did not start (see its error above)");
+    return Status::Unavailable("bench target process did not start");
+  }
+  if (header[0] == 0) {
+    std::string why(std::min<uint64_t>(header[1], 4096), '\0');
+    ReadAll(t->fd, why.data(), why.size());
+    return Status::Unavailable(why);
   }
   t->blob.resize(header[0]);
   if (!ReadAll(t->fd, t->blob.data(), t->blob.size()))
@@ -264,6 +304,165 @@ Result<double> Perftest(const std::string& test, const std::string& tls, uint64_
   return v[5] * (1 << 20) / 1e9;
 }
 
+// ---- device memory (--memory cuda) ------------------------------------------------------
+
+#ifdef EPLBX_WITH_CUDA
+// Copies of `batch` rows of `block` per iteration with cuMemcpyAsync on one stream, from the
+// same windows Measure uses: device to device in this process (the limit cuda_ipc READs are
+// compared with), or pinned host <-> device (what a host-staged path would be bound by). GB/s.
+Result<double> MeasureCopies(const internal::cuda::Driver& d, CUstream stream, uint64_t dst,
+                             uint64_t src, uint64_t block, uint64_t batch, double seconds) {
+  const uint64_t span = block * batch;
+  double busy = 0;
+  int timed = 0;
+  const auto start = Env::Default()->Now();
+  for (int it = 0;; ++it) {
+    const uint64_t window = (static_cast<uint64_t>(it) * span) % kMaxBuffer;
+    const auto t0 = Env::Default()->Now();
+    for (uint64_t i = 0; i < batch; ++i) {
+      uint64_t at = (window + i * block) % kMaxBuffer;
+      if (at + block > kMaxBuffer) at = 0;
+      if (CUresult r = d.cuMemcpyAsync(dst + at, src + at, block, stream); r != CUDA_SUCCESS) {
+        return Status::Internal(d.Error("cuMemcpyAsync", r));
+      }
+    }
+    if (CUresult r = d.cuStreamSynchronize(stream); r != CUDA_SUCCESS) {
+      return Status::Internal(d.Error("cuStreamSynchronize", r));
+    }
+    const double us = std::chrono::duration<double, std::micro>(Env::Default()->Now() - t0).count();
+    if (it >= 2) {
+      busy += us;
+      ++timed;
+    }
+    const double elapsed = std::chrono::duration<double>(Env::Default()->Now() - start).count();
+    if (timed >= 3 && (elapsed > seconds || timed >= 20000)) break;
+  }
+  return static_cast<double>(span) * timed / (busy * 1e-6) / 1e9;
+}
+
+// cuda_ipc READ / WRITE of device rows between this process and the target on GPU 0, beside
+// device-to-device copies in one process and pinned host <-> device copies, same run.
+Status RunCudaRows(const XferOptions& o, const std::vector<uint64_t>& sizes,
+                   const std::vector<uint64_t>& batches, const std::vector<bool>& ops,
+                   Target& target, nlohmann::json& out) {
+  Result<const internal::cuda::Driver*> dr = internal::cuda::LoadDriver();
+  if (!dr.ok()) return dr.status();
+  const internal::cuda::Driver& d = **dr;
+  EPLBX_RETURN_IF_ERROR(internal::cuda::UseDevice(d, 0));
+  CUdeviceptr local = 0, other = 0;
+  void* pinned = nullptr;
+  CUstream stream = nullptr;
+  if (CUresult r = d.cuMemAlloc(&local, kMaxBuffer); r != CUDA_SUCCESS) {
+    return Status::Unavailable(d.Error("cuMemAlloc", r));
+  }
+  if (CUresult r = d.cuMemAlloc(&other, kMaxBuffer); r != CUDA_SUCCESS) {
+    return Status::Unavailable(d.Error("cuMemAlloc", r));
+  }
+  if (CUresult r = d.cuMemHostAlloc(&pinned, kMaxBuffer, 0); r != CUDA_SUCCESS) {
+    return Status::Unavailable(d.Error("cuMemHostAlloc", r));
+  }
+  if (CUresult r = d.cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING); r != CUDA_SUCCESS) {
+    return Status::Unavailable(d.Error("cuStreamCreate", r));
+  }
+  char name[256] = {};
+  CUdevice dev = 0;
+  d.cuDeviceGet(&dev, 0);
+  d.cuDeviceGetName(name, sizeof(name) - 1, dev);
+  out["device"] = name;
+  out["cuda_driver_version"] = d.version;
+  AgentConfig config;  // CUDA is in use now: cuda_ipc is among the default paths
+  config.paths = SplitPaths(o.paths);
+  auto agent = Agent::Create("xfer-cuda", config);
+  if (!agent.ok()) return agent.status();
+  auto region = (*agent)->RegisterMemory(reinterpret_cast<void*>(local), kMaxBuffer);
+  if (!region.ok()) return region.status();
+  auto peer = (*agent)->Connect(target.blob);
+  if (!peer.ok()) return peer.status();
+  Result<PeerInfo> info = (*agent)->Peer(*peer);
+  if (!info.ok()) return info.status();
+  const std::string path = info->paths.empty() ? "?" : info->paths[0].path;
+  auto* local_rows = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(local));
+  for (bool read : ops) {
+    for (uint64_t size : sizes) {
+      for (uint64_t batch : batches) {
+        Result<Row> row = Measure(**agent, *peer, read, target.plain, local_rows, size, batch,
+                                  o.seconds);
+        if (!row.ok()) return row.status();
+        Result<double> d2d = MeasureCopies(d, stream, other, local, size, batch, o.seconds);
+        if (!d2d.ok()) return d2d.status();
+        nlohmann::json j = {{"op", read ? "read" : "write"},
+                            {"memory", "cuda"},
+                            {"path", path},
+                            {"block_bytes", size},
+                            {"batch", batch},
+                            {"gbps", row->gbps},
+                            {"p50_us", row->p50},
+                            {"p99_us", row->p99},
+                            {"iterations", row->iterations},
+                            {"device_copy_gbps", *d2d},
+                            {"ratio_to_device_copy", row->gbps / *d2d}};
+        if (!o.json) {
+          std::printf("%-5s cuda %-8s block %9llu batch %3llu: %8.2f GB/s  p50 %9.1f us  "
+                      "(device-to-device copy here: %8.2f GB/s, ratio %.2f)\n",
+                      read ? "read" : "write", path.c_str(), static_cast<unsigned long long>(size),
+                      static_cast<unsigned long long>(batch), row->gbps, row->p50, *d2d,
+                      row->gbps / *d2d);
+          std::fflush(stdout);
+        }
+        out["results"].push_back(j);
+      }
+    }
+  }
+  const auto host = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(pinned));
+  for (uint64_t size : sizes) {
+    Result<double> h2d = MeasureCopies(d, stream, local, host, size, 1, o.seconds);
+    Result<double> d2h = MeasureCopies(d, stream, host, local, size, 1, o.seconds);
+    if (!h2d.ok()) return h2d.status();
+    if (!d2h.ok()) return d2h.status();
+    out["pinned_host_copy"].push_back(
+        {{"block_bytes", size}, {"host_to_device_gbps", *h2d}, {"device_to_host_gbps", *d2h}});
+    if (!o.json) {
+      std::printf("pinned host copy   block %9llu: host->device %8.2f GB/s, device->host %8.2f GB/s\n",
+                  static_cast<unsigned long long>(size), *h2d, *d2h);
+    }
+  }
+  // Across hosts device rows would travel through pinned host buffers: not built yet.
+  out["staged_path"] = "not built (docs/transfer.md, \"Device memory\")";
+  d.cuStreamDestroy(stream);
+  d.cuMemFreeHost(pinned);
+  d.cuMemFree(other);  // `local` stays registered until the agent goes; the process ends then
+  return Status::OK();
+}
+#endif
+
+Status RunXferCuda(const XferOptions& o, const std::vector<uint64_t>& sizes,
+                   const std::vector<uint64_t>& batches, const std::vector<bool>& ops) {
+  nlohmann::json out;
+  Target target;
+  // The target starts CUDA after the fork (CUDA does not survive one); it says if it cannot.
+  Status started = StartTarget(&target, kMaxBuffer, /*cuda=*/true);
+  Status s = started;
+#ifdef EPLBX_WITH_CUDA
+  if (started.ok()) s = RunCudaRows(o, sizes, batches, ops, target, out);
+#else
+  (void)batches;
+  (void)ops;
+  (void)sizes;
+#endif
+  if (!s.ok() && s.message().rfind("no CUDA device", 0) == 0) {
+    // Nothing to measure on this machine: say why and succeed (the benchmark needs a GPU).
+    if (o.json) {
+      std::cout << nlohmann::json({{"memory", "cuda"}, {"skipped", s.message()}}).dump(1) << "\n";
+    } else {
+      std::cout << "bench xfer --memory cuda: " << s.message() << "; nothing measured\n";
+    }
+    return Status::OK();
+  }
+  EPLBX_RETURN_IF_ERROR(s);
+  if (o.json) std::cout << out.dump(1) << "\n";
+  return Status::OK();
+}
+
 Status RunXfer(const XferOptions& o) {
   Result<std::vector<uint64_t>> sizes = ParseList(o.sizes, true);
   if (!sizes.ok()) return sizes.status().WithPrefix("--sizes");
@@ -282,6 +481,7 @@ Status RunXfer(const XferOptions& o) {
   if (ops.empty())
     return Status::InvalidArgument(
         StrCat("--ops '", o.ops, "': expected read, write or read,write"));
+  if (o.memory == "cuda") return RunXferCuda(o, *sizes, *batches, ops);
 
   nlohmann::json out;
   out["memcpy_gbps"] = internal::MeasureMemcpyGbps();
@@ -297,11 +497,7 @@ Status RunXfer(const XferOptions& o) {
   std::vector<std::pair<std::string, AgentConfig>> runs;
   if (!o.paths.empty()) {
     AgentConfig config;
-    for (size_t at = 0; at <= o.paths.size();) {
-      const size_t comma = std::min(o.paths.find(',', at), o.paths.size());
-      config.paths.push_back(o.paths.substr(at, comma - at));
-      at = comma + 1;
-    }
+    config.paths = SplitPaths(o.paths);
     config.inline_copy_bytes = o.inline_copy;
     runs.push_back({"paths", config});
   } else {
@@ -431,6 +627,11 @@ void AddBenchCommand(CLI::App& app, Action& run) {
   xfer->add_option("--seconds", o->seconds, "time per configuration")
       ->capture_default_str()
       ->check(RealIn(0.001, 3600));
+  xfer->add_option("--memory", o->memory,
+                   "host, or cuda: device rows on GPU 0 between two processes (cuda_ipc) beside "
+                   "device-to-device and pinned host copies; without a GPU it says so and exits 0")
+      ->check(CLI::IsMember({"host", "cuda"}))
+      ->capture_default_str();
   xfer->add_flag("--json", o->json, "print one JSON document");
   xfer->add_flag("--perftest", o->perftest,
                  "also run ucx_perftest (ucp_get, ucp_put_bw) at the same sizes");

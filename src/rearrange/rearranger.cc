@@ -12,6 +12,7 @@
 #include "protocol/layer_protocol.h"
 #include "protocol/records.h"
 #include "rearrange/rearranger_impl.h"
+#include "transfer/device_memory.h"
 
 namespace eplbx {
 namespace internal {
@@ -475,6 +476,19 @@ Result<std::unique_ptr<Rearranger>> Rearranger::Create(Agent* agent, Bootstrap* 
   if (layout.rank != bootstrap->rank()) {
     return Status::InvalidArgument(StrCat("Rearranger: layout is for rank ", layout.rank,
                                           " but the bootstrap says rank ", bootstrap->rank()));
+  }
+  // Local copies and staging are CPU memcpy here: device rows would fault, so say so first.
+  for (size_t l = 0; l < layout.layers.size(); ++l) {
+    for (size_t t = 0; t < layout.layers[l].size(); ++t) {
+      const TensorSpec& spec = layout.layers[l][t];
+      if (spec.rows > 0 && internal::IsCudaDevicePointer(spec.base)) {
+        return Status::InvalidArgument(StrCat(
+            "Rearranger: rank ", layout.rank, " layer ", l, " tensor ", t, " ('", spec.name,
+            "') lives in CUDA device memory; the Rearranger copies and stages rows on the CPU, so "
+            "it moves host memory only: move device weights with EplbCommunicator (Python: "
+            "eplbx.vllm.EplbxCommunicator), which leaves local copies to the engine"));
+      }
+    }
   }
   auto impl = std::make_unique<internal::RearrangerImpl>();
   impl->agent = agent;

@@ -540,6 +540,23 @@ TEST_F(CliTest, NumbersThatDoNotFitAreErrorsNotWraps) {
   }
 }
 
+// Issue 19: the device benchmark needs a GPU; without one it says why and succeeds, with one
+// it measures cuda_ipc READs beside device-to-device copies in the same run.
+TEST_F(CliTest, BenchXferOnDeviceMemorySaysWhyWithoutAGpu) {
+  CliRun r = Eplbx("bench xfer --memory cuda --json --ops read --sizes 1M --batches 1 --seconds 0.05");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  if (j.contains("skipped")) {
+    EXPECT_EQ(j["skipped"].get<std::string>().rfind("no CUDA device: ", 0), 0u) << r.out;
+  } else {
+    ASSERT_EQ(j["results"].size(), 1u) << r.out;
+    EXPECT_EQ(j["results"][0]["path"], "cuda_ipc");
+    EXPECT_GT(j["results"][0]["gbps"].get<double>(), 0.0);
+    EXPECT_GT(j["results"][0]["device_copy_gbps"].get<double>(), 0.0);
+  }
+  ExpectOneLineError(Eplbx("bench xfer --memory gpu"), "--memory: gpu not in {host,cuda}");
+}
+
 // Issue 17, items 15 and 16: each bad input gets its own clear line.
 TEST_F(CliTest, UnclearErrorsNowSayWhatIsWrong) {
   ExpectOneLineError(Eplbx("--bogus"), "unknown option '--bogus' before a command");

@@ -4,6 +4,7 @@ mismatches and a killed rank."""
 import multiprocessing as mp
 import os
 import socket
+import threading
 import time
 import traceback
 import unittest
@@ -42,6 +43,9 @@ def worker(rank, world, port, scenario, results, seed=7):
         import eplbx
         from eplbx.vllm import EplbxCommunicator
 
+        # "cuda": every rank's tensors on GPU 0 (IPC works within one device), moved as vLLM's
+        # asynchronous mode drives it: set_stream(), then the transfer calls from another thread.
+        device = "cuda:0" if scenario == "cuda" else "cpu"
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         group = dist.new_group(backend="gloo")
         before = random_maps(seed, world)
@@ -58,12 +62,12 @@ def worker(rank, world, port, scenario, results, seed=7):
             for t, (shape, dtype) in enumerate(zip(shapes, dtypes)):
                 if scenario == "mismatch" and rank == 1 and t == 1:
                     shape = (shape[0] // 2 + 1,)
-                w = torch.empty((ROWS,) + tuple(shape), dtype=dtype)
+                w = torch.empty((ROWS,) + tuple(shape), dtype=dtype, device=device)
                 for row in range(ROWS):
                     w[row].fill_(value(layer, before[layer][rank * ROWS + row], t))
                 tensors.append(w)
             weights.append(tensors)
-        buffer = [torch.zeros((ROWS,) + tuple(s), dtype=d) for s, d in zip(shapes, dtypes)]
+        buffer = [torch.zeros((ROWS,) + tuple(s), dtype=d, device=device) for s, d in zip(shapes, dtypes)]
         if scenario == "short_buffer" and rank == 1:
             buffer[0] = torch.zeros((ROWS, 6, 4), dtype=dtypes[0])  # rows of 24 floats, not 30
         if scenario == "args":
@@ -101,6 +105,20 @@ def worker(rank, world, port, scenario, results, seed=7):
             results.put((rank, type(e).__name__, str(e)))
             return
         assert comm.needs_profile_buffer_reservation is False
+        stream = None
+        if scenario == "cuda":
+            stream = torch.cuda.Stream(device)
+            comm.set_stream(stream)
+            if rank == 0:  # one memory per communicator: host buffer rows beside device weights
+                try:
+                    EplbxCommunicator(group, weights, [b.cpu() for b in buffer], timeout_s=4.0,
+                                      defer_setup=True)
+                    results.put((rank, "mixed memory accepted", ""))
+                    return
+                except eplbx.InvalidArgumentError as e:
+                    if "is on cpu but the communicator's first weight tensor is on cuda:0" not in str(e):
+                        results.put((rank, "unclear error", str(e)))
+                        return
         if scenario == "shared":
             # The peers' shared files are mapped here (torch names them torch_<pid>_...).
             with open("/proc/self/maps") as maps:
@@ -117,63 +135,91 @@ def worker(rank, world, port, scenario, results, seed=7):
         def holds(layer, r, e):
             return e in before[layer][r * ROWS:(r + 1) * ROWS]
 
-        for layer in range(LAYERS):
-            old = list(before[layer])
-            if scenario == "stale" and rank == 2:
-                old[0], old[1] = old[1], old[0]  # a stale map: two of rank 0's rows swapped
-            comm.set_transfer_context(torch.tensor(old), layer, **extra)
-            for dst in range(world):  # what the others need from this rank
-                asked = set()
+        def layers():
+            for layer in range(LAYERS):
+                old = list(before[layer])
+                if scenario == "stale" and rank == 2:
+                    old[0], old[1] = old[1], old[0]  # a stale map: two of rank 0's rows swapped
+                comm.set_transfer_context(torch.tensor(old), layer, **extra)
+                for dst in range(world):  # what the others need from this rank
+                    asked = set()
+                    for row in range(ROWS):
+                        e = after[layer][dst * ROWS + row]
+                        if dst == rank or holds(layer, dst, e) or holder(layer, e) != rank or e in asked:
+                            continue
+                        asked.add(e)
+                        comm.add_send([w[0] for w in weights[layer]], dst, e, **extra)
+                received = {}
                 for row in range(ROWS):
-                    e = after[layer][dst * ROWS + row]
-                    if dst == rank or holds(layer, dst, e) or holder(layer, e) != rank or e in asked:
+                    e = after[layer][rank * ROWS + row]
+                    if holds(layer, rank, e) or e in received:
                         continue
-                    asked.add(e)
-                    comm.add_send([w[0] for w in weights[layer]], dst, e, **extra)
-            received = {}
-            for row in range(ROWS):
-                e = after[layer][rank * ROWS + row]
-                if holds(layer, rank, e) or e in received:
-                    continue
-                received[e] = row
-                rows = [b[row] for b in buffer]
-                if scenario == "weight_row" and rank == 0:
-                    rows = [w[0] for w in weights[layer]]  # a live weight row as receive row
-                try:
-                    comm.add_recv(rows, holder(layer, e), e, **extra)
-                except eplbx.EplbxError as err:
-                    results.put((rank, type(err).__name__, str(err), 0.0))
-                    time.sleep(2.0)  # an engine process lives on: its ABORT goes out meanwhile
-                    return
-            if scenario == "kill" and rank == 2:
-                os._exit(3)  # dies mid-layer, its READYs unsent
-            started = time.monotonic()
-            try:
-                comm.execute(**extra)
-            except eplbx.EplbxError as e:
-                if scenario == "weight_row":
-                    intact = all(bool((weights[l][t][r] == value(l, before[l][rank * ROWS + r], t)).all())
-                                 for l in range(LAYERS) for t in range(len(shapes)) for r in range(ROWS))
-                    results.put((rank, type(e).__name__, str(e), "intact" if intact else "CHANGED"))
-                else:
-                    results.put((rank, type(e).__name__, str(e), time.monotonic() - started))
-                if scenario == "short_buffer":
-                    time.sleep(2.0)  # alive until every peer reported, as an engine process is
-                return
-            for e, row in received.items():
-                for t in range(len(shapes)):
-                    got = buffer[t][row]
-                    want = value(layer, e, t)
-                    if not bool((got == want).all()):
-                        results.put((rank, "wrong", f"layer {layer} expert {e} tensor {t}"))
+                    received[e] = row
+                    rows = [b[row] for b in buffer]
+                    if scenario == "weight_row" and rank == 0:
+                        rows = [w[0] for w in weights[layer]]  # a live weight row as receive row
+                    try:
+                        comm.add_recv(rows, holder(layer, e), e, **extra)
+                    except eplbx.EplbxError as err:
+                        results.put((rank, type(err).__name__, str(err), 0.0))
+                        time.sleep(2.0)  # an engine process lives on: its ABORT goes out meanwhile
                         return
-            # vLLM copies from the buffer into the weights afterwards.
-            for e, row in received.items():
-                for t in range(len(shapes)):
-                    for r in range(ROWS):
-                        if after[layer][rank * ROWS + r] == e:
-                            weights[layer][t][r].copy_(buffer[t][row])
-        results.put((rank, "ok", ""))
+                if scenario == "kill" and rank == 2:
+                    os._exit(3)  # dies mid-layer, its READYs unsent
+                started = time.monotonic()
+                try:
+                    comm.execute(**extra)
+                except eplbx.EplbxError as e:
+                    if scenario == "weight_row":
+                        intact = all(bool((weights[l][t][r] == value(l, before[l][rank * ROWS + r], t)).all())
+                                     for l in range(LAYERS) for t in range(len(shapes)) for r in range(ROWS))
+                        results.put((rank, type(e).__name__, str(e), "intact" if intact else "CHANGED"))
+                    else:
+                        results.put((rank, type(e).__name__, str(e), time.monotonic() - started))
+                    if scenario == "short_buffer":
+                        time.sleep(2.0)  # alive until every peer reported, as an engine process is
+                    return
+                for e, row in received.items():
+                    for t in range(len(shapes)):
+                        got = buffer[t][row]
+                        want = value(layer, e, t)
+                        if not bool((got == want).all()):
+                            results.put((rank, "wrong", f"layer {layer} expert {e} tensor {t}"))
+                            return
+                # vLLM copies from the buffer into the weights afterwards.
+                for e, row in received.items():
+                    for t in range(len(shapes)):
+                        for r in range(ROWS):
+                            if after[layer][rank * ROWS + r] == e:
+                                weights[layer][t][r].copy_(buffer[t][row])
+            results.put((rank, "ok", ""))
+
+        if scenario != "cuda":
+            layers()
+            return
+        # The engine still writes the rows this rank sends, on its stream: garbage now, the
+        # right values only after a 20 ms kernel. Transfers must wait for that work.
+        torch.cuda.synchronize()
+        for layer in range(LAYERS):
+            for w in weights[layer]:
+                w.fill_(-1)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(40_000_000)
+            for layer in range(LAYERS):
+                for t, w in enumerate(weights[layer]):
+                    for row in range(ROWS):
+                        w[row].fill_(value(layer, before[layer][rank * ROWS + row], t))
+
+        def guarded():
+            try:
+                layers()
+            except Exception:  # noqa: BLE001 - report anything to the parent
+                results.put((rank, "crash", traceback.format_exc()))
+
+        thread = threading.Thread(target=guarded)
+        thread.start()
+        thread.join()
     except Exception:  # noqa: BLE001 - report anything to the parent
         results.put((rank, "crash", traceback.format_exc()))
 
@@ -228,6 +274,44 @@ def run(world, scenario, timeout=90):
 
 
 class VllmCommunicatorTest(unittest.TestCase):
+    def test_cuda_tensors_with_set_stream_from_another_thread_every_row(self):
+        try:
+            import torch
+            available = torch.cuda.is_available()
+        except Exception as e:  # noqa: BLE001 - reported as the reason
+            available, why = False, repr(e)
+        else:
+            why = "torch.cuda.is_available() is False"
+        if not available:
+            self.skipTest(f"no CUDA device ({why})")
+        out = run(3, "cuda")
+        self.assertEqual(out, {0: ("ok", ""), 1: ("ok", ""), 2: ("ok", "")})
+
+    def test_tensor_checks_name_the_device_and_refuse_mixed_memory(self):
+        import torch
+
+        import eplbx
+        from eplbx.vllm import _check_tensor
+
+        class Fake:  # only what the check reads: device and contiguity
+            def __init__(self, device, contiguous=True):
+                self.device, self._contiguous = torch.device(device), contiguous
+
+            def is_contiguous(self):
+                return self._contiguous
+
+        self.assertEqual(_check_tensor(Fake("cuda:0"), "w"), torch.device("cuda:0"))
+        with self.assertRaisesRegex(NotImplementedError, "weight tensor 0 of layer 2 is on meta; eplbx "
+                                    "moves host memory and CUDA device memory"):
+            _check_tensor(Fake("meta"), "weight tensor 0 of layer 2")
+        with self.assertRaisesRegex(eplbx.InvalidArgumentError, "expert_buffer tensor 1 is on cpu but "
+                                    "the communicator's first weight tensor is on cuda:0"):
+            _check_tensor(Fake("cpu"), "expert_buffer tensor 1", torch.device("cuda:0"))
+        with self.assertRaisesRegex(eplbx.InvalidArgumentError, "is on cuda:1 but .* is on cuda:0"):
+            _check_tensor(Fake("cuda:1"), "weight tensor 1 of layer 0", torch.device("cuda:0"))
+        with self.assertRaisesRegex(ValueError, "is not contiguous"):
+            _check_tensor(Fake("cuda:0", contiguous=False), "w")
+
     def test_random_placements_every_row(self):
         out = run(3, "ok")
         self.assertEqual(out, {0: ("ok", ""), 1: ("ok", ""), 2: ("ok", "")})

@@ -24,6 +24,11 @@ git ls-files -co --exclude-standard '*.h' '*.cc' | xargs clang-format --dry-run 
 echo "== Release build + tests =="
 scripts/build.sh build
 ctest --test-dir build --output-on-failure -j2
+if grep -q "^EPLBX_WITH_CUDA:BOOL=ON" build/CMakeCache.txt; then
+  echo "== CUDA data path compiled and linked (device tests skip without a GPU; scripts/test-gpu.sh runs them) =="
+else
+  echo "== CUDA toolkit not found: the CUDA data path is not built =="
+fi
 
 if ((sanitize)); then
   echo "== ASan + UBSan build + tests =="

@@ -144,7 +144,8 @@ bool ReadAll(int fd, void* p, size_t n) {
     first = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(p));
   }
 #endif
-  if (cuda && first == nullptr) TargetFails(fd, StrCat("no CUDA device", internal::NoCudaPathHint()));
+  if (cuda && first == nullptr)
+    TargetFails(fd, StrCat("no CUDA device", internal::NoCudaPathHint()));
   auto agent = Agent::Create("xfer-target", {});
   if (!agent.ok()) TargetFails(fd, agent.status().message());
   if (!cuda) {
@@ -385,8 +386,8 @@ Status RunCudaRows(const XferOptions& o, const std::vector<uint64_t>& sizes,
   for (bool read : ops) {
     for (uint64_t size : sizes) {
       for (uint64_t batch : batches) {
-        Result<Row> row = Measure(**agent, *peer, read, target.plain, local_rows, size, batch,
-                                  o.seconds);
+        Result<Row> row =
+            Measure(**agent, *peer, read, target.plain, local_rows, size, batch, o.seconds);
         if (!row.ok()) return row.status();
         Result<double> d2d = MeasureCopies(d, stream, other, local, size, batch, o.seconds);
         if (!d2d.ok()) return d2d.status();
@@ -402,11 +403,11 @@ Status RunCudaRows(const XferOptions& o, const std::vector<uint64_t>& sizes,
                             {"device_copy_gbps", *d2d},
                             {"ratio_to_device_copy", row->gbps / *d2d}};
         if (!o.json) {
-          std::printf("%-5s cuda %-8s block %9llu batch %3llu: %8.2f GB/s  p50 %9.1f us  "
-                      "(device-to-device copy here: %8.2f GB/s, ratio %.2f)\n",
-                      read ? "read" : "write", path.c_str(), static_cast<unsigned long long>(size),
-                      static_cast<unsigned long long>(batch), row->gbps, row->p50, *d2d,
-                      row->gbps / *d2d);
+          std::printf(
+              "%-5s cuda %-8s block %9llu batch %3llu: %8.2f GB/s  p50 %9.1f us  "
+              "(device-to-device copy here: %8.2f GB/s, ratio %.2f)\n",
+              read ? "read" : "write", path.c_str(), static_cast<unsigned long long>(size),
+              static_cast<unsigned long long>(batch), row->gbps, row->p50, *d2d, row->gbps / *d2d);
           std::fflush(stdout);
         }
         out["results"].push_back(j);
@@ -422,8 +423,9 @@ Status RunCudaRows(const XferOptions& o, const std::vector<uint64_t>& sizes,
     out["pinned_host_copy"].push_back(
         {{"block_bytes", size}, {"host_to_device_gbps", *h2d}, {"device_to_host_gbps", *d2h}});
     if (!o.json) {
-      std::printf("pinned host copy   block %9llu: host->device %8.2f GB/s, device->host %8.2f GB/s\n",
-                  static_cast<unsigned long long>(size), *h2d, *d2h);
+      std::printf(
+          "pinned host copy   block %9llu: host->device %8.2f GB/s, device->host %8.2f GB/s\n",
+          static_cast<unsigned long long>(size), *h2d, *d2h);
     }
   }
   // Across hosts device rows would travel through pinned host buffers: not built yet.

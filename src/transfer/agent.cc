@@ -101,9 +101,8 @@ Result<RegisteredRegion> Agent::RegisterMemory(void* ptr, size_t bytes) {
                       internal::IsCudaDevicePointer(reinterpret_cast<uintptr_t>(ptr));
   // Memory in a writable shared file mapping (memfd, /dev/shm: torch's share_memory_()) is
   // published as mappable, so same-host peers copy it with memcpy instead of process_vm_readv.
-  std::optional<internal::SharedFile> file = ptr != nullptr && bytes > 0 && !device
-                                                 ? internal::FindSharedFile(ptr, bytes)
-                                                 : std::nullopt;
+  std::optional<internal::SharedFile> file =
+      ptr != nullptr && bytes > 0 && !device ? internal::FindSharedFile(ptr, bytes) : std::nullopt;
   RegisteredRegion r;
   r.data_ = ptr;
   r.size_ = bytes;

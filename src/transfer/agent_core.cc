@@ -208,10 +208,10 @@ Result<uint64_t> AgentCore::Register(void* ptr, size_t bytes, SharedFile file, M
   if (std::none_of(paths_.begin(), paths_.end(), [&](const DataPath* p) {
         return p->caps().Moves(kind) || p->caps().CopiesLocal(kind);
       })) {
-    return Status::InvalidArgument(StrCat(
-        "agent '", name_, "': [", Hex(addr), ", +", bytes, ") is ", MemoryKindName(kind),
-        " memory and none of the data paths [", JoinList(path_names_), "] moves it",
-        kind == MemoryKind::kCuda ? NoCudaPathHint() : ""));
+    return Status::InvalidArgument(
+        StrCat("agent '", name_, "': [", Hex(addr), ", +", bytes, ") is ", MemoryKindName(kind),
+               " memory and none of the data paths [", JoinList(path_names_), "] moves it",
+               kind == MemoryKind::kCuda ? NoCudaPathHint() : ""));
   }
   // A path registers what it moves for peers or copies on our side (UCX never maps device
   // memory it cannot reach).
@@ -535,12 +535,13 @@ Result<TransferId> AgentCore::Post(XferOp op, PeerId peer, std::span<const Descr
       const uint8_t path = p.region_path[region];
       const PathCaps caps = paths_[path]->caps();
       if (!caps.CopiesLocal(local_kind)) {
-        return Status::InvalidArgument(StrCat(
-            "agent '", name_, "': ", OpName(op), " with '", p.meta.name, "': local descriptor ",
-            i, " lies in ", MemoryKindName(local_kind), " memory, which data path '",
-            paths_[path]->name(), "' (chosen for the peer's ", MemoryKindName(p.meta.regions[region].kind),
-            " region ", region, ") cannot copy; nothing was sent (keep both sides of a transfer in "
-            "the same kind of memory)"));
+        return Status::InvalidArgument(
+            StrCat("agent '", name_, "': ", OpName(op), " with '", p.meta.name,
+                   "': local descriptor ", i, " lies in ", MemoryKindName(local_kind),
+                   " memory, which data path '", paths_[path]->name(), "' (chosen for the peer's ",
+                   MemoryKindName(p.meta.regions[region].kind), " region ", region,
+                   ") cannot copy; nothing was sent (keep both sides of a transfer in "
+                   "the same kind of memory)"));
       }
       if (op == XferOp::kRead ? !caps.read : !caps.write) {
         return Status::NotSupported(StrCat("agent '", name_, "': ", OpName(op), " with '",

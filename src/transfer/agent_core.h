@@ -119,8 +119,8 @@ class AgentCore : public CoreListener {
   };
 
   AgentCore(std::string name, AgentConfig config, std::string host_id);
-  Status CheckLocal(XferOp op, const PeerRecord& p, size_t i, const Descriptor& d,
-                    uint64_t* region, MemoryKind* kind) const;
+  Status CheckLocal(XferOp op, const PeerRecord& p, size_t i, const Descriptor& d, uint64_t* region,
+                    MemoryKind* kind) const;
   Status CheckRemote(XferOp op, const PeerRecord& p, size_t i, const Descriptor& d,
                      uint32_t* region) const;
   std::vector<LocalRegionView> RegionViews() const;  // REQUIRES: mu_ held

@@ -7,8 +7,8 @@ namespace {
 
 // The driver API's stable ABI (cuda.h): CUresult cuPointerGetAttribute(void*, int, CUdeviceptr).
 using PointerGetAttribute = int (*)(void* data, int attribute, unsigned long long ptr);
-constexpr int kAttributeMemoryType = 2;  // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
-constexpr int kAttributeIsManaged = 8;   // CU_POINTER_ATTRIBUTE_IS_MANAGED
+constexpr int kAttributeMemoryType = 2;    // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+constexpr int kAttributeIsManaged = 8;     // CU_POINTER_ATTRIBUTE_IS_MANAGED
 constexpr unsigned kMemoryTypeDevice = 2;  // CU_MEMORYTYPE_DEVICE
 
 PointerGetAttribute LoadedDriver() {

@@ -24,11 +24,12 @@ bool CudaPathBuilt() {
 }
 
 std::string NoCudaPathHint() {
-  return CudaPathBuilt() ? "; list cuda_ipc among the data paths (EPLBX_PATHS=shm,cma,cuda_ipc,ucx), "
-                           "or create the agent after CUDA is in use (it is then listed by "
-                           "default)"
-                         : "; this eplbx was built without CUDA (configure it with "
-                           "-DEPLBX_WITH_CUDA=ON where the CUDA toolkit is installed)";
+  return CudaPathBuilt()
+             ? "; list cuda_ipc among the data paths (EPLBX_PATHS=shm,cma,cuda_ipc,ucx), "
+               "or create the agent after CUDA is in use (it is then listed by "
+               "default)"
+             : "; this eplbx was built without CUDA (configure it with "
+               "-DEPLBX_WITH_CUDA=ON where the CUDA toolkit is installed)";
 }
 
 bool CudaPathByDefault() { return CudaPathBuilt() && CudaDriverLoaded(); }
@@ -47,8 +48,8 @@ Result<AgentParts> CreateParts(std::string_view control, const std::vector<std::
   std::set<std::string_view> seen;
   for (const std::string& p : paths) {
     if (p == "cuda_ipc" && !CudaPathBuilt()) {
-      return Status::InvalidArgument(StrCat(who, ": data path 'cuda_ipc' is not in this build",
-                                            NoCudaPathHint()));
+      return Status::InvalidArgument(
+          StrCat(who, ": data path 'cuda_ipc' is not in this build", NoCudaPathHint()));
     }
     if (p != "shm" && p != "cma" && p != "cuda_ipc" && p != "ucx" && p != "loopback") {
       return Status::InvalidArgument(StrCat(who, ": unknown data path ", Printable(p),

@@ -543,7 +543,8 @@ TEST_F(CliTest, NumbersThatDoNotFitAreErrorsNotWraps) {
 // Issue 19: the device benchmark needs a GPU; without one it says why and succeeds, with one
 // it measures cuda_ipc READs beside device-to-device copies in the same run.
 TEST_F(CliTest, BenchXferOnDeviceMemorySaysWhyWithoutAGpu) {
-  CliRun r = Eplbx("bench xfer --memory cuda --json --ops read --sizes 1M --batches 1 --seconds 0.05");
+  CliRun r =
+      Eplbx("bench xfer --memory cuda --json --ops read --sizes 1M --batches 1 --seconds 0.05");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const nlohmann::json j = nlohmann::json::parse(r.out);
   if (j.contains("skipped")) {

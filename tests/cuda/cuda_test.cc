@@ -102,12 +102,14 @@ TEST(CudaSectionTest, RejectsEveryMalformedSectionByName) {
   EXPECT_TRUE(has(error(h, regions), "region[0] is cuda memory but its handle kind is 0"));
   h = Handles();
   h[1].bytes = 1 << 20;  // the region is 3 MiB at +1 MiB
-  EXPECT_TRUE(has(error(h, Regions()), "region[1] [0x7f0000100000, +3145728) is not inside its "
-                                       "allocation [0x7f0000000000, +1048576)"));
+  EXPECT_TRUE(has(error(h, Regions()),
+                  "region[1] [0x7f0000100000, +3145728) is not inside its "
+                  "allocation [0x7f0000000000, +1048576)"));
   h = Handles();
   h[2].chunks[1].offset = 3 << 20;
-  EXPECT_TRUE(has(error(h, Regions()), "region[2].chunk[1] [+3145728, 2097152 bytes) does not "
-                                       "continue at +2097152"));
+  EXPECT_TRUE(has(error(h, Regions()),
+                  "region[2].chunk[1] [+3145728, 2097152 bytes) does not "
+                  "continue at +2097152"));
   h = Handles();
   h[2].chunks.pop_back();
   EXPECT_TRUE(has(error(h, Regions()), "region[2] chunks cover 2097152 of its 4194304 bytes"));
@@ -119,7 +121,8 @@ TEST(CudaSectionTest, RejectsEveryMalformedSectionByName) {
   s[4 + 1] = 7;  // region 1's handle kind
   auto d = DecodeCudaSection(s, Regions(), "b");
   ASSERT_FALSE(d.ok());
-  EXPECT_TRUE(has(d.status().message(), "region[1].handle_kind is 7 (known: 0 none, 1 ipc, 2 vmm)"));
+  EXPECT_TRUE(
+      has(d.status().message(), "region[1].handle_kind is 7 (known: 0 none, 1 ipc, 2 vmm)"));
   s = EncodeCudaSection(Handles());
   d = DecodeCudaSection(s.substr(0, s.size() - 3), Regions(), "b");
   ASSERT_FALSE(d.ok());
@@ -154,7 +157,8 @@ std::string WithDeviceRegion(const std::string& blob) {
 
 TEST(CudaPathTest, WithoutADeviceHostMemoryMovesAsBeforeAndDeviceMemoryIsRefusedWithTheReason) {
   const std::string no_device = internal::cuda::NoDeviceReason();
-  if (no_device.empty()) GTEST_SKIP() << "a CUDA device is present; this test is for machines without one";
+  if (no_device.empty())
+    GTEST_SKIP() << "a CUDA device is present; this test is for machines without one";
   AgentConfig config;
   config.paths = {"shm", "cma", "cuda_ipc", "ucx"};
   auto a = Agent::Create("a", config);
@@ -195,8 +199,8 @@ TEST(CudaPathTest, DefaultsListCudaIpcOnlyOnceTheProcessUsesCuda) {
   EXPECT_EQ((*Agent::Create("a"))->paths(), defaults());
   // Loading the driver (what any CUDA use does) puts cuda_ipc into the defaults; where
   // libcuda.so.1 is missing nothing is loaded and they stay host-only.
-  const bool found = internal::cuda::NoDeviceReason().find("libcuda.so.1 not found") ==
-                     std::string::npos;
+  const bool found =
+      internal::cuda::NoDeviceReason().find("libcuda.so.1 not found") == std::string::npos;
   EXPECT_EQ(internal::CudaDriverLoaded(), found);
   EXPECT_EQ((*Agent::Create("b"))->paths(), found ? cuda : host);
 }
@@ -215,8 +219,7 @@ struct DevicePeer {
     DevicePeer p;
     p.child = std::make_unique<Child>(std::vector<std::string>{
         EPLBX_XFER_PEER, "--name", name, "--bytes", std::to_string(bytes), "--seed",
-        std::to_string(seed), "--timeout-ms", std::to_string(kPeerTimeoutMs), "--memory",
-        memory});
+        std::to_string(seed), "--timeout-ms", std::to_string(kPeerTimeoutMs), "--memory", memory});
     p.blob = testing::FromHex(p.child->Expect("META "));
     p.base = std::stoull(p.child->Expect("BASE "));
     return p;
@@ -296,8 +299,8 @@ TEST_P(CudaIpcMultiProcTest, ReadsAndWritesDeviceRowsEveryByteChecked) {
   const Descriptor wr{peer.base + dst, 4 * kRow};
   auto want = (*local)->Download(0, 4 * kRow);
   ASSERT_TRUE(want.ok());
-  const std::string check = "CHECK " + std::to_string(dst) + " " + std::to_string(4 * kRow) +
-                            " " + std::to_string(testing::Fnv1a(want->data(), want->size()));
+  const std::string check = "CHECK " + std::to_string(dst) + " " + std::to_string(4 * kRow) + " " +
+                            std::to_string(testing::Fnv1a(want->data(), want->size()));
   auto w = agent->Write(*pid, {&wl, 1}, {&wr, 1}, check);
   ASSERT_TRUE(w.ok()) << w.status().ToString();
   st = agent->Wait(*w, std::chrono::seconds(30));
@@ -361,7 +364,9 @@ TEST_P(CudaIpcMultiProcTest, APeerKilledMidTransferEndsItAndIsReportedWithoutAHa
 }
 
 INSTANTIATE_TEST_SUITE_P(Memory, CudaIpcMultiProcTest, ::testing::Values("cuda", "cuda-vmm"),
-                         [](const auto& info) { return info.param == "cuda" ? "CudaMalloc" : "CuMemVmm"; });
+                         [](const auto& info) {
+                           return info.param == "cuda" ? "CudaMalloc" : "CuMemVmm";
+                         });
 
 }  // namespace
 }  // namespace eplbx

@@ -4,6 +4,9 @@
 #include <string_view>
 
 #include "transfer/cma/cma_path.h"
+#ifdef EPLBX_WITH_CUDA
+#include "transfer/cuda/cuda_section.h"
+#endif
 #include "transfer/metadata.h"
 #include "transfer/shm/shm_path.h"
 #include "transfer/ucx/ucx_path.h"
@@ -22,6 +25,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       (void)eplbx::internal::DecodeUcxSection(s->body, regions, m->name);
     if (const auto* s = m->Section("cma"))
       (void)eplbx::internal::DecodeCmaSection(s->body, m->name);
+#ifdef EPLBX_WITH_CUDA
+    if (const auto* s = m->Section("cuda_ipc")) {
+      auto h = eplbx::internal::cuda::DecodeCudaSection(s->body, m->regions, m->name);
+      // What decodes must encode back to the same bytes.
+      if (h.ok() && eplbx::internal::cuda::EncodeCudaSection(*h) != s->body) __builtin_trap();
+    }
+#endif
   }
   size_t used = 0;
   (void)eplbx::internal::DecodeMessageHeader(in, &used);

@@ -8,6 +8,9 @@
 #include "eplbx/layout.h"
 #include "protocol/records.h"
 #include "transfer/metadata.h"
+#ifdef EPLBX_WITH_CUDA
+#include "transfer/cuda/cuda_section.h"
+#endif
 
 namespace {
 void Put(const std::filesystem::path& dir, const std::string& name, const std::string& bytes) {
@@ -39,6 +42,29 @@ int main(int argc, char** argv) {
   ucx.Str32("r");
   m.sections = {{"shm", shm.Take()}, {"cma", cma.Take()}, {"ucx", ucx.Take()}};
   Put(root / "fuzz_agent_metadata", "two_regions", internal::EncodeAgentMetadata(m));
+#ifdef EPLBX_WITH_CUDA
+  // Device memory: a legacy IPC region and a two-chunk cuMem region.
+  m.regions.push_back({0x7f0000100000, 1 << 20, MemoryKind::kCuda});
+  m.regions.push_back({0x7f0000400000, 4 << 20, MemoryKind::kCuda});
+  std::vector<internal::cuda::RegionHandle> h(4);
+  h[2] = {internal::cuda::HandleKind::kLegacy,
+          std::string(16, 'u'),
+          0x7f0000000000,
+          2 << 20,
+          std::string(64, 'h'),
+          {}};
+  h[3] = {
+      internal::cuda::HandleKind::kVmm,          std::string(16, 'v'), 0x7f0000400000, 4 << 20, "",
+      {{0, 2 << 20, 17}, {2 << 20, 2 << 20, 18}}};
+  internal::ByteWriter ucx4;
+  ucx4.U32(4);
+  ucx4.Str32(std::string(30, 'k'));
+  ucx4.Str32("r");
+  ucx4.Str32("");
+  ucx4.Str32("");
+  m.sections = {{"ucx", ucx4.Take()}, {"cuda_ipc", internal::cuda::EncodeCudaSection(h)}};
+  Put(root / "fuzz_agent_metadata", "device_regions", internal::EncodeAgentMetadata(m));
+#endif
   m.regions.clear();
   m.sections = {{"loopback", ""}};
   Put(root / "fuzz_agent_metadata", "no_regions", internal::EncodeAgentMetadata(m));

@@ -134,7 +134,8 @@ int main(int argc, char** argv) {
 #endif
     return Fnv1a(buf + off, len);
   };
-  if (owned != nullptr || memory == "allocate" || memory == "file") FillPattern(buf, bytes, seed, 0);
+  if (owned != nullptr || memory == "allocate" || memory == "file")
+    FillPattern(buf, bytes, seed, 0);
   std::cout << "META " << eplbx::testing::ToHex((*agent)->Metadata()) << "\n"
             << "BASE " << region.addr() << "\n"
             << "SIZE " << bytes << std::endl;

@@ -13,6 +13,7 @@
 
 #include "eplbx/transfer.h"
 #include "test_env.h"
+#include "transfer/backend.h"
 #include "transfer/fault/fault_path.h"
 
 namespace eplbx {
@@ -140,6 +141,20 @@ TEST(PathChoiceTest, BadPathListsAreRefusedByName) {
   c.backend = "loopback";
   c.paths = {"shm"};
   EXPECT_FALSE(Agent::Create("x", c).ok());
+  // cuda_ipc exists only in a build with CUDA; elsewhere the error says how to get it.
+  AgentConfig cuda;
+  cuda.paths = {"cuda_ipc", "ucx"};
+  auto a = Agent::Create("x", cuda);
+  if (internal::CudaPathBuilt()) {
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    EXPECT_EQ((*a)->paths(), cuda.paths);
+  } else {
+    ASSERT_FALSE(a.ok());
+    EXPECT_NE(a.status().message().find("data path 'cuda_ipc' is not in this build; this eplbx "
+                                        "was built without CUDA"),
+              std::string::npos)
+        << a.status().ToString();
+  }
 }
 
 // One READ with descriptors in both regions: split over shm and cma, one notification,

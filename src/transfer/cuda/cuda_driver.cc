@@ -28,11 +28,11 @@ Loaded Load() {
     return out;
   }
 #define EPLBX_CUDA_RESOLVE(name)                                                        \
-  d.name = reinterpret_cast<decltype(&::name)>(dlsym(lib, EPLBX_STR(name)));             \
+  d.name = reinterpret_cast<decltype(&::name)>(dlsym(lib, EPLBX_STR(name)));            \
   if (d.name == nullptr) {                                                              \
-    out.failure = StrCat("the driver's libcuda.so.1 has no ", EPLBX_STR(name),           \
+    out.failure = StrCat("the driver's libcuda.so.1 has no ", EPLBX_STR(name),          \
                          " (driver older than this build's CUDA ", CUDA_VERSION / 1000, \
-                         "; update the driver)");                                      \
+                         "; update the driver)");                                       \
     return out;                                                                         \
   }
   EPLBX_CUDA_DRIVER_FUNCTIONS(EPLBX_CUDA_RESOLVE)

@@ -61,9 +61,9 @@ struct CudaPeer {
 struct Op {
   TransferId id = 0;
   PeerId peer = 0;
-  std::vector<CUevent> events;  // one per stream used, recorded after its copies
+  std::vector<CUevent> events;     // one per stream used, recorded after its copies
   std::shared_ptr<CudaPeer> keep;  // the peer's mappings outlive Disconnect until the copies end
-  Status error;  // a copy that failed to start after others did
+  Status error;                    // a copy that failed to start after others did
 };
 
 std::string Errno(std::string_view call) { return StrCat(call, ": ", std::strerror(errno)); }
@@ -195,8 +195,8 @@ class CudaIpcPath final : public DataPath {
       for (CUevent e : op->events) d_->cuEventSynchronize(e);
       const TransferId tid = op->id;
       Finish(std::move(op));
-      listener_->OnDataDone(tid, Status::Aborted(StrCat("agent '", agent_,
-                                                        "': peer disconnected (cuda_ipc)")));
+      listener_->OnDataDone(
+          tid, Status::Aborted(StrCat("agent '", agent_, "': peer disconnected (cuda_ipc)")));
     }
   }
 
@@ -234,8 +234,8 @@ class CudaIpcPath final : public DataPath {
       const CUdeviceptr remote = imp.mapped + (s.remote - imp.base);
       const bool read = req.op == XferOp::kRead;
       const int k = static_cast<int>(n++ % kStreams);
-      CUresult r = d.cuMemcpyAsync(read ? s.local : remote, read ? remote : s.local, s.bytes,
-                                   streams_[k]);
+      CUresult r =
+          d.cuMemcpyAsync(read ? s.local : remote, read ? remote : s.local, s.bytes, streams_[k]);
       if (r != CUDA_SUCCESS) {
         Status error = Status::Internal(StrCat("agent '", agent_, "': ", OpName(req.op), " with '",
                                                req.peer_name, "': ", d.Error("cuMemcpyAsync", r)));
@@ -292,14 +292,14 @@ class CudaIpcPath final : public DataPath {
   }
 
   Result<Export> ExportRegion(const Driver& d, const LocalRegionView& region) {
-    const std::string where = StrCat("agent '", agent_, "': device region [", Hex(region.addr),
-                                     ", +", region.bytes, ")");
+    const std::string where =
+        StrCat("agent '", agent_, "': device region [", Hex(region.addr), ", +", region.bytes, ")");
     auto fail = [&](std::string_view call, CUresult r) {
       return Status::Unavailable(StrCat(where, ": ", d.Error(call, r)));
     };
     int ordinal = -1;
-    if (CUresult r = d.cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                                             region.addr);
+    if (CUresult r =
+            d.cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, region.addr);
         r != CUDA_SUCCESS) {
       return fail("cuPointerGetAttribute(DEVICE_ORDINAL)", r);
     }
@@ -321,9 +321,9 @@ class CudaIpcPath final : public DataPath {
     }
     if (legacy != 0) {
       if (region.addr + region.bytes > base + size) {
-        return Status::InvalidArgument(StrCat(
-            where, " runs past the end of its cudaMalloc allocation [", Hex(base), ", +", size,
-            "); register each allocation (each tensor's storage) on its own"));
+        return Status::InvalidArgument(
+            StrCat(where, " runs past the end of its cudaMalloc allocation [", Hex(base), ", +",
+                   size, "); register each allocation (each tensor's storage) on its own"));
       }
       CUipcMemHandle ipc{};
       if (CUresult r = d.cuIpcGetMemHandle(&ipc, base); r != CUDA_SUCCESS) {
@@ -346,19 +346,20 @@ class CudaIpcPath final : public DataPath {
       CUresult r = d.cuMemGetAddressRange(&s, &n, cursor);
       if (r != CUDA_SUCCESS || s != cursor || n == 0) {
         CloseFds(out);
-        return Status::InvalidArgument(StrCat(where, " is not mapped contiguously at ",
-                                              Hex(cursor),
+        return Status::InvalidArgument(StrCat(where, " is not mapped contiguously at ", Hex(cursor),
                                               "; register memory of one allocation at a time"));
       }
       CUmemGenericAllocationHandle mem = 0;
       if (r = d.cuMemRetainAllocationHandle(&mem, reinterpret_cast<void*>(cursor));
           r != CUDA_SUCCESS) {
         CloseFds(out);
-        return Status::InvalidArgument(StrCat(
-            where, " cannot be shared between processes: not cudaMalloc memory (no legacy IPC) "
-            "and no cuMem allocation handle (", d.Error("cuMemRetainAllocationHandle", r),
-            "); stream-ordered pools (cudaMallocAsync, PyTorch's backend:cudaMallocAsync) "
-            "cannot be registered: use PyTorch's default allocator"));
+        return Status::InvalidArgument(
+            StrCat(where,
+                   " cannot be shared between processes: not cudaMalloc memory (no legacy IPC) "
+                   "and no cuMem allocation handle (",
+                   d.Error("cuMemRetainAllocationHandle", r),
+                   "); stream-ordered pools (cudaMallocAsync, PyTorch's backend:cudaMallocAsync) "
+                   "cannot be registered: use PyTorch's default allocator"));
       }
       CUmemAllocationProp prop{};
       r = d.cuMemGetAllocationPropertiesFromHandle(&prop, mem);
@@ -366,10 +367,11 @@ class CudaIpcPath final : public DataPath {
           (prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) == 0) {
         d.cuMemRelease(mem);
         CloseFds(out);
-        return Status::InvalidArgument(StrCat(
-            where, " was allocated with cuMemCreate without a POSIX file descriptor handle "
-            "type, so no other process can open it; allocate with requestedHandleTypes = "
-            "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR (PyTorch's expandable segments do)"));
+        return Status::InvalidArgument(
+            StrCat(where,
+                   " was allocated with cuMemCreate without a POSIX file descriptor handle "
+                   "type, so no other process can open it; allocate with requestedHandleTypes = "
+                   "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR (PyTorch's expandable segments do)"));
       }
       int fd = -1;
       r = d.cuMemExportToShareableHandle(&fd, mem, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
@@ -392,10 +394,11 @@ class CudaIpcPath final : public DataPath {
                                      cuda::UuidText(h.device_uuid), ")");
     const int owner = cuda::OrdinalOfUuid(d, h.device_uuid);
     if (owner < 0) {
-      return Status::Unavailable(StrCat(
-          where, ": that device is not visible in this process; cuda_ipc needs every rank's "
-          "GPU visible to each rank of the host (CUDA_VISIBLE_DEVICES hides it: select the "
-          "rank's device with torch.cuda.set_device instead)"));
+      return Status::Unavailable(
+          StrCat(where,
+                 ": that device is not visible in this process; cuda_ipc needs every rank's "
+                 "GPU visible to each rank of the host (CUDA_VISIBLE_DEVICES hides it: select the "
+                 "rank's device with torch.cuda.set_device instead)"));
     }
     int device = 0;
     {
@@ -448,13 +451,14 @@ class CudaIpcPath final : public DataPath {
         const std::string e = Errno("pidfd_getfd");
         release();
         return Status::Unavailable(StrCat(
-            where, ": ", e, " (taking the peer's handle needs ptrace permission over it, as "
+            where, ": ", e,
+            " (taking the peer's handle needs ptrace permission over it, as "
             "cma does: run the ranks as one user, or allow it with kernel.yama.ptrace_scope)"));
       }
       CUmemGenericAllocationHandle m = 0;
-      CUresult r = d.cuMemImportFromShareableHandle(
-          &m, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
-          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+      CUresult r =
+          d.cuMemImportFromShareableHandle(&m, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
+                                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
       close(fd);
       if (r != CUDA_SUCCESS) {
         release();

@@ -94,8 +94,8 @@ Result<std::vector<RegionHandle>> DecodeCudaSection(std::string_view section,
       h.chunks.push_back(k);
     }
     if (next != h.bytes) {
-      return Status::Corruption(StrCat(what, ": ", f, " chunks cover ", next, " of its ",
-                                       h.bytes, " bytes"));
+      return Status::Corruption(
+          StrCat(what, ": ", f, " chunks cover ", next, " of its ", h.bytes, " bytes"));
     }
   }
   if (r.remaining() != 0) {

@@ -33,10 +33,10 @@ struct Chunk {
 
 struct RegionHandle {
   HandleKind kind = HandleKind::kNone;
-  std::string device_uuid;  // kUuidBytes raw
-  uint64_t base = 0;        // the owner's address of the allocation (first chunk)
-  uint64_t bytes = 0;       // the allocation's size (all chunks)
-  std::string ipc_handle;   // kLegacy: kIpcHandleBytes raw
+  std::string device_uuid;    // kUuidBytes raw
+  uint64_t base = 0;          // the owner's address of the allocation (first chunk)
+  uint64_t bytes = 0;         // the allocation's size (all chunks)
+  std::string ipc_handle;     // kLegacy: kIpcHandleBytes raw
   std::vector<Chunk> chunks;  // kVmm: contiguous from offset 0, covering `bytes`
 };
 

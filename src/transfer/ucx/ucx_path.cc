@@ -168,6 +168,10 @@ class UcxRmaPath final : public DataPath {
     PathCaps c;
     c.kinds = (1u << static_cast<unsigned>(MemoryKind::kHost)) |
               (1u << static_cast<unsigned>(MemoryKind::kHostFile));
+    // A UCX built with CUDA moves device memory itself (never seen here: Debian's UCX 1.13
+    // has no CUDA support, so this stays untested on these machines).
+    if (worker_->cuda_memory()) c.kinds |= 1u << static_cast<unsigned>(MemoryKind::kCuda);
+    c.local_kinds = c.kinds;
     c.same_host = true;
     c.other_hosts = true;
     return c;
@@ -175,7 +179,8 @@ class UcxRmaPath final : public DataPath {
 
   Status RegisterMemory(const LocalRegionView& region) override {
     void* ptr = reinterpret_cast<void*>(static_cast<uintptr_t>(region.addr));
-    Result<std::string> rkey = worker_->MapMemory(region.id, ptr, region.bytes);
+    Result<std::string> rkey =
+        worker_->MapMemory(region.id, ptr, region.bytes, region.kind == MemoryKind::kCuda);
     if (!rkey.ok()) return rkey.status();
     std::lock_guard<std::mutex> lock(mu_);
     rkeys_[region.id] = std::move(*rkey);
@@ -205,18 +210,36 @@ class UcxRmaPath final : public DataPath {
     Result<std::vector<std::string>> rkeys =
         DecodeUcxSection(peer.section, peer.regions->size(), peer.name);
     if (!rkeys.ok()) return rkeys.status();
+    std::vector<bool> keyless(rkeys->size());
     for (size_t i = 0; i < rkeys->size(); ++i) {
-      // Host memory always has a key; device memory has none with a UCX without CUDA.
-      if ((*rkeys)[i].empty() && caps().Moves((*peer.regions)[i].kind)) {
+      // Host memory always has a key; device memory has none where the peer's UCX lacks CUDA.
+      if (!(*rkeys)[i].empty()) continue;
+      if ((*peer.regions)[i].kind != MemoryKind::kCuda) {
         return Status::Corruption(StrCat("peer '", peer.name, "' region ", i, " has no UCX key"));
       }
+      keyless[i] = true;
     }
-    return worker_->UnpackRkeys(peer.id, *rkeys);
+    EPLBX_RETURN_IF_ERROR(worker_->UnpackRkeys(peer.id, *rkeys));
+    std::lock_guard<std::mutex> lock(mu_);
+    keyless_[peer.id] = std::move(keyless);
+    return Status::OK();
   }
 
-  // Every region of a kind in caps() has a key (checked at Connect); the core names others.
-  bool Reaches(PeerId, uint32_t, std::string*) const override { return true; }
-  void Disconnect(PeerId) override {}  // the worker's endpoint close ends the RMA
+  bool Reaches(PeerId peer, uint32_t region, std::string* why) const override {
+    if (!worker_->cuda_memory()) return true;  // device regions: "moves no cuda memory"
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = keyless_.find(peer);
+    if (it != keyless_.end() && region < it->second.size() && it->second[region]) {
+      *why = StrCat("the peer's UCX registered no key for its device region ", region,
+                    " (a UCX without CUDA support)");
+      return false;
+    }
+    return true;
+  }
+  void Disconnect(PeerId id) override {  // the worker's endpoint close ends the RMA
+    std::lock_guard<std::mutex> lock(mu_);
+    keyless_.erase(id);
+  }
   Status Post(PathRequest request) override { return worker_->PostRma(std::move(request)); }
   Status Cancel(TransferId id) override {
     worker_->CancelRma(id);
@@ -228,6 +251,7 @@ class UcxRmaPath final : public DataPath {
   const std::string agent_;
   mutable std::mutex mu_;
   std::map<uint64_t, std::string> rkeys_;
+  std::map<PeerId, std::vector<bool>> keyless_;  // per peer region: published no key
 };
 
 }  // namespace

@@ -46,6 +46,11 @@ Status UcxWorker::Start() {
   st = ucp_init(&params, config, &context_);
   ucp_config_release(config);
   if (st != UCS_OK) return Status::Unavailable("UCX: ucp_init: " + Ucs(st));
+  ucp_context_attr_t cattr{};
+  cattr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  if (ucp_context_query(context_, &cattr) == UCS_OK) {
+    cuda_memory_ = (cattr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0;
+  }
   ucp_worker_params_t wparams{};
   wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
@@ -85,12 +90,16 @@ Status UcxWorker::Start() {
   return Status::OK();
 }
 
-Result<std::string> UcxWorker::MapMemory(uint64_t region_id, void* ptr, size_t bytes) {
+Result<std::string> UcxWorker::MapMemory(uint64_t region_id, void* ptr, size_t bytes, bool device) {
   return RunSync<std::string>([&]() -> Result<std::string> {
     ucp_mem_map_params_t mp{};
     mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
     mp.address = ptr;
     mp.length = bytes;
+    if (device) {
+      mp.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+      mp.memory_type = UCS_MEMORY_TYPE_CUDA;
+    }
     ucp_mem_h memh = nullptr;
     ucs_status_t st = ucp_mem_map(context_, &mp, &memh);
     if (st != UCS_OK) {

@@ -92,7 +92,11 @@ class UcxWorker final : public ControlChannel {
 
   // For the "ucx" data path (ucx_path.cc), which reports to `rma_listener`.
   void set_rma_listener(CoreListener* listener) { rma_listener_ = listener; }
-  Result<std::string> MapMemory(uint64_t region_id, void* ptr, size_t bytes);  // -> rkey
+  // -> rkey. `device`: CUDA device memory (only where cuda_memory()).
+  Result<std::string> MapMemory(uint64_t region_id, void* ptr, size_t bytes, bool device = false);
+  // Whether this UCX was built with CUDA support (ucp_context_query at Start): then the ucx
+  // path registers device memory with UCX directly.
+  bool cuda_memory() const { return cuda_memory_; }
   void UnmapMemory(uint64_t region_id);
   Status UnpackRkeys(PeerId id, const std::vector<std::string>& rkeys);
   Status PostRma(PathRequest req);
@@ -159,6 +163,7 @@ class UcxWorker final : public ControlChannel {
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   std::string address_;
+  bool cuda_memory_ = false;
   int wake_fd_ = -1;
   int epoll_fd_ = -1;
   std::thread thread_;

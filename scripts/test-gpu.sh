@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# Builds eplbx with CUDA and runs everything that needs a GPU (docs/transfer.md, "Device
+# memory"), then prints a short summary. Meant for the lent H200 machine (nvcc, CMake, ninja,
+# PyTorch and pybind11 there; no package registry, no UCX), where it builds from Debian
+# packages carried with the working tree:
+#
+#   here, once:  scripts/test-gpu.sh --fetch      # .cache/gpu-debs (ignored), ~6 MB
+#   there:       device run, carry [".cache/gpu-debs"], command "scripts/test-gpu.sh"
+#
+# Steps: unpack the .deb files into .cache/gpu-prefix (dpkg -x, never into /); configure
+# build-gpu with -DEPLBX_WITH_CUDA=ON against that prefix and the machine's python3; build the
+# CUDA tests, the transfer peer, the CLI and the Python module; run
+#   1. eplbx_cuda_tests: transfers between processes on one GPU (cudaMalloc and cuMem memory,
+#      every byte checked), a peer killed mid-transfer, the section and refusal checks;
+#   2. the Python communicator on CUDA tensors driven as vLLM's asynchronous mode drives it
+#      (set_stream, transfers from another thread);
+#   3. eplbx bench xfer --memory cuda (cuda_ipc READ/WRITE of 1-64 MiB rows, batch 1 and 16,
+#      beside device-to-device and pinned host copies in the same run) -> $OUT/bench-cuda.json.
+# Without a device every step says "no CUDA device: ..." and device tests are skipped.
+# Must finish within 8 minutes on one H200 with 16 cores.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DEBS=(libucx0 libucx-dev libnuma1 libibverbs1 librdmacm1 libgtest-dev nlohmann-json3-dev
+      libcli11-dev)
+debs=.cache/gpu-debs
+if [[ "${1:-}" == "--fetch" ]]; then
+  mkdir -p "$debs"
+  (cd "$debs" && apt-get download "${DEBS[@]}") || { echo "test-gpu: apt-get download failed" >&2; exit 1; }
+  du -sh "$debs"
+  exit 0
+fi
+out=${OUT:-$PWD/build-gpu/out}
+mkdir -p "$out"
+log() { echo "== test-gpu: $* ==" >&2; }
+start=$(date +%s)
+
+# ---- dependencies from the carried packages ---------------------------------------------
+prefix=$PWD/.cache/gpu-prefix
+if compgen -G "$debs/*.deb" >/dev/null; then
+  rm -rf "$prefix" && mkdir -p "$prefix"
+  for f in "$debs"/*.deb; do
+    if command -v dpkg-deb >/dev/null; then
+      dpkg-deb -x "$f" "$prefix"
+    else  # a .deb is an ar archive holding data.tar.xz
+      tmp=$(mktemp -d)
+      (cd "$tmp" && ar x "$OLDPWD/$f") && tar -xf "$tmp"/data.tar.* -C "$prefix"
+      rm -rf "$tmp"
+    fi
+  done
+  # UCX's CMake package and module directory name /usr; point them at the prefix.
+  sed -i "s|set(prefix \"/usr\")|set(prefix \"$prefix/usr\")|" \
+    "$prefix"/usr/lib/x86_64-linux-gnu/cmake/ucx/ucx-targets.cmake
+  export LD_LIBRARY_PATH=$prefix/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export UCX_MODULE_DIR=$prefix/usr/lib/x86_64-linux-gnu/ucx
+  prefixes="$prefix/usr;$prefix/usr/lib/x86_64-linux-gnu/cmake;$prefix/usr/share/cmake"
+  log "dependencies from $debs ($(ls "$debs" | wc -l) packages) in $prefix"
+else
+  prefixes=""
+  log "no $debs: using the system's packages (scripts/test-gpu.sh --fetch makes them)"
+fi
+
+# ---- build ------------------------------------------------------------------------------
+python=${EPLBX_PYTHON:-$(command -v python3)}  # the one with torch (there: the image's)
+pybind=$("$python" -m pybind11 --cmakedir 2>/dev/null || true)
+[[ -d /usr/local/cuda/bin ]] && export PATH=/usr/local/cuda/bin:$PATH
+jobs=$(nproc)
+log "configure (CUDA on, python $("$python" -c 'import sys; print(sys.version.split()[0])'))"
+if ! cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPLBX_WITH_CUDA=ON \
+    -DEPLBX_BUILD_BENCH=OFF -DCMAKE_PREFIX_PATH="$prefixes" -DPython_EXECUTABLE="$python" \
+    ${pybind:+-Dpybind11_DIR="$pybind"} >"$out/configure.log" 2>&1; then
+  tail -30 "$out/configure.log"
+  log "FAILED: configure"
+  exit 1
+fi
+grep -E "eplbx: (CUDA|Python)" "$out/configure.log" >&2
+log "build ($jobs jobs)"
+if ! cmake --build build-gpu -j "$jobs" --target eplbx_cuda_tests eplbx_xfer_peer eplbx_cli \
+    $(grep -q "Python module NOT built" "$out/configure.log" || echo _eplbx) >"$out/build.log" 2>&1; then
+  grep -E "error|Error" "$out/build.log" | head -30
+  log "FAILED: build"
+  exit 1
+fi
+log "built in $(($(date +%s) - start)) s"
+
+# ---- device checks ----------------------------------------------------------------------
+status=0
+summary=()
+log "1. eplbx_cuda_tests"
+if timeout 240 build-gpu/bin/eplbx_cuda_tests 2>&1 | tee "$out/cuda-tests.log" | grep -E "^\[  |Skipped|no CUDA|Failure|refusal" ; then :; fi
+if grep -q "^\[  PASSED  \]" "$out/cuda-tests.log" && ! grep -q "^\[  FAILED  \]" "$out/cuda-tests.log"; then
+  summary+=("cuda tests: $(grep -c '^\[       OK \]' "$out/cuda-tests.log") passed, $(grep -cE '^\[  SKIPPED \] .*\([0-9]+ ms\)' "$out/cuda-tests.log") skipped")
+else
+  summary+=("cuda tests: FAILED (see cuda-tests.log)")
+  status=1
+fi
+
+log "2. Python communicator on CUDA tensors"
+if [[ -f build-gpu/python/eplbx/vllm.py ]]; then
+  (cd tests/python && PYTHONPATH=$PWD/../../build-gpu/python PYTHONUNBUFFERED=1 timeout 180 \
+     "$python" -m unittest -v test_vllm_communicator.VllmCommunicatorTest.test_cuda_tensors_with_set_stream_from_another_thread_every_row \
+     test_vllm_communicator.VllmCommunicatorTest.test_tensor_checks_name_the_device_and_refuse_mixed_memory) \
+     >"$out/python.log" 2>&1
+  rc=$?
+  tail -5 "$out/python.log" >&2
+  if ((rc == 0)); then
+    summary+=("python cuda: $(grep -q 'skipped' "$out/python.log" && echo 'ok, SKIPPED (see python.log)' || echo ok)")
+  else
+    summary+=("python cuda: FAILED (see python.log)")
+    status=1
+  fi
+else
+  summary+=("python cuda: not built (no pybind11 for $python)")
+  status=1
+fi
+
+log "3. bench xfer --memory cuda"
+if timeout 200 build-gpu/bin/eplbx bench xfer --memory cuda --json --sizes 1M,4M,16M,64M \
+    --batches 1,16 --seconds 0.3 >"$out/bench-cuda.json" 2>"$out/bench-cuda.err"; then
+  "$python" - "$out/bench-cuda.json" <<'EOF' >&2 || true
+import json, sys
+j = json.load(open(sys.argv[1]))
+if "skipped" in j:
+    print("bench:", j["skipped"]); sys.exit(0)
+print("device:", j.get("device"), "driver", j.get("cuda_driver_version"))
+for r in j["results"]:
+    print(f'{r["op"]:5} {r["path"]} {r["block_bytes"] >> 20:3} MiB x{r["batch"]:<3} '
+          f'{r["gbps"]:8.1f} GB/s  d2d {r["device_copy_gbps"]:8.1f}  ratio {r["ratio_to_device_copy"]:.2f}')
+for r in j.get("pinned_host_copy", []):
+    print(f'pinned {r["block_bytes"] >> 20:3} MiB  h2d {r["host_to_device_gbps"]:.1f}  d2h {r["device_to_host_gbps"]:.1f} GB/s')
+EOF
+  summary+=("bench: bench-cuda.json")
+else
+  tail -5 "$out/bench-cuda.err" >&2
+  summary+=("bench: FAILED (see bench-cuda.err)")
+  status=1
+fi
+
+log "summary ($(($(date +%s) - start)) s)"
+for s in "${summary[@]}"; do echo "  $s"; done
+exit $status

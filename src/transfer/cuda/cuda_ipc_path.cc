@@ -36,13 +36,14 @@ struct Export {
 // peer's record and every in-flight copy hold it).
 struct Import {
   const Driver* d = nullptr;
+  int device = 0;  // whose context opened it (made current again to close it)
   HandleKind kind = HandleKind::kNone;
   uint64_t base = 0;  // the owner's address of the allocation
   uint64_t bytes = 0;
   CUdeviceptr mapped = 0;  // ours
   bool own_process = false;
   ~Import() {
-    if (mapped == 0 || own_process) return;
+    if (mapped == 0 || own_process || !cuda::UseDevice(*d, device).ok()) return;
     if (kind == HandleKind::kLegacy) {
       d->cuIpcCloseMemHandle(mapped);
     } else {
@@ -170,7 +171,7 @@ class CudaIpcPath final : public DataPath {
       return false;
     }
     if (region >= it->second->region.size() || it->second->region[region] == nullptr) {
-      *why = "not device memory";
+      why->clear();  // not device memory: the core says "moves no host memory"
       return false;
     }
     return true;
@@ -178,8 +179,10 @@ class CudaIpcPath final : public DataPath {
 
   void Disconnect(PeerId id) override {
     std::vector<std::unique_ptr<Op>> ended;
+    int device = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      device = device_;
       peers_.erase(id);
       for (auto it = ops_.begin(); it != ops_.end();) {
         if ((*it)->peer == id) {
@@ -191,6 +194,7 @@ class CudaIpcPath final : public DataPath {
       }
     }
     // Copies cannot be recalled: wait until no byte of them can change, then report.
+    if (!ended.empty()) static_cast<void>(cuda::UseDevice(*d_, device));
     for (std::unique_ptr<Op>& op : ended) {
       for (CUevent e : op->events) d_->cuEventSynchronize(e);
       const TransferId tid = op->id;
@@ -420,6 +424,7 @@ class CudaIpcPath final : public DataPath {
     EPLBX_RETURN_IF_ERROR(cuda::UseDevice(d, device));
     auto imp = std::make_shared<Import>();
     imp->d = &d;
+    imp->device = device;
     imp->kind = h.kind;
     imp->base = h.base;
     imp->bytes = h.bytes;

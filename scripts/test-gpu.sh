@@ -15,7 +15,10 @@
 #   2. the Python communicator on CUDA tensors driven as vLLM's asynchronous mode drives it
 #      (set_stream, transfers from another thread);
 #   3. eplbx bench xfer --memory cuda (cuda_ipc READ/WRITE of 1-64 MiB rows, batch 1 and 16,
-#      beside device-to-device and pinned host copies in the same run) -> $OUT/bench-cuda.json.
+#      beside device-to-device and pinned host copies in the same run) -> $OUT/bench-cuda.json;
+#   4. bench/python/bench_cuda_communicator.py: 4 ranks on the GPU, EplbxCommunicator beside
+#      vLLM's gloo-staged communicator (reimplemented), every row checked
+#      -> $OUT/bench-python-cuda.json.
 # Without a device every step says "no CUDA device: ..." and device tests are skipped.
 # Must finish within 8 minutes on one H200 with 16 cores.
 set -uo pipefail
@@ -132,6 +135,18 @@ EOF
 else
   tail -5 "$out/bench-cuda.err" >&2
   summary+=("bench: FAILED (see bench-cuda.err)")
+  status=1
+fi
+
+log "4. Python: EplbxCommunicator on CUDA tensors beside the gloo-staged baseline"
+if [[ -f build-gpu/python/eplbx/vllm.py ]] && PYTHONPATH=$PWD/build-gpu/python PYTHONUNBUFFERED=1 \
+    timeout 240 "$python" bench/python/bench_cuda_communicator.py --json \
+    >"$out/bench-python-cuda.json" 2>"$out/bench-python-cuda.err"; then
+  cat "$out/bench-python-cuda.json" >&2
+  summary+=("python bench: bench-python-cuda.json")
+else
+  tail -5 "$out/bench-python-cuda.err" >&2
+  summary+=("python bench: FAILED (see bench-python-cuda.err)")
   status=1
 fi
 

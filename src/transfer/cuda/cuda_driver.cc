@@ -37,6 +37,10 @@ Loaded Load() {
   }
   EPLBX_CUDA_DRIVER_FUNCTIONS(EPLBX_CUDA_RESOLVE)
 #undef EPLBX_CUDA_RESOLVE
+#define EPLBX_CUDA_RESOLVE_OPTIONAL(name) \
+  d.name = reinterpret_cast<decltype(&::name)>(dlsym(lib, EPLBX_STR(name)));
+  EPLBX_CUDA_OPTIONAL_FUNCTIONS(EPLBX_CUDA_RESOLVE_OPTIONAL)
+#undef EPLBX_CUDA_RESOLVE_OPTIONAL
   // The library stays loaded for the process's life.
   if (CUresult r = d.cuInit(0); r != CUDA_SUCCESS) {
     out.failure = d.Error("cuInit", r);

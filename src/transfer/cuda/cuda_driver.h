@@ -64,9 +64,14 @@ namespace eplbx::internal::cuda {
   X(cuEventSynchronize)                     \
   X(cuEventElapsedTime)
 
+// Functions used when the driver has them (null otherwise): cuMemcpyBatchAsync (CUDA 12.8+,
+// resolved under the CUDA 13 symbol), one launch for many rows.
+#define EPLBX_CUDA_OPTIONAL_FUNCTIONS(X) X(cuMemcpyBatchAsync)
+
 struct Driver {
 #define EPLBX_CUDA_DECLARE(name) decltype(&::name) name = nullptr;
   EPLBX_CUDA_DRIVER_FUNCTIONS(EPLBX_CUDA_DECLARE)
+  EPLBX_CUDA_OPTIONAL_FUNCTIONS(EPLBX_CUDA_DECLARE)
 #undef EPLBX_CUDA_DECLARE
   int version = 0;       // cuDriverGetVersion, e.g. 13000
   int device_count = 0;  // > 0

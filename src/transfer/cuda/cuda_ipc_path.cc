@@ -24,7 +24,8 @@ using cuda::Driver;
 using cuda::HandleKind;
 using cuda::RegionHandle;
 
-constexpr int kStreams = 2;  // copies of one request alternate between them
+constexpr int kStreams = 2;      // copies of one request alternate between them
+constexpr size_t kBatchMin = 4;  // copies per stream from which one batched launch is used
 
 // A registered device region: its handle, and the fds it exports (kVmm), closed on deregister.
 struct Export {
@@ -225,29 +226,56 @@ class CudaIpcPath final : public DataPath {
     op->id = req.id;
     op->peer = req.peer;
     op->keep = peer;
-    bool used[kStreams] = {};
-    size_t n = 0;
     for (const Segment& s : req.segments) {
       if (s.remote_region >= peer->region.size() || peer->region[s.remote_region] == nullptr) {
         return Status::Internal(StrCat("agent '", agent_, "': region ", s.remote_region, " of '",
                                        req.peer_name, "' is not device memory (cuda_ipc)"));
       }
     }
+    // The descriptors alternate between the streams; per stream one batched launch where
+    // the driver has cuMemcpyBatchAsync and there are several, else one copy each.
+    struct Copies {
+      std::vector<CUdeviceptr> dst, src;
+      std::vector<size_t> bytes;
+    };
+    Copies per[kStreams];
+    size_t n = 0;
     for (const Segment& s : req.segments) {
       const Import& imp = *peer->region[s.remote_region];
       const CUdeviceptr remote = imp.mapped + (s.remote - imp.base);
       const bool read = req.op == XferOp::kRead;
-      const int k = static_cast<int>(n++ % kStreams);
-      CUresult r =
-          d.cuMemcpyAsync(read ? s.local : remote, read ? remote : s.local, s.bytes, streams_[k]);
-      if (r != CUDA_SUCCESS) {
-        Status error = Status::Internal(StrCat("agent '", agent_, "': ", OpName(req.op), " with '",
-                                               req.peer_name, "': ", d.Error("cuMemcpyAsync", r)));
-        if (n == 1) return error;  // nothing started
-        op->error = std::move(error);
-        break;
+      Copies& c = per[n++ % kStreams];
+      c.dst.push_back(read ? s.local : remote);
+      c.src.push_back(read ? remote : s.local);
+      c.bytes.push_back(s.bytes);
+    }
+    bool used[kStreams] = {};
+    bool started = false;
+    for (int k = 0; k < kStreams && op->error.ok(); ++k) {
+      Copies& c = per[k];
+      if (c.dst.empty()) continue;
+      bool batched = false;
+      if (d.cuMemcpyBatchAsync != nullptr && c.dst.size() >= kBatchMin) {
+        CUmemcpyAttributes attr{};
+        attr.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+        size_t first = 0;
+        // On an error nothing of the batch is assumed done: the copies below redo it.
+        batched = d.cuMemcpyBatchAsync(c.dst.data(), c.src.data(), c.bytes.data(), c.dst.size(),
+                                       &attr, &first, 1, streams_[k]) == CUDA_SUCCESS;
       }
-      used[k] = true;
+      for (size_t i = 0; !batched && i < c.dst.size(); ++i) {
+        CUresult r = d.cuMemcpyAsync(c.dst[i], c.src[i], c.bytes[i], streams_[k]);
+        if (r != CUDA_SUCCESS) {
+          Status error =
+              Status::Internal(StrCat("agent '", agent_, "': ", OpName(req.op), " with '",
+                                      req.peer_name, "': ", d.Error("cuMemcpyAsync", r)));
+          if (!started && i == 0) return error;  // nothing started
+          op->error = std::move(error);
+          break;
+        }
+        started = used[k] = true;
+      }
+      if (batched) started = used[k] = true;
     }
     for (int k = 0; k < kStreams; ++k) {
       if (!used[k]) continue;

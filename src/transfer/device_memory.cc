@@ -2,6 +2,8 @@
 
 #include <dlfcn.h>
 
+#include <cstdlib>
+
 namespace eplbx::internal {
 namespace {
 
@@ -13,7 +15,7 @@ constexpr unsigned kMemoryTypeDevice = 2;  // CU_MEMORYTYPE_DEVICE
 
 PointerGetAttribute LoadedDriver() {
   // Never loads the driver: only finds it when the process already has it.
-  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  void* lib = dlopen(CudaDriverLibrary(), RTLD_NOW | RTLD_NOLOAD);
   if (lib == nullptr) return nullptr;
   auto f = reinterpret_cast<PointerGetAttribute>(dlsym(lib, "cuPointerGetAttribute"));
   dlclose(lib);  // the process keeps its own reference
@@ -21,6 +23,11 @@ PointerGetAttribute LoadedDriver() {
 }
 
 }  // namespace
+
+const char* CudaDriverLibrary() {
+  const char* env = std::getenv("EPLBX_CUDA_DRIVER");
+  return env != nullptr && env[0] != '\0' ? env : "libcuda.so.1";
+}
 
 bool CudaDriverLoaded() { return LoadedDriver() != nullptr; }
 

@@ -17,6 +17,10 @@ bool IsCudaDevicePointer(uint64_t p);
 // True when this process has loaded the CUDA driver (libcuda.so.1); never loads it.
 bool CudaDriverLoaded();
 
+// The driver library eplbx loads: EPLBX_CUDA_DRIVER if set (a path or name, e.g. a driver
+// outside the loader's path, or the tests' stand-in), else "libcuda.so.1".
+const char* CudaDriverLibrary();
+
 }  // namespace eplbx::internal
 
 #endif  // EPLBX_SRC_TRANSFER_DEVICE_MEMORY_H_

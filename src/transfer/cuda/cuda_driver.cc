@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include "common/strings.h"
+#include "transfer/device_memory.h"
 
 namespace eplbx::internal::cuda {
 namespace {
@@ -22,15 +23,19 @@ struct Loaded {
 Loaded Load() {
   Loaded out;
   Driver& d = out.driver;
-  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  const std::string library = CudaDriverLibrary();
+  void* lib = dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
-    out.failure = "libcuda.so.1 not found (no NVIDIA driver on this machine)";
+    out.failure =
+        library == "libcuda.so.1"
+            ? "libcuda.so.1 not found (no NVIDIA driver on this machine)"
+            : StrCat("EPLBX_CUDA_DRIVER=", library, " cannot be loaded (", dlerror(), ")");
     return out;
   }
 #define EPLBX_CUDA_RESOLVE(name)                                                        \
   d.name = reinterpret_cast<decltype(&::name)>(dlsym(lib, EPLBX_STR(name)));            \
   if (d.name == nullptr) {                                                              \
-    out.failure = StrCat("the driver's libcuda.so.1 has no ", EPLBX_STR(name),          \
+    out.failure = StrCat("the driver ", library, " has no ", EPLBX_STR(name),           \
                          " (driver older than this build's CUDA ", CUDA_VERSION / 1000, \
                          "; update the driver)");                                       \
     return out;                                                                         \

@@ -39,7 +39,11 @@ if ((sanitize)); then
 
   echo "== TSan build + transfer, protocol and rearrangement tests =="
   # Only what this pass runs (the CLI, Python module and CLI tests are not run under TSan).
-  EPLBX_TARGETS="eplbx_unit_tests eplbx_multiproc_tests" \
+  cuda_targets=""
+  if grep -q "^EPLBX_WITH_CUDA:BOOL=ON" build/CMakeCache.txt; then
+    cuda_targets="eplbx_cuda_tests eplbx_fake_cuda"
+  fi
+  EPLBX_TARGETS="eplbx_unit_tests eplbx_multiproc_tests $cuda_targets" \
     scripts/build.sh build-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DEPLBX_TSAN=ON -DEPLBX_BUILD_BENCH=OFF
   # UCX's memory hooks do not mix with TSan's interceptors; suppressions: tests/sanitizers/tsan.supp
   export UCX_MEM_EVENTS=no UCX_HANDLE_ERRORS=none
@@ -49,6 +53,10 @@ if ((sanitize)); then
   build-tsan/bin/eplbx_unit_tests --gtest_filter='LayerProtocol*:Record*:Loopback*:Rearranger*:EplbComm*:TcpStore*:PathChoice*:Fault*:Pipeline*:Swap*:Balancer*'
   # Real processes over real UCX (tcp, shm, CMA, mapped files): 43 transfer tests, ~4 min under TSan.
   build-tsan/bin/eplbx_multiproc_tests
+  # The cuda_ipc path (its poller thread, Disconnect) between processes, on the stand-in driver.
+  if [[ -n "$cuda_targets" ]]; then
+    EPLBX_CUDA_DRIVER=$PWD/build-tsan/lib/libeplbx_fake_cuda.so build-tsan/bin/eplbx_cuda_tests
+  fi
   unset UCX_MEM_EVENTS UCX_HANDLE_ERRORS TSAN_OPTIONS
 
   echo "== fuzzing (libFuzzer, ~60 s per target) =="

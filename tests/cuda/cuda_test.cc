@@ -255,6 +255,65 @@ bool MatchesPattern(const std::vector<uint8_t>& got, uint64_t seed, uint64_t off
   return true;
 }
 
+// Device memory eplbx cannot share, or cannot copy where asked, is refused by name before
+// anything moves (needs a driver: a GPU, or the stand-in in CI).
+TEST(CudaRefusalTest, DeviceMemoryItCannotShareOrCopyIsRefusedByName) {
+  const std::string why = internal::cuda::NoDeviceReason();
+  if (!why.empty()) GTEST_SKIP() << why;
+  auto has = [](const Status& s, const std::string& part) {
+    return s.message().find(part) != std::string::npos;
+  };
+  auto agent = Agent::Create("r");  // the driver is loaded: cuda_ipc is a default path
+  ASSERT_TRUE(agent.ok()) << agent.status().ToString();
+  // A region running past its cudaMalloc allocation.
+  auto plain = DeviceBuffer::Create(4 << 20, false);
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  auto past = (*agent)->RegisterMemory((*plain)->data(), 8 << 20);
+  ASSERT_FALSE(past.ok());
+  EXPECT_TRUE(has(past.status(), "runs past the end of its cudaMalloc allocation"))
+      << past.status().ToString();
+  EXPECT_TRUE(has(past.status(), "register each allocation (each tensor's storage) on its own"));
+  // cuMem memory no other process can open.
+  auto sealed = DeviceBuffer::Create(4 << 20, true, /*exportable=*/false);
+  ASSERT_TRUE(sealed.ok()) << sealed.status().ToString();
+  auto closed = (*agent)->RegisterMemory((*sealed)->data(), (*sealed)->size());
+  ASSERT_FALSE(closed.ok());
+  EXPECT_TRUE(has(closed.status(),
+                  "without a POSIX file descriptor handle type, so no other "
+                  "process can open it"))
+      << closed.status().ToString();
+  // Device memory with no path that moves it.
+  AgentConfig host_only;
+  host_only.paths = {"shm", "cma", "ucx"};
+  auto h = Agent::Create("h", host_only);
+  ASSERT_TRUE(h.ok());
+  auto none = (*h)->RegisterMemory((*plain)->data(), (*plain)->size());
+  ASSERT_FALSE(none.ok());
+  EXPECT_TRUE(has(none.status(),
+                  "is cuda memory and none of the data paths [shm,cma,ucx] moves "
+                  "it; list cuda_ipc among the data paths"))
+      << none.status().ToString();
+  // A READ from a peer's host region into device memory: the path chosen for host memory
+  // (cma) cannot copy into device memory; nothing is sent.
+  auto dev = (*agent)->RegisterMemory((*plain)->data(), (*plain)->size());
+  ASSERT_TRUE(dev.ok()) << dev.status().ToString();
+  std::vector<uint8_t> host(4096, 1);
+  auto hr = (*h)->RegisterMemory(host.data(), host.size());
+  ASSERT_TRUE(hr.ok());
+  auto peer = (*agent)->Connect((*h)->Metadata());
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  const Descriptor l = Descriptor::Of((*plain)->data(), 4096);
+  const Descriptor r = Descriptor::Of(host.data(), 4096);
+  auto x = (*agent)->Read(*peer, {&l, 1}, {&r, 1});
+  ASSERT_FALSE(x.ok());
+  EXPECT_TRUE(has(x.status(),
+                  "local descriptor 0 lies in cuda memory, which data path 'cma' "
+                  "(chosen for the peer's host region 0) cannot copy; nothing was "
+                  "sent"))
+      << x.status().ToString();
+  std::this_thread::sleep_for(milliseconds(300));  // see WithoutADevice...: UCX wireup
+}
+
 TEST_P(CudaIpcMultiProcTest, ReadsAndWritesDeviceRowsEveryByteChecked) {
   constexpr uint64_t kBytes = 64ull << 20, kRow = 1 << 20, kSeed = 5;
   DevicePeer peer = DevicePeer::Start("gpu-peer", kBytes, kSeed, GetParam());

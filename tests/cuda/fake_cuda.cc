@@ -35,6 +35,7 @@ struct Handle {  // a cuMemCreate / imported allocation
   size_t bytes = 0;
   int fd = -1;
   int refs = 1;
+  bool exportable = true;  // created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 };
 struct Mapping {  // a cuMemMap'ed handle
   size_t bytes = 0;
@@ -225,15 +226,13 @@ CUresult CUDAAPI cuMemGetAllocationGranularity(size_t* g, const CUmemAllocationP
 }
 CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle* h, size_t size,
                              const CUmemAllocationProp* prop, unsigned long long) {
-  if (size % kGranularity != 0 ||
-      prop->requestedHandleTypes != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
-    return CUDA_ERROR_INVALID_VALUE;
-  }
+  if (size % kGranularity != 0) return CUDA_ERROR_INVALID_VALUE;
   std::lock_guard<std::mutex> lock(mu);
   const int fd = NewMemfd(size);
   if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
   *h = next_handle++;
-  handles[*h] = Handle{size, fd, 1};
+  handles[*h] =
+      Handle{size, fd, 1, prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR};
   return CUDA_SUCCESS;
 }
 CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle h) {
@@ -257,14 +256,16 @@ CUresult CUDAAPI cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp* pro
   *prop = CUmemAllocationProp{};
   prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop->requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  prop->requestedHandleTypes =
+      handles[h].exportable ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
   return CUDA_SUCCESS;
 }
 CUresult CUDAAPI cuMemExportToShareableHandle(void* out, CUmemGenericAllocationHandle h,
                                               CUmemAllocationHandleType type, unsigned long long) {
   std::lock_guard<std::mutex> lock(mu);
   auto it = handles.find(h);
-  if (it == handles.end() || type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
+  if (it == handles.end() || type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR ||
+      !it->second.exportable) {
     return CUDA_ERROR_INVALID_VALUE;
   }
   *static_cast<int*>(out) = fcntl(it->second.fd, F_DUPFD_CLOEXEC, 0);

@@ -16,8 +16,10 @@ namespace eplbx::testing {
 
 class DeviceBuffer {
  public:
-  // `vmm`: two cuMemCreate allocations (POSIX fd handles) mapped back to back.
-  static Result<std::unique_ptr<DeviceBuffer>> Create(size_t bytes, bool vmm) {
+  // `vmm`: two cuMemCreate allocations (POSIX fd handles, unless !exportable) mapped back to
+  // back.
+  static Result<std::unique_ptr<DeviceBuffer>> Create(size_t bytes, bool vmm,
+                                                      bool exportable = true) {
     Result<const internal::cuda::Driver*> dr = internal::cuda::LoadDriver();
     if (!dr.ok()) return dr.status();
     const internal::cuda::Driver& d = **dr;
@@ -33,7 +35,8 @@ class DeviceBuffer {
     prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     prop.location.id = 0;
-    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    prop.requestedHandleTypes =
+        exportable ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
     size_t gran = 0;
     d.cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
     const size_t half = (bytes / 2 + gran - 1) / gran * gran;

@@ -32,34 +32,17 @@ row per expert), so the communicators, not the planners, are compared.
 import argparse
 import json
 import multiprocessing as mp
-import os
-import random
-import socket
 import statistics
 import sys
 import time
 import traceback
 
+from bench_util import free_port, placements
+
 BENCH = {"world": 4, "layers": 8, "slots": 64, "experts": 48, "mib": [8, 2, 1], "repeats": 3}
 CHECK = {"world": 3, "layers": 2, "slots": 12, "experts": 8, "mib": [0.25, 0.0625, 0.03125],
          "repeats": 1}
 NAMES = ["torch_gloo_staged", "eplbx_loop", "eplbx"]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def placements(seed, layers, slots, experts):
-    rng = random.Random(seed)
-    out = []
-    for _ in range(layers):
-        m = list(range(experts)) + [rng.randrange(experts) for _ in range(slots - experts)]
-        rng.shuffle(m)
-        out.append(m)
-    return out
 
 
 def value(layer, expert, tensor):

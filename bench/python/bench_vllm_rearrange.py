@@ -41,33 +41,16 @@ import io
 import json
 import multiprocessing as mp
 import os
-import random
-import socket
 import statistics
 import sys
 import threading
 import time
 import traceback
 
+from bench_util import free_port, placements
+
 BENCH = {"world": 4, "layers": 8, "slots": 64, "experts": 48, "mib": [8, 2, 1]}
 CHECK = {"world": 4, "layers": 2, "slots": 16, "experts": 11, "elems": [48, 16, 5]}
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def placements(seed, layers, slots, experts):
-    """Random phy2log per layer: every expert once, the rest replicas."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(layers):
-        m = list(range(experts)) + [rng.randrange(experts) for _ in range(slots - experts)]
-        rng.shuffle(m)
-        out.append(m)
-    return out
 
 
 def value(layer, expert, tensor):

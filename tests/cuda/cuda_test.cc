@@ -236,12 +236,36 @@ class CudaIpcMultiProcTest : public ::testing::TestWithParam<std::string> {
     const std::string why = internal::cuda::NoDeviceReason();
     if (!why.empty()) GTEST_SKIP() << why;
   }
-  std::unique_ptr<Agent> MakeAgent(const std::string& name) {
+  // A peer process with `bytes` of device memory filled with PatternByte(seed, offset), and
+  // an agent here with as much device memory (cudaMalloc), connected to it.
+  struct Rig {
+    DevicePeer peer;
+    std::unique_ptr<Agent> agent;
+    std::unique_ptr<DeviceBuffer> local;
+    RegisteredRegion region;
+    PeerId pid = 0;
+    uint64_t local_addr(uint64_t off) const {
+      return reinterpret_cast<uintptr_t>(local->data()) + off;
+    }
+  };
+  void Connect(Rig& rig, const std::string& peer, const std::string& self, uint64_t bytes,
+               uint64_t seed) {
+    rig.peer = DevicePeer::Start(peer, bytes, seed, GetParam());
+    ASSERT_FALSE(rig.peer.blob.empty());
     AgentConfig config;
     config.peer_timeout = milliseconds(kPeerTimeoutMs);
-    auto agent = Agent::Create(name, config);  // the driver is loaded: cuda_ipc is a default
-    EXPECT_TRUE(agent.ok()) << agent.status().ToString();
-    return agent.ok() ? std::move(*agent) : nullptr;
+    auto agent = Agent::Create(self, config);  // the driver is loaded: cuda_ipc is a default
+    ASSERT_TRUE(agent.ok()) << agent.status().ToString();
+    rig.agent = std::move(*agent);
+    auto local = DeviceBuffer::Create(bytes, false);
+    ASSERT_TRUE(local.ok()) << local.status().ToString();
+    rig.local = std::move(*local);
+    auto region = rig.agent->RegisterMemory(rig.local->data(), bytes);
+    ASSERT_TRUE(region.ok()) << region.status().ToString();
+    rig.region = std::move(*region);
+    auto pid = rig.agent->Connect(rig.peer.blob);
+    ASSERT_TRUE(pid.ok()) << pid.status().ToString();
+    rig.pid = *pid;
   }
 };
 
@@ -316,17 +340,10 @@ TEST(CudaRefusalTest, DeviceMemoryItCannotShareOrCopyIsRefusedByName) {
 
 TEST_P(CudaIpcMultiProcTest, ReadsAndWritesDeviceRowsEveryByteChecked) {
   constexpr uint64_t kBytes = 64ull << 20, kRow = 1 << 20, kSeed = 5;
-  DevicePeer peer = DevicePeer::Start("gpu-peer", kBytes, kSeed, GetParam());
-  ASSERT_FALSE(peer.blob.empty());
-  auto agent = MakeAgent("tester");
-  ASSERT_NE(agent, nullptr);
-  auto local = DeviceBuffer::Create(kBytes, false);
-  ASSERT_TRUE(local.ok()) << local.status().ToString();
-  auto region = agent->RegisterMemory((*local)->data(), kBytes);
-  ASSERT_TRUE(region.ok()) << region.status().ToString();
-  auto pid = agent->Connect(peer.blob);
-  ASSERT_TRUE(pid.ok()) << pid.status().ToString();
-  PeerInfo info = *agent->Peer(*pid);
+  Rig rig;
+  ASSERT_NO_FATAL_FAILURE(Connect(rig, "gpu-peer", "tester", kBytes, kSeed));
+  auto& [peer, agent, local, region, pid] = rig;
+  PeerInfo info = *agent->Peer(pid);
   ASSERT_EQ(info.paths.size(), 1u);
   EXPECT_EQ(info.paths[0].kind, MemoryKind::kCuda);
   EXPECT_EQ(info.paths[0].path, "cuda_ipc");
@@ -338,19 +355,19 @@ TEST_P(CudaIpcMultiProcTest, ReadsAndWritesDeviceRowsEveryByteChecked) {
   for (int i = 0; i < 16; ++i) {
     const uint64_t off = (rng() % (kBytes / kRow - 1)) * kRow + rng() % 4096;
     from.push_back(off);
-    l.push_back({reinterpret_cast<uintptr_t>((*local)->data()) + i * kRow, kRow});
+    l.push_back({rig.local_addr(i * kRow), kRow});
     r.push_back({peer.base + off, kRow});
   }
   // One row across the middle of the peer's buffer.
   from.push_back(kBytes / 2 - kRow / 2);
-  l.push_back({reinterpret_cast<uintptr_t>((*local)->data()) + 16 * kRow, kRow});
+  l.push_back({rig.local_addr(16 * kRow), kRow});
   r.push_back({peer.base + from.back(), kRow});
-  auto x = agent->Read(*pid, l, r);
+  auto x = agent->Read(pid, l, r);
   ASSERT_TRUE(x.ok()) << x.status().ToString();
   TransferStatus st = agent->Wait(*x, std::chrono::seconds(30));
   ASSERT_EQ(st.state, TransferState::kDone) << st.error.ToString();
   for (size_t i = 0; i < from.size(); ++i) {
-    auto got = (*local)->Download(i * kRow, kRow);
+    auto got = local->Download(i * kRow, kRow);
     ASSERT_TRUE(got.ok());
     ASSERT_TRUE(MatchesPattern(*got, kSeed, from[i])) << "row " << i;
   }
@@ -358,13 +375,13 @@ TEST_P(CudaIpcMultiProcTest, ReadsAndWritesDeviceRowsEveryByteChecked) {
   // WRITE 4 rows back with a notification; the peer checks the bytes when it arrives.
   peer.child->Send("EXPECT 1 10000");
   const uint64_t dst = 8 * kRow + 123;
-  const Descriptor wl{reinterpret_cast<uintptr_t>((*local)->data()), 4 * kRow};
+  const Descriptor wl{rig.local_addr(0), 4 * kRow};
   const Descriptor wr{peer.base + dst, 4 * kRow};
-  auto want = (*local)->Download(0, 4 * kRow);
+  auto want = local->Download(0, 4 * kRow);
   ASSERT_TRUE(want.ok());
   const std::string check = "CHECK " + std::to_string(dst) + " " + std::to_string(4 * kRow) + " " +
                             std::to_string(testing::Fnv1a(want->data(), want->size()));
-  auto w = agent->Write(*pid, {&wl, 1}, {&wr, 1}, check);
+  auto w = agent->Write(pid, {&wl, 1}, {&wr, 1}, check);
   ASSERT_TRUE(w.ok()) << w.status().ToString();
   st = agent->Wait(*w, std::chrono::seconds(30));
   ASSERT_EQ(st.state, TransferState::kDone) << st.error.ToString();
@@ -376,7 +393,7 @@ TEST_P(CudaIpcMultiProcTest, ReadsAndWritesDeviceRowsEveryByteChecked) {
   ASSERT_TRUE(hr.ok()) << hr.status().ToString();
   const Descriptor hl = Descriptor::Of(host.data(), kRow);
   const Descriptor hrem{peer.base + 5 * kRow, kRow};
-  auto h = agent->Read(*pid, {&hl, 1}, {&hrem, 1});
+  auto h = agent->Read(pid, {&hl, 1}, {&hrem, 1});
   ASSERT_TRUE(h.ok()) << h.status().ToString();
   ASSERT_EQ(agent->Wait(*h, std::chrono::seconds(30)).state, TransferState::kDone);
   EXPECT_TRUE(MatchesPattern(host, kSeed, 5 * kRow));
@@ -385,21 +402,14 @@ TEST_P(CudaIpcMultiProcTest, ReadsAndWritesDeviceRowsEveryByteChecked) {
 
 TEST_P(CudaIpcMultiProcTest, APeerKilledMidTransferEndsItAndIsReportedWithoutAHang) {
   constexpr uint64_t kBytes = 512ull << 20, kRow = 16ull << 20;
-  DevicePeer peer = DevicePeer::Start("doomed", kBytes, 9, GetParam());
-  ASSERT_FALSE(peer.blob.empty());
-  auto agent = MakeAgent("survivor");
-  ASSERT_NE(agent, nullptr);
-  auto local = DeviceBuffer::Create(kBytes, false);
-  ASSERT_TRUE(local.ok()) << local.status().ToString();
-  auto region = agent->RegisterMemory((*local)->data(), kBytes);
-  ASSERT_TRUE(region.ok()) << region.status().ToString();
-  auto pid = agent->Connect(peer.blob);
-  ASSERT_TRUE(pid.ok()) << pid.status().ToString();
+  Rig rig;
+  ASSERT_NO_FATAL_FAILURE(Connect(rig, "doomed", "survivor", kBytes, 9));
+  auto& [peer, agent, local, region, pid] = rig;
   std::vector<TransferId> ids;
   for (uint64_t off = 0; off < kBytes; off += kRow) {
-    const Descriptor l{reinterpret_cast<uintptr_t>((*local)->data()) + off, kRow};
+    const Descriptor l{rig.local_addr(off), kRow};
     const Descriptor r{peer.base + off, kRow};
-    auto x = agent->Read(*pid, {&l, 1}, {&r, 1});
+    auto x = agent->Read(pid, {&l, 1}, {&r, 1});
     ASSERT_TRUE(x.ok()) << x.status().ToString();
     ids.push_back(*x);
   }
@@ -412,9 +422,9 @@ TEST_P(CudaIpcMultiProcTest, APeerKilledMidTransferEndsItAndIsReportedWithoutAHa
   // The control channel finds the peer gone; later transfers fail at once, naming it.
   Status later = Status::OK();
   while (std::chrono::steady_clock::now() - start < milliseconds(kPeerTimeoutMs * 3)) {
-    const Descriptor l{reinterpret_cast<uintptr_t>((*local)->data()), kRow};
+    const Descriptor l{rig.local_addr(0), kRow};
     const Descriptor r{peer.base, kRow};
-    auto x = agent->Read(*pid, {&l, 1}, {&r, 1});
+    auto x = agent->Read(pid, {&l, 1}, {&r, 1});
     if (!x.ok()) {
       later = x.status();
       break;

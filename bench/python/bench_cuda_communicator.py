@@ -31,13 +31,12 @@ row per expert), so the communicators, not the planners, are compared.
 """
 import argparse
 import json
-import multiprocessing as mp
 import statistics
 import sys
 import time
 import traceback
 
-from bench_util import free_port, placements
+from bench_util import placements, spawn
 
 BENCH = {"world": 4, "layers": 8, "slots": 64, "experts": 48, "mib": [8, 2, 1], "repeats": 3}
 CHECK = {"world": 3, "layers": 2, "slots": 12, "experts": 8, "mib": [0.25, 0.0625, 0.03125],
@@ -216,34 +215,11 @@ def worker(rank, world, port, cfg, device_kind, results):
                 times[name].append(time.perf_counter() - t0)
                 bad = wrong(weights, new)
                 if bad:
-                    results.put((rank, "wrong", f"{name}: {bad}"))
+                    results.put((rank, ("wrong", f"{name}: {bad}")))
                     return
-        results.put((rank, "ok", {"times": times, "transfers": transfers}))
+        results.put((rank, ("ok", {"times": times, "transfers": transfers})))
     except Exception:  # noqa: BLE001 - reported to the parent
-        results.put((rank, "crash", traceback.format_exc()))
-
-
-def spawn(world, cfg, device_kind, timeout=600):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, cfg, device_kind, results))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    out = {}
-    deadline = time.monotonic() + timeout
-    while len(out) < world and time.monotonic() < deadline:
-        try:
-            item = results.get(timeout=1)
-            out[item[0]] = item[1:]
-        except Exception:  # noqa: BLE001 - queue.Empty
-            pass
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-    return out
+        results.put((rank, ("crash", traceback.format_exc())))
 
 
 def main():
@@ -265,7 +241,7 @@ def main():
             print(f"bench_cuda_communicator: no CUDA device ({why}); nothing measured")
         return 0
     cfg = dict(CHECK if args.check else BENCH)
-    out = spawn(cfg["world"], cfg, args.device)
+    out = spawn(worker, cfg["world"], cfg, args.device, timeout=600)
     bad = {r: v for r, v in out.items() if v[0] != "ok"}
     if len(out) < cfg["world"] or bad:
         print(f"bench_cuda_communicator: FAILED: {bad or 'ranks missing: ' + str(sorted(out))}",

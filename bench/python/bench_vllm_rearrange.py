@@ -39,7 +39,6 @@ import argparse
 import contextlib
 import io
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -47,7 +46,7 @@ import threading
 import time
 import traceback
 
-from bench_util import free_port, placements
+from bench_util import placements, spawn
 
 BENCH = {"world": 4, "layers": 8, "slots": 64, "experts": 48, "mib": [8, 2, 1]}
 CHECK = {"world": 4, "layers": 2, "slots": 16, "experts": 11, "elems": [48, 16, 5]}
@@ -326,29 +325,6 @@ def bench_worker(rank, world, port, repeats, results):
         results.put((rank, out))
     except Exception:  # noqa: BLE001
         results.put((rank, traceback.format_exc()))
-
-
-def spawn(target, world, *args, timeout=900):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = {}
-    deadline = time.monotonic() + timeout
-    while len(out) < world and time.monotonic() < deadline:
-        try:
-            rank, item = results.get(timeout=1)
-            out[rank] = item
-        except Exception:  # noqa: BLE001 - queue.Empty
-            if not any(p.is_alive() for p in procs):
-                break
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-    return out
 
 
 def main():

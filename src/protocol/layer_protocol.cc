@@ -45,6 +45,7 @@ Record LayerProtocol::Make(RecordKind kind, uint32_t expert, uint32_t source,
   Record r;
   r.kind = kind;
   r.generation = step_.generation;
+  r.epoch = step_.epoch;
   r.layer = step_.layer;
   r.expert = expert;
   r.source = source;
@@ -128,6 +129,10 @@ std::vector<Action> LayerProtocol::Abort(std::string reason, bool broadcast) {
   if (state_ != LayerState::kRunning) return out;
   state_ = LayerState::kAborted;
   error_ = StrCat("layer ", step_.layer, " (generation ", step_.generation, "): ", reason);
+  if (refused_ > 0) {
+    error_ += StrCat("; ", refused_, " record", refused_ == 1 ? "" : "s",
+                     " of another epoch refused, the first: ", refused_note_);
+  }
   if (broadcast) {
     Record abort = Make(RecordKind::kAbort, 0, step_.self, 0);
     abort.reason = StrCat("rank ", step_.self, ": ", reason).substr(0, kMaxReasonBytes);
@@ -142,6 +147,18 @@ std::vector<Action> LayerProtocol::Abort(std::string reason, bool broadcast) {
 std::vector<Action> LayerProtocol::OnRecord(uint32_t from, const Record& r, Clock::time_point now,
                                             bool* deferred) {
   *deferred = false;
+  if (r.epoch != step_.epoch) {
+    // Another member set: a rank declared lost that still talks (older epoch) or one that
+    // learned of a change this rank has not seen yet (newer). Nothing of it is acted on.
+    if (refused_++ == 0) {
+      refused_note_ = StrCat(
+          KindName(r.kind), " from rank ", from, " at epoch ", r.epoch, "; this rank is at epoch ",
+          step_.epoch,
+          r.epoch < step_.epoch ? " (the sender was declared lost: it must rejoin as a new member)"
+                                : " (the member set changed and this rank has not learned it yet)");
+    }
+    return {};
+  }
   if (r.generation < step_.generation) {
     ++ignored_;  // stale: a record of a step that is over
     return {};

@@ -52,6 +52,9 @@ struct LayerStep {
   // order; empty: in place). Agreed like the maps: a READ's source row comes from it.
   // REQUIRES new_map when set.
   std::vector<int32_t> row_map;
+  // The membership epoch this rank acts in: every record sent carries it, and records of
+  // another epoch are refused (counted, the first named in the layer's error).
+  uint64_t epoch = 0;
 };
 
 enum class ActionKind {
@@ -94,6 +97,9 @@ class LayerProtocol {
   uint64_t generation() const { return step_.generation; }
   // Records ignored as stale or duplicate (for reports and tests).
   uint64_t ignored() const { return ignored_; }
+  // Records refused for another epoch, and what the first one was.
+  uint64_t refused() const { return refused_; }
+  const std::string& refused_note() const { return refused_note_; }
 
  private:
   std::vector<Action> Abort(std::string reason, bool broadcast);
@@ -125,6 +131,8 @@ class LayerProtocol {
   std::vector<std::vector<bool>> chunk_seen_;  // per rank, per MAPS chunk
   bool started_ = false;
   uint64_t ignored_ = 0;
+  uint64_t refused_ = 0;
+  std::string refused_note_;
 };
 
 }  // namespace eplbx::protocol

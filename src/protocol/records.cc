@@ -13,8 +13,9 @@ using internal::StrCat;
 namespace {
 constexpr char kMagic[4] = {'E', 'P', 'X', 'R'};
 // 2: MAPS records (map agreement before any READ). 3: VOTE records (asynchronous commits).
-// 4: MAPS may carry the row tables (swap commit mode) as a third map.
-constexpr uint16_t kVersion = 4;
+// 4: MAPS may carry the row tables (swap commit mode) as a third map. 5: the membership
+// epoch after the generation.
+constexpr uint16_t kVersion = 5;
 }  // namespace
 
 std::string_view KindName(RecordKind kind) {
@@ -42,6 +43,7 @@ std::string EncodeRecord(const Record& r) {
   w.U8(static_cast<uint8_t>(r.kind));
   w.U8(0);
   w.U64(r.generation);
+  w.U64(r.epoch);
   w.U32(r.layer);
   w.U32(r.expert);
   w.U32(r.source);
@@ -74,8 +76,8 @@ Result<Record> DecodeRecord(std::string_view bytes) {
     return Status::Corruption("protocol record: bad magic (expected 'EPXR')");
   }
   (void)(in.U16("version", &version) && in.U8("kind", &kind) && in.U8("reserved", &reserved) &&
-         in.U64("generation", &r.generation) && in.U32("layer", &r.layer) &&
-         in.U32("expert", &r.expert) && in.U32("source", &r.source) &&
+         in.U64("generation", &r.generation) && in.U64("epoch", &r.epoch) &&
+         in.U32("layer", &r.layer) && in.U32("expert", &r.expert) && in.U32("source", &r.source) &&
          in.U32("reader", &r.reader) && in.U16("reason_length", &reason_len));
   if (version != kVersion) {
     return Status::NotSupported(

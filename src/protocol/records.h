@@ -1,5 +1,5 @@
 // Internal: the rearrangement protocol's wire records (docs/protocol.md). Every record is
-// magic "EPXR", version, kind, generation, layer, expert, source rank, reader rank and a
+// magic "EPXR", version, kind, generation, epoch, layer, expert, source rank, reader rank and a
 // variable part (ABORT: the reason; MAPS: the layer's slot count and a chunk of its maps),
 // with an exact length; decoding rejects anything else.
 #ifndef EPLBX_SRC_PROTOCOL_RECORDS_H_
@@ -27,7 +27,7 @@ enum class RecordKind : uint8_t {
 };
 std::string_view KindName(RecordKind kind);
 
-inline constexpr size_t kRecordFixedBytes = 34;
+inline constexpr size_t kRecordFixedBytes = 42;
 inline constexpr size_t kMaxReasonBytes = 1024;
 // Map entries one MAPS record carries (old and new entries together): 16 KiB.
 inline constexpr size_t kMaxMapEntries = 4096;
@@ -45,6 +45,9 @@ struct Record {
   // followed by the same slots' new entries.
   uint32_t map_slots = 0;
   std::vector<int32_t> maps;
+  // The membership epoch the sender acts in (the store's, docs/deploy.md "Membership and
+  // epochs"; 0 without membership). A record of another epoch is refused by name.
+  uint64_t epoch = 0;
 };
 
 std::string EncodeRecord(const Record& r);

@@ -44,6 +44,7 @@ struct RearrangerImpl::Pipeline {
   // Votes by (pipeline, step), per rank; kept for a later pipeline too (a faster peer may
   // vote in the next one before this rank began it).
   std::map<std::pair<uint64_t, int64_t>, std::vector<std::optional<Record>>> votes;
+  std::string refused_note;  // the first VOTE of another epoch, for the deadline error
   bool active = false;
   Status failure;  // this rank failed: its next vote says so
   protocol::Clock::time_point deadline, started;
@@ -76,8 +77,15 @@ struct RearrangerImpl::Pipeline {
     }
     return out;
   }
-  void TakeVote(uint32_t from, const Record& r, uint32_t world) {
+  void TakeVote(uint32_t from, const Record& r, uint32_t world, uint64_t epoch) {
     if (r.generation < id || from >= world) return;
+    if (r.epoch != epoch) {  // another member set's vote counts for nothing here
+      if (refused_note.empty()) {
+        refused_note = StrCat("a VOTE from rank ", from, " at epoch ", r.epoch,
+                              " was refused (this rank is at epoch ", epoch, ")");
+      }
+      return;
+    }
     auto& v = votes[{r.generation, static_cast<int64_t>(r.layer)}];
     v.resize(world);
     if (!v[from]) v[from] = r;  // a duplicate changes nothing
@@ -189,7 +197,9 @@ Status RearrangerImpl::Poll() {
   if (!Busy()) return Status::OK();
   Pipeline& p = *pipe;
   auto route = [&p](uint64_t g) { return p.Route(g); };
-  auto vote = [&p, this](uint32_t from, const Record& r) { p.TakeVote(from, r, world()); };
+  auto vote = [&p, this](uint32_t from, const Record& r) {
+    p.TakeVote(from, r, world(), boot->epoch());
+  };
   // Start layers while staging is free.
   while (p.failure.ok() && p.runs.size() < p.layers && !p.free_slots.empty()) {
     const uint32_t l = static_cast<uint32_t>(p.runs.size());
@@ -202,6 +212,7 @@ Status RearrangerImpl::Poll() {
     run->outcome.layer = l;
     protocol::LayerStep step;
     step.generation = p.first_generation + l;
+    step.epoch = boot->epoch();
     step.layer = l;
     step.self = self();
     step.world = world();
@@ -247,10 +258,10 @@ Status RearrangerImpl::Poll() {
     }
   }
   if (p.failure.ok() && now > p.deadline) {
-    p.failure = Status::Timeout(
-        StrCat("rank ", self(), ": the rearrangement passed its deadline of ",
-               p.opt.deadline.count(), " ms after ", p.step, " steps with ", p.applied, " of ",
-               p.layers, " layers committed (", p.ReadyPrefix(), " ready here)"));
+    p.failure = Status::Timeout(StrCat(
+        "rank ", self(), ": the rearrangement passed its deadline of ", p.opt.deadline.count(),
+        " ms after ", p.step, " steps with ", p.applied, " of ", p.layers, " layers committed (",
+        p.ReadyPrefix(), " ready here)", p.refused_note.empty() ? "" : "; ", p.refused_note));
   }
   if (!p.failure.ok()) StopRuns(*this, p, p.failure.message());
   return p.failure;
@@ -266,6 +277,7 @@ CommitResult RearrangerImpl::Commit() {
   Record mine;
   mine.kind = RecordKind::kVote;
   mine.generation = p.id;
+  mine.epoch = boot->epoch();
   mine.layer = static_cast<uint32_t>(p.step);
   mine.expert = p.ReadyPrefix();
   mine.source = self();
@@ -316,7 +328,9 @@ CommitResult RearrangerImpl::Commit() {
   const auto t0 = env->Now();
   const auto wait_until = t0 + options.deadline;  // a failure by deadline comes in a vote
   auto route = [&p](uint64_t g) { return p.Route(g); };
-  auto vote = [&p, this](uint32_t from, const Record& r) { p.TakeVote(from, r, world()); };
+  auto vote = [&p, this](uint32_t from, const Record& r) {
+    p.TakeVote(from, r, world(), boot->epoch());
+  };
   Status lost;
   for (;;) {
     auto& v = p.votes[key];

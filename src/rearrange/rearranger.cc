@@ -265,6 +265,7 @@ LayerOutcome RearrangerImpl::RunJob(LayerJob& job) {
   run.outcome.layer = job.layer;
   protocol::LayerStep step;
   step.generation = ++generation;
+  step.epoch = boot->epoch();
   step.layer = job.layer;
   step.self = self();
   step.world = world();

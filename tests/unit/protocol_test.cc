@@ -21,10 +21,12 @@ TEST(RecordTest, RoundTripsEveryKind) {
   for (RecordKind k :
        {RecordKind::kReady, RecordKind::kReadDone, RecordKind::kDone, RecordKind::kAbort}) {
     Record r{k, 77, 3, 12, 1, 2, k == RecordKind::kAbort ? "rank 1: boom" : ""};
+    r.epoch = 0x100000004;
     Result<Record> d = DecodeRecord(EncodeRecord(r));
     ASSERT_TRUE(d.ok()) << d.status().ToString();
     EXPECT_EQ(d->kind, k);
     EXPECT_EQ(d->generation, 77u);
+    EXPECT_EQ(d->epoch, 0x100000004u);
     EXPECT_EQ(d->layer, 3u);
     EXPECT_EQ(d->expert, 12u);
     EXPECT_EQ(d->source, 1u);
@@ -92,14 +94,15 @@ TEST(RecordTest, RejectsEveryMalformedRecord) {
   EXPECT_EQ(patched(4, 1).code(), Code::kNotSupported);  // version 1: before MAPS
   EXPECT_EQ(patched(4, 2).code(), Code::kNotSupported);  // version 2: before VOTE
   EXPECT_EQ(patched(4, 3).code(), Code::kNotSupported);  // version 3: before row tables
-  EXPECT_EQ(patched(4, 5).code(), Code::kNotSupported);
+  EXPECT_EQ(patched(4, 4).code(), Code::kNotSupported);  // version 4: before epochs
+  EXPECT_EQ(patched(4, 6).code(), Code::kNotSupported);
   EXPECT_NE(patched(6, 0).message().find("unknown kind 0"), std::string::npos);
   EXPECT_NE(patched(6, 9).message().find("unknown kind 9"), std::string::npos);
   EXPECT_NE(patched(7, 1).message().find("reserved"), std::string::npos);
   EXPECT_NE(patched(6, 1).message().find("READY carries a reason"), std::string::npos);
   std::string huge = good;
-  huge[32] = static_cast<char>(0xff);
-  huge[33] = static_cast<char>(0xff);
+  huge[40] = static_cast<char>(0xff);  // the variable part's length
+  huge[41] = static_cast<char>(0xff);
   EXPECT_NE(DecodeRecord(huge).status().message().find("limit"), std::string::npos);
 }
 
@@ -415,6 +418,51 @@ TEST(LayerProtocolTest, StaleFutureAndDuplicateRecords) {
   // After commit, even an ABORT is ignored: the layer is final.
   EXPECT_TRUE(p.OnRecord(1, {RecordKind::kAbort, 5, 2, 0, 1, 0, "late"}, {}, &deferred).empty());
   EXPECT_EQ(p.state(), LayerState::kCommitted);
+}
+
+// Records of another membership epoch (a rank declared lost that still talks, or one that
+// learned of a change first) are refused: nothing of them is acted on, not even an ABORT, and
+// the layer's error names the first.
+TEST(LayerProtocolTest, RecordsOfAnotherEpochAreRefusedByName) {
+  LayerStep step = TwoRankReader();
+  step.epoch = 2;
+  LayerProtocol p(step, Clock::time_point{}, seconds(10));
+  for (const Action& a : p.Start()) {
+    if (a.kind == ActionKind::kSend) EXPECT_EQ(a.record.epoch, 2u);  // what it sends carries it
+  }
+  bool deferred = false;
+  Record maps = MapsOf(1, 5, 2);
+  maps.epoch = 2;
+  EXPECT_TRUE(p.OnRecord(1, maps, {}, &deferred).empty());
+  Record ready{RecordKind::kReady, 5, 2, 7, 1, 0, ""};
+  ready.epoch = 1;
+  EXPECT_TRUE(p.OnRecord(1, ready, {}, &deferred).empty());  // a zombie's READY: no READ
+  Record abort{RecordKind::kAbort, 5, 2, 0, 1, 0, "rank 1: stale"};
+  abort.epoch = 1;
+  EXPECT_TRUE(p.OnRecord(1, abort, {}, &deferred).empty());  // nor its ABORT
+  Record ahead = ready;
+  ahead.epoch = 3;
+  EXPECT_TRUE(p.OnRecord(1, ahead, {}, &deferred).empty());
+  EXPECT_FALSE(deferred);
+  EXPECT_EQ(p.state(), LayerState::kRunning);
+  EXPECT_EQ(p.refused(), 3u);
+  EXPECT_EQ(p.refused_note(),
+            "READY from rank 1 at epoch 1; this rank is at epoch 2 (the sender was declared "
+            "lost: it must rejoin as a new member)");
+  // The same READY at this epoch is acted on.
+  ready.epoch = 2;
+  auto a = p.OnRecord(1, ready, {}, &deferred);
+  ASSERT_EQ(a.size(), 1u);
+  EXPECT_EQ(a[0].kind, ActionKind::kPostRead);
+  EXPECT_EQ(a[0].record.epoch, 2u);
+  // At the deadline the error says what was refused.
+  p.OnReadComplete({7, 1}, Status::OK());
+  p.OnTick(Clock::time_point{} + seconds(11));
+  ASSERT_EQ(p.state(), LayerState::kAborted);
+  EXPECT_NE(p.error().find("deadline passed waiting for DONE from rank 1; 3 records of another "
+                           "epoch refused, the first: READY from rank 1 at epoch 1"),
+            std::string::npos)
+      << p.error();
 }
 
 // Each misrouted or unexpected record aborts, broadcasts ABORT and names the sender.

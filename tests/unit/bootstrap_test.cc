@@ -23,9 +23,20 @@ namespace {
 
 using std::chrono::milliseconds;
 
+// A port no socket uses now, from the kernel (a fixed range collided with other test
+// processes' ports and with UCX's ephemeral ones when runs overlapped).
 uint16_t Port() {
-  static std::atomic<int> next{0};
-  return static_cast<uint16_t>(31000 + (getpid() % 1000) * 7 + next++);
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    ADD_FAILURE() << "no free port";
+  }
+  close(fd);
+  return ntohs(a.sin_port);
 }
 
 TEST(TcpStoreTest, AllGatherAndRefusals) {

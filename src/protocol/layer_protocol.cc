@@ -34,6 +34,16 @@ LayerProtocol::LayerProtocol(LayerStep step, Clock::time_point now, Clock::durat
       maps_ok_(step_.world, false),
       chunk_seen_(step_.world, std::vector<bool>(chunks(), false)) {
   if (step_.self < step_.world) maps_ok_[step_.self] = true;
+  for (uint32_t r = 0; r < step_.world; ++r) {
+    if (!member(r)) maps_ok_[r] = done_from_[r] = true;  // nothing is expected from it
+  }
+}
+
+void LayerProtocol::Refuse(uint32_t from, const Record& r, std::string why) {
+  if (refused_++ == 0) {
+    refused_note_ =
+        StrCat(KindName(r.kind), " from rank ", from, " at epoch ", r.epoch, "; ", std::move(why));
+  }
 }
 
 size_t LayerProtocol::chunks() const {
@@ -85,6 +95,22 @@ std::vector<Action> LayerProtocol::Start() {
                step_.old_map.size(), " and its new map ", step_.new_map.size()),
         true);
   }
+  for (const ReadTask& t : step_.reads) {
+    if (!member(t.source)) {
+      return Abort(StrCat("the plan reads expert ", t.expert, " from rank ", t.source,
+                          ", which is not a member at epoch ", step_.epoch,
+                          " (plan over the members: PlanSurvivors)"),
+                   true);
+    }
+  }
+  for (const ServeTask& t : step_.serves) {
+    if (!member(t.reader)) {
+      return Abort(StrCat("the plan has rank ", t.reader, " read expert ", t.expert,
+                          ", and it is not a member at epoch ", step_.epoch,
+                          " (plan over the members: PlanSurvivors)"),
+                   true);
+    }
+  }
   const size_t slots = step_.old_map.size(), per = chunk_slots();
   for (size_t c = 0; c < chunks(); ++c) {
     Record m = Make(RecordKind::kMaps, static_cast<uint32_t>(c * per), step_.self, map_count());
@@ -94,7 +120,7 @@ std::vector<Action> LayerProtocol::Start() {
     for (uint32_t k = 0; k < map_count(); ++k)
       m.maps.insert(m.maps.end(), MapAt(k).begin() + first, MapAt(k).begin() + first + n);
     for (uint32_t r = 0; r < step_.world; ++r) {
-      if (r != step_.self) out.push_back(MakeAction(ActionKind::kSend, r, m));
+      if (r != step_.self && member(r)) out.push_back(MakeAction(ActionKind::kSend, r, m));
     }
   }
   for (const ServeTask& s : step_.serves) {
@@ -113,7 +139,7 @@ void LayerProtocol::MaybeDone(std::vector<Action>* out) {
     if (!reads || !serves) return;
     done_from_[step_.self] = true;
     for (uint32_t r = 0; r < step_.world; ++r) {
-      if (r != step_.self)
+      if (r != step_.self && member(r))
         out->push_back(MakeAction(ActionKind::kSend, r, Make(RecordKind::kDone, 0, step_.self, 0)));
     }
   }
@@ -137,7 +163,7 @@ std::vector<Action> LayerProtocol::Abort(std::string reason, bool broadcast) {
     Record abort = Make(RecordKind::kAbort, 0, step_.self, 0);
     abort.reason = StrCat("rank ", step_.self, ": ", reason).substr(0, kMaxReasonBytes);
     for (uint32_t r = 0; r < step_.world; ++r) {
-      if (r != step_.self) out.push_back(MakeAction(ActionKind::kSend, r, abort));
+      if (r != step_.self && member(r)) out.push_back(MakeAction(ActionKind::kSend, r, abort));
     }
   }
   out.push_back(MakeAction(ActionKind::kAbort, 0, {}, {}, error_));
@@ -150,13 +176,15 @@ std::vector<Action> LayerProtocol::OnRecord(uint32_t from, const Record& r, Cloc
   if (r.epoch != step_.epoch) {
     // Another member set: a rank declared lost that still talks (older epoch) or one that
     // learned of a change this rank has not seen yet (newer). Nothing of it is acted on.
-    if (refused_++ == 0) {
-      refused_note_ = StrCat(
-          KindName(r.kind), " from rank ", from, " at epoch ", r.epoch, "; this rank is at epoch ",
-          step_.epoch,
-          r.epoch < step_.epoch ? " (the sender was declared lost: it must rejoin as a new member)"
-                                : " (the member set changed and this rank has not learned it yet)");
-    }
+    Refuse(from, r,
+           StrCat("this rank is at epoch ", step_.epoch,
+                  r.epoch < step_.epoch
+                      ? " (the sender was declared lost: it must rejoin as a new member)"
+                      : " (the member set changed and this rank has not learned it yet)"));
+    return {};
+  }
+  if (from < step_.world && !member(from)) {
+    Refuse(from, r, StrCat("rank ", from, " is not a member at epoch ", step_.epoch));
     return {};
   }
   if (r.generation < step_.generation) {
@@ -259,6 +287,22 @@ void LayerProtocol::PostRead(size_t i, std::vector<Action>* out) {
 }
 
 std::vector<Action> LayerProtocol::OnMaps(uint32_t from, const Record& r) {
+  for (const ReadTask& t : step_.reads) {
+    if (!member(t.source)) {
+      return Abort(StrCat("the plan reads expert ", t.expert, " from rank ", t.source,
+                          ", which is not a member at epoch ", step_.epoch,
+                          " (plan over the members: PlanSurvivors)"),
+                   true);
+    }
+  }
+  for (const ServeTask& t : step_.serves) {
+    if (!member(t.reader)) {
+      return Abort(StrCat("the plan has rank ", t.reader, " read expert ", t.expert,
+                          ", and it is not a member at epoch ", step_.epoch,
+                          " (plan over the members: PlanSurvivors)"),
+                   true);
+    }
+  }
   const size_t slots = step_.old_map.size(), per = chunk_slots();
   const uint32_t me = step_.self;
   if (r.reader != map_count()) {
@@ -345,6 +389,7 @@ std::vector<Action> LayerProtocol::OnPeerFailed(uint32_t rank, const Status& why
   // A peer that sent DONE has finished its part of the layer: its READs completed and
   // every READ of its rows was acknowledged. Losing it now (it may simply have finished and
   // exited) takes nothing from this layer.
+  // An absent rank (not a member at this epoch) is expected for nothing either.
   if (rank < step_.world && rank != step_.self && done_from_[rank]) return {};
   return Abort(StrCat("rank ", rank, " unreachable: ", why.message()), true);
 }

@@ -55,6 +55,10 @@ struct LayerStep {
   // The membership epoch this rank acts in: every record sent carries it, and records of
   // another epoch are refused (counted, the first named in the layer's error).
   uint64_t epoch = 0;
+  // Which ranks are members at that epoch (empty: every rank). An absent rank is sent
+  // nothing and expected for nothing (no MAPS, DONE or vote); a plan that reads from it or
+  // serves it fails the layer at Start, naming it; its records are refused.
+  std::vector<bool> members;
 };
 
 enum class ActionKind {
@@ -115,6 +119,10 @@ class LayerProtocol {
     return m == 0 ? step_.old_map : m == 1 ? step_.new_map : step_.row_map;
   }
   size_t chunk_slots() const { return kMaxMapEntries / map_count(); }
+  bool member(uint32_t rank) const {
+    return step_.members.empty() || (rank < step_.members.size() && step_.members[rank]);
+  }
+  void Refuse(uint32_t from, const Record& r, std::string why);
   size_t chunks() const;
   Record Make(RecordKind kind, uint32_t expert, uint32_t source, uint32_t reader) const;
 

@@ -213,6 +213,7 @@ Status RearrangerImpl::Poll() {
     protocol::LayerStep step;
     step.generation = p.first_generation + l;
     step.epoch = boot->epoch();
+    step.members = boot->members();
     step.layer = l;
     step.self = self();
     step.world = world();
@@ -289,8 +290,11 @@ CommitResult RearrangerImpl::Commit() {
     v[self()] = mine;
   }
   const std::string wire = protocol::EncodeRecord(mine);
+  // Votes go to and come from the members at this epoch only.
+  const std::vector<bool> members = boot->members();
+  auto member = [&members](uint32_t r) { return r >= members.size() || members[r]; };
   for (uint32_t r = 0; r < world(); ++r) {
-    if (r == self()) continue;
+    if (r == self() || !member(r)) continue;
     Status s = agent->Notify(peer_of[r], wire);
     if (!s.ok() && p.failure.ok()) {
       p.failure =
@@ -337,7 +341,7 @@ CommitResult RearrangerImpl::Commit() {
     v.resize(world());
     int missing = -1;
     for (uint32_t r = 0; r < world() && missing < 0; ++r) {
-      if (!v[r]) missing = static_cast<int>(r);
+      if (!v[r] && member(r)) missing = static_cast<int>(r);
     }
     if (missing < 0) break;
     Result<PeerInfo> info = agent->Peer(peer_of[missing]);
@@ -371,6 +375,7 @@ CommitResult RearrangerImpl::Commit() {
   uint32_t agreed = p.layers;
   const Record* failed_vote = nullptr;
   for (uint32_t r = 0; r < world(); ++r) {
+    if (!v[r]) continue;  // not a member: no vote
     agreed = std::min(agreed, v[r]->expert);
     if (v[r]->reader != 0 && failed_vote == nullptr) failed_vote = &*v[r];
   }

@@ -266,6 +266,7 @@ LayerOutcome RearrangerImpl::RunJob(LayerJob& job) {
   protocol::LayerStep step;
   step.generation = ++generation;
   step.epoch = boot->epoch();
+  step.members = boot->members();
   step.layer = job.layer;
   step.self = self();
   step.world = world();

@@ -465,6 +465,50 @@ TEST(LayerProtocolTest, RecordsOfAnotherEpochAreRefusedByName) {
       << p.error();
 }
 
+// A rank that is not a member at the step's epoch (lost, the survivors go on) is sent nothing
+// and expected for nothing; a plan that still involves it fails at Start naming it.
+TEST(LayerProtocolTest, AbsentRanksAreExpectedForNothing) {
+  LayerStep step{5, 2, 0, 3, {{7, 1}}, {}};
+  step.epoch = 2;
+  step.members = {true, true, false};
+  LayerProtocol p(step, Clock::time_point{}, seconds(10));
+  for (const Action& a : p.Start()) {
+    EXPECT_NE(a.peer, 2u) << "sent to the absent rank";
+  }
+  bool deferred = false;
+  Record maps = MapsOf(1, 5, 2);
+  maps.epoch = 2;
+  EXPECT_TRUE(p.OnRecord(1, maps, {}, &deferred).empty());
+  Record zombie{RecordKind::kAbort, 5, 2, 0, 2, 0, "rank 2: still here"};
+  zombie.epoch = 2;
+  EXPECT_TRUE(p.OnRecord(2, zombie, {}, &deferred).empty());  // refused, not acted on
+  EXPECT_TRUE(p.OnPeerFailed(2, Status::Unavailable("gone")).empty());
+  Record ready{RecordKind::kReady, 5, 2, 7, 1, 0, ""};
+  ready.epoch = 2;
+  ASSERT_EQ(p.OnRecord(1, ready, {}, &deferred).size(), 1u);
+  auto done = p.OnReadComplete({7, 1}, Status::OK());
+  ASSERT_EQ(done.size(), 1u);  // DONE to rank 1 only
+  EXPECT_EQ(done[0].peer, 1u);
+  Record done1{RecordKind::kDone, 5, 2, 0, 1, 0, ""};
+  done1.epoch = 2;
+  auto commit = p.OnRecord(1, done1, {}, &deferred);
+  ASSERT_EQ(commit.size(), 1u);
+  EXPECT_EQ(commit[0].kind, ActionKind::kCommit);  // nothing from rank 2 was needed
+  EXPECT_EQ(p.refused(), 1u);
+  EXPECT_EQ(p.refused_note(), "ABORT from rank 2 at epoch 2; rank 2 is not a member at epoch 2");
+  // A plan that reads from the absent rank fails at once, telling the members only.
+  LayerStep stale{5, 2, 0, 3, {{7, 2}}, {}};
+  stale.epoch = 2;
+  stale.members = {true, true, false};
+  LayerProtocol q(stale, Clock::time_point{}, seconds(10));
+  auto out = q.Start();
+  EXPECT_EQ(q.state(), LayerState::kAborted);
+  EXPECT_NE(q.error().find("the plan reads expert 7 from rank 2, which is not a member at epoch 2"),
+            std::string::npos)
+      << q.error();
+  for (const Action& a : out) EXPECT_NE(a.peer, 2u);
+}
+
 // Each misrouted or unexpected record aborts, broadcasts ABORT and names the sender.
 TEST(LayerProtocolTest, MisroutedRecordsAbortNamingTheRank) {
   struct Case {

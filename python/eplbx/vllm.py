@@ -234,8 +234,8 @@ class EplbxCommunicator:
         for index, t in enumerate(tensors):
             try:
                 _check_tensor(t, f"receive row {index} of expert {expert}", self._device)
-            except InvalidArgumentError as e:
-                self._refuse(e)
+            except (InvalidArgumentError, NotImplementedError, ValueError) as e:
+                self._refuse(e)  # the peers are told at once, as for other bad rows
             if self._layer is not None and index < len(self._rows[self._layer]):
                 dtype, shape, nbytes = self._rows[self._layer][index]
                 if t.dtype != dtype or tuple(t.shape) != shape or _nbytes(t) != nbytes:

@@ -287,22 +287,6 @@ void LayerProtocol::PostRead(size_t i, std::vector<Action>* out) {
 }
 
 std::vector<Action> LayerProtocol::OnMaps(uint32_t from, const Record& r) {
-  for (const ReadTask& t : step_.reads) {
-    if (!member(t.source)) {
-      return Abort(StrCat("the plan reads expert ", t.expert, " from rank ", t.source,
-                          ", which is not a member at epoch ", step_.epoch,
-                          " (plan over the members: PlanSurvivors)"),
-                   true);
-    }
-  }
-  for (const ServeTask& t : step_.serves) {
-    if (!member(t.reader)) {
-      return Abort(StrCat("the plan has rank ", t.reader, " read expert ", t.expert,
-                          ", and it is not a member at epoch ", step_.epoch,
-                          " (plan over the members: PlanSurvivors)"),
-                   true);
-    }
-  }
   const size_t slots = step_.old_map.size(), per = chunk_slots();
   const uint32_t me = step_.self;
   if (r.reader != map_count()) {

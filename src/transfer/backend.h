@@ -1,6 +1,6 @@
 // Internal: the transfer seam (ARCHITECTURE.md, "Transfer seam"; docs/transfer.md, "Seam").
 // An agent has one ControlChannel (connection info, notifications, heartbeats, liveness) and
-// an ordered list of DataPaths (shm, cma, cuda_ipc, ucx, loopback), each moving some
+// an ordered list of DataPaths (shm, cma, cuda_ipc, ucx, cuda_staged, loopback), each moving some
 // memory kinds between some peers. The agent core owns names, regions, peers, bounds
 // checks, path choice and transfer states; "a notification leaves only after the data
 // landed" is implemented once, in the core. Parts are created in one place (paths.cc);
@@ -167,14 +167,14 @@ struct AgentParts {
 };
 
 // The control channel `control` ("ucx", "loopback") and the data paths `paths`
-// ("shm", "cma", "cuda_ipc", "ucx", "loopback"), in that order. The control channel reports to
-// `listener`, the data path at index i to `path_listeners[i]`.
+// ("shm", "cma", "cuda_ipc", "ucx", "cuda_staged", "loopback"), in that order. The control channel
+// reports to `listener`, the data path at index i to `path_listeners[i]`.
 Result<AgentParts> CreateParts(std::string_view control, const std::vector<std::string>& paths,
                                const PartOptions& options, CoreListener* listener,
                                const std::vector<CoreListener*>& path_listeners);
 
 // The default preference order for a control channel (auto): shm, cma, ucx for "ucx"
-// (shm, cma, cuda_ipc, ucx when CudaPathByDefault()); loopback for "loopback".
+// (shm, cma, cuda_ipc, ucx, cuda_staged when CudaPathByDefault()); loopback for "loopback".
 std::vector<std::string> DefaultPaths(std::string_view control);
 
 // Whether this build has the cuda_ipc path (EPLBX_WITH_CUDA); whether the defaults list it

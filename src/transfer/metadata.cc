@@ -171,7 +171,7 @@ Result<MessageHeader> DecodeMessageHeader(std::string_view bytes, size_t* consum
   if (version != kMessageVersion) {
     return Status::NotSupported(StrCat("message header: version ", version, " not supported"));
   }
-  if (kind < 1 || kind > 3)
+  if (kind < 1 || kind > static_cast<uint8_t>(MessageKind::kStage))
     return Status::Corruption(StrCat("message header: unknown kind ", +kind));
   h.kind = static_cast<MessageKind>(kind);
   if (!r.Str16("sender", Agent::kMaxNameBytes, &h.sender)) return r.status();

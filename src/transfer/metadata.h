@@ -58,7 +58,9 @@ std::string EncodeAgentMetadata(const AgentMetadata& m);
 Result<AgentMetadata> DecodeAgentMetadata(std::string_view blob);
 
 // Header of an active message between agents.
-enum class MessageKind : uint8_t { kNotify = 1, kPing = 2, kPong = 3 };
+// kStage: a message of the cuda_staged data path (its head follows the header; its rows, if
+// any, travel as the message's data).
+enum class MessageKind : uint8_t { kNotify = 1, kPing = 2, kPong = 3, kStage = 4 };
 inline constexpr char kMessageMagic[4] = {'E', 'P', 'X', 'M'};
 inline constexpr uint16_t kMessageVersion = 1;
 

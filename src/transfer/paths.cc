@@ -11,6 +11,7 @@
 #include "transfer/ucx/ucx_worker.h"
 #ifdef EPLBX_WITH_CUDA
 #include "transfer/cuda/cuda_ipc_path.h"
+#include "transfer/cuda/cuda_staged_path.h"
 #endif
 
 namespace eplbx::internal {
@@ -25,7 +26,8 @@ bool CudaPathBuilt() {
 
 std::string NoCudaPathHint() {
   return CudaPathBuilt()
-             ? "; list cuda_ipc among the data paths (EPLBX_PATHS=shm,cma,cuda_ipc,ucx), "
+             ? "; list cuda_ipc (same host) and cuda_staged (other hosts) among the data "
+               "paths (EPLBX_PATHS=shm,cma,cuda_ipc,ucx,cuda_staged), "
                "or create the agent after CUDA is in use (it is then listed by "
                "default)"
              : "; this eplbx was built without CUDA (configure it with "
@@ -36,7 +38,7 @@ bool CudaPathByDefault() { return CudaPathBuilt() && CudaDriverLoaded(); }
 
 std::vector<std::string> DefaultPaths(std::string_view control) {
   if (control == "loopback") return {"loopback"};
-  if (CudaPathByDefault()) return {"shm", "cma", "cuda_ipc", "ucx"};
+  if (CudaPathByDefault()) return {"shm", "cma", "cuda_ipc", "ucx", "cuda_staged"};
   return {"shm", "cma", "ucx"};
 }
 
@@ -47,13 +49,15 @@ Result<AgentParts> CreateParts(std::string_view control, const std::vector<std::
   if (paths.empty()) return Status::InvalidArgument(StrCat(who, ": no data path given"));
   std::set<std::string_view> seen;
   for (const std::string& p : paths) {
-    if (p == "cuda_ipc" && !CudaPathBuilt()) {
+    const bool cuda = p == "cuda_ipc" || p == "cuda_staged";
+    if (cuda && !CudaPathBuilt()) {
       return Status::InvalidArgument(
-          StrCat(who, ": data path 'cuda_ipc' is not in this build", NoCudaPathHint()));
+          StrCat(who, ": data path '", p, "' is not in this build", NoCudaPathHint()));
     }
-    if (p != "shm" && p != "cma" && p != "cuda_ipc" && p != "ucx" && p != "loopback") {
-      return Status::InvalidArgument(StrCat(who, ": unknown data path ", Printable(p),
-                                            " (expected shm, cma, cuda_ipc, ucx or loopback)"));
+    if (p != "shm" && p != "cma" && !cuda && p != "ucx" && p != "loopback") {
+      return Status::InvalidArgument(
+          StrCat(who, ": unknown data path ", Printable(p),
+                 " (expected shm, cma, cuda_ipc, ucx, cuda_staged or loopback)"));
     }
     if (!seen.insert(p).second) {
       return Status::InvalidArgument(StrCat(who, ": data path '", p, "' listed twice"));
@@ -95,6 +99,8 @@ Result<AgentParts> CreateParts(std::string_view control, const std::vector<std::
 #ifdef EPLBX_WITH_CUDA
     } else if (p == "cuda_ipc") {
       parts.paths.push_back(CreateCudaIpcPath(options.agent_name, l));
+    } else if (p == "cuda_staged") {
+      parts.paths.push_back(CreateCudaStagedPath(worker, options.agent_name, l));
 #endif
     } else {
       parts.paths.push_back(CreateLoopbackPath(options, l));

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -22,6 +23,7 @@
 #include "transfer/backend.h"
 #include "transfer/cuda/cuda_driver.h"
 #include "transfer/cuda/cuda_section.h"
+#include "transfer/cuda/cuda_staged_path.h"
 #include "transfer/device_memory.h"
 #include "transfer/metadata.h"
 #include "transfer/ucx/ucx_path.h"
@@ -198,10 +200,11 @@ TEST(CudaPathTest, WithoutADeviceHostMemoryMovesAsBeforeAndDeviceMemoryIsRefused
 
 TEST(CudaPathTest, DefaultsListCudaIpcOnlyOnceTheProcessUsesCuda) {
   const std::vector<std::string> host = {"shm", "cma", "ucx"};
-  const std::vector<std::string> cuda = {"shm", "cma", "cuda_ipc", "ucx"};
+  const std::vector<std::string> cuda = {"shm", "cma", "cuda_ipc", "ucx", "cuda_staged"};
   auto defaults = [&] { return internal::CudaDriverLoaded() ? cuda : host; };
   EXPECT_EQ((*Agent::Create("a"))->paths(), defaults());
-  // Loading the driver (what any CUDA use does) puts cuda_ipc into the defaults; where
+  // Loading the driver (what any CUDA use does) puts cuda_ipc and cuda_staged into the
+  // defaults; where
   // libcuda.so.1 is missing nothing is loaded and they stay host-only.
   const bool found =
       internal::cuda::NoDeviceReason().find("libcuda.so.1 not found") == std::string::npos;
@@ -218,20 +221,31 @@ struct DevicePeer {
   std::string blob;
   uint64_t base = 0;
 
+  // `host`: the peer's EPLBX_HOST_ID (empty: this machine's).
   static DevicePeer Start(const std::string& name, uint64_t bytes, uint64_t seed,
-                          const std::string& memory) {
+                          const std::string& memory, const std::string& host = "") {
     DevicePeer p;
-    p.child = std::make_unique<Child>(std::vector<std::string>{
-        EPLBX_XFER_PEER, "--name", name, "--bytes", std::to_string(bytes), "--seed",
-        std::to_string(seed), "--timeout-ms", std::to_string(kPeerTimeoutMs), "--memory", memory});
+    std::map<std::string, std::string> env;
+    if (!host.empty()) env["EPLBX_HOST_ID"] = host;
+    p.child = std::make_unique<Child>(
+        std::vector<std::string>{EPLBX_XFER_PEER, "--name", name, "--bytes", std::to_string(bytes),
+                                 "--seed", std::to_string(seed), "--timeout-ms",
+                                 std::to_string(kPeerTimeoutMs), "--memory", memory},
+        env);
     p.blob = testing::FromHex(p.child->Expect("META "));
     p.base = std::stoull(p.child->Expect("BASE "));
     return p;
   }
 };
 
-class CudaIpcMultiProcTest : public ::testing::TestWithParam<std::string> {
+// (memory, hosts): the peer's device memory ("cuda": cudaMalloc, "cuda-vmm": cuMem), and
+// whether the two processes say they are on different hosts (EPLBX_HOST_ID), so that the
+// rows travel by cuda_staged instead of cuda_ipc.
+class CudaIpcMultiProcTest : public ::testing::TestWithParam<std::tuple<std::string, bool>> {
  protected:
+  const std::string& memory() const { return std::get<0>(GetParam()); }
+  bool other_host() const { return std::get<1>(GetParam()); }
+  std::string path() const { return other_host() ? "cuda_staged" : "cuda_ipc"; }
   void SetUp() override {
     const std::string why = internal::cuda::NoDeviceReason();
     if (!why.empty()) GTEST_SKIP() << why;
@@ -248,12 +262,14 @@ class CudaIpcMultiProcTest : public ::testing::TestWithParam<std::string> {
       return reinterpret_cast<uintptr_t>(local->data()) + off;
     }
   };
+  // Other hosts: the peer connects back (it sends the rows) unless `connect_back` is false.
   void Connect(Rig& rig, const std::string& peer, const std::string& self, uint64_t bytes,
-               uint64_t seed) {
-    rig.peer = DevicePeer::Start(peer, bytes, seed, GetParam());
+               uint64_t seed, bool connect_back = true) {
+    rig.peer = DevicePeer::Start(peer, bytes, seed, memory(), other_host() ? "gpu-host-b" : "");
     ASSERT_FALSE(rig.peer.blob.empty());
     AgentConfig config;
     config.peer_timeout = milliseconds(kPeerTimeoutMs);
+    if (other_host()) config.host_id = "gpu-host-a";
     auto agent = Agent::Create(self, config);  // the driver is loaded: cuda_ipc is a default
     ASSERT_TRUE(agent.ok()) << agent.status().ToString();
     rig.agent = std::move(*agent);
@@ -266,6 +282,12 @@ class CudaIpcMultiProcTest : public ::testing::TestWithParam<std::string> {
     auto pid = rig.agent->Connect(rig.peer.blob);
     ASSERT_TRUE(pid.ok()) << pid.status().ToString();
     rig.pid = *pid;
+    if (other_host() && connect_back) ASSERT_NO_FATAL_FAILURE(ConnectBack(rig));
+  }
+  void ConnectBack(Rig& rig) {
+    rig.peer.child->Send("CONNECT " + testing::ToHex(rig.agent->Metadata()));
+    const std::string got = rig.peer.child->Expect("PEER ");
+    ASSERT_FALSE(got.empty()) << "the peer did not connect back";
   }
 };
 
@@ -315,7 +337,8 @@ TEST(CudaRefusalTest, DeviceMemoryItCannotShareOrCopyIsRefusedByName) {
   ASSERT_FALSE(none.ok());
   EXPECT_TRUE(has(none.status(),
                   "is cuda memory and none of the data paths [shm,cma,ucx] moves "
-                  "it; list cuda_ipc among the data paths"))
+                  "it; list cuda_ipc (same host) and cuda_staged (other hosts) among the data "
+                  "paths (EPLBX_PATHS=shm,cma,cuda_ipc,ucx,cuda_staged)"))
       << none.status().ToString();
   // A READ from a peer's host region into device memory: the path chosen for host memory
   // (cma) cannot copy into device memory; nothing is sent.
@@ -341,12 +364,28 @@ TEST(CudaRefusalTest, DeviceMemoryItCannotShareOrCopyIsRefusedByName) {
 TEST_P(CudaIpcMultiProcTest, ReadsAndWritesDeviceRowsEveryByteChecked) {
   constexpr uint64_t kBytes = 64ull << 20, kRow = 1 << 20, kSeed = 5;
   Rig rig;
-  ASSERT_NO_FATAL_FAILURE(Connect(rig, "gpu-peer", "tester", kBytes, kSeed));
+  ASSERT_NO_FATAL_FAILURE(Connect(rig, "gpu-peer", "tester", kBytes, kSeed, false));
   auto& [peer, agent, local, region, pid] = rig;
   PeerInfo info = *agent->Peer(pid);
   ASSERT_EQ(info.paths.size(), 1u);
   EXPECT_EQ(info.paths[0].kind, MemoryKind::kCuda);
-  EXPECT_EQ(info.paths[0].path, "cuda_ipc");
+  EXPECT_EQ(info.paths[0].path, path());
+  if (other_host()) {
+    // The peer sends the staged rows, so it must be connected to us too: until it is, a
+    // READ fails at once naming both (nothing waits).
+    const Descriptor l{rig.local_addr(0), kRow};
+    const Descriptor r{peer.base, kRow};
+    auto x = agent->Read(pid, {&l, 1}, {&r, 1});
+    ASSERT_TRUE(x.ok()) << x.status().ToString();
+    TransferStatus st = agent->Wait(*x, std::chrono::seconds(30));
+    ASSERT_EQ(st.state, TransferState::kError);
+    EXPECT_NE(st.error.message().find("agent 'gpu-peer' (cuda_staged) is not connected to "
+                                      "'tester': staged transfers need the two agents connected "
+                                      "both ways"),
+              std::string::npos)
+        << st.error.ToString();
+    ASSERT_NO_FATAL_FAILURE(ConnectBack(rig));
+  }
 
   // 16 rows from random places (the cuda-vmm peer's second allocation starts half way).
   std::mt19937_64 rng(3);
@@ -372,14 +411,27 @@ TEST_P(CudaIpcMultiProcTest, ReadsAndWritesDeviceRowsEveryByteChecked) {
     ASSERT_TRUE(MatchesPattern(*got, kSeed, from[i])) << "row " << i;
   }
 
-  // WRITE 4 rows back with a notification; the peer checks the bytes when it arrives.
+  // One row larger than a staged piece (kStageChunk), not aligned: three pieces.
+  const uint64_t big = 2 * internal::kStageChunk + 4097, big_from = 20 * kRow + 77;
+  const Descriptor bl{rig.local_addr(30 * kRow), big};
+  const Descriptor br{peer.base + big_from, big};
+  auto b = agent->Read(pid, {&bl, 1}, {&br, 1});
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  st = agent->Wait(*b, std::chrono::seconds(30));
+  ASSERT_EQ(st.state, TransferState::kDone) << st.error.ToString();
+  auto got_big = local->Download(30 * kRow, big);
+  ASSERT_TRUE(got_big.ok());
+  ASSERT_TRUE(MatchesPattern(*got_big, kSeed, big_from));
+
+  // WRITE 4 rows and a bit back (two staged pieces) with a notification; the peer checks
+  // the bytes when it arrives.
   peer.child->Send("EXPECT 1 10000");
-  const uint64_t dst = 8 * kRow + 123;
-  const Descriptor wl{rig.local_addr(0), 4 * kRow};
-  const Descriptor wr{peer.base + dst, 4 * kRow};
-  auto want = local->Download(0, 4 * kRow);
+  const uint64_t dst = 8 * kRow + 123, wbytes = 4 * kRow + 4097;
+  const Descriptor wl{rig.local_addr(0), wbytes};
+  const Descriptor wr{peer.base + dst, wbytes};
+  auto want = local->Download(0, wbytes);
   ASSERT_TRUE(want.ok());
-  const std::string check = "CHECK " + std::to_string(dst) + " " + std::to_string(4 * kRow) + " " +
+  const std::string check = "CHECK " + std::to_string(dst) + " " + std::to_string(wbytes) + " " +
                             std::to_string(testing::Fnv1a(want->data(), want->size()));
   auto w = agent->Write(pid, {&wl, 1}, {&wr, 1}, check);
   ASSERT_TRUE(w.ok()) << w.status().ToString();
@@ -436,9 +488,13 @@ TEST_P(CudaIpcMultiProcTest, APeerKilledMidTransferEndsItAndIsReportedWithoutAHa
   EXPECT_NE(later.message().find("doomed"), std::string::npos) << later.ToString();
 }
 
-INSTANTIATE_TEST_SUITE_P(Memory, CudaIpcMultiProcTest, ::testing::Values("cuda", "cuda-vmm"),
+INSTANTIATE_TEST_SUITE_P(Memory, CudaIpcMultiProcTest,
+                         ::testing::Combine(::testing::Values("cuda", "cuda-vmm"),
+                                            ::testing::Bool()),
                          [](const auto& info) {
-                           return info.param == "cuda" ? "CudaMalloc" : "CuMemVmm";
+                           return std::string(std::get<0>(info.param) == "cuda" ? "CudaMalloc"
+                                                                                : "CuMemVmm") +
+                                  (std::get<1>(info.param) ? "OtherHostStaged" : "SameHostIpc");
                          });
 
 }  // namespace

@@ -141,9 +141,10 @@ TEST(PathChoiceTest, BadPathListsAreRefusedByName) {
   c.backend = "loopback";
   c.paths = {"shm"};
   EXPECT_FALSE(Agent::Create("x", c).ok());
-  // cuda_ipc exists only in a build with CUDA; elsewhere the error says how to get it.
+  // cuda_ipc and cuda_staged exist only in a build with CUDA; elsewhere the error says how
+  // to get them.
   AgentConfig cuda;
-  cuda.paths = {"cuda_ipc", "ucx"};
+  cuda.paths = {"cuda_ipc", "ucx", "cuda_staged"};
   auto a = Agent::Create("x", cuda);
   if (internal::CudaPathBuilt()) {
     ASSERT_TRUE(a.ok()) << a.status().ToString();

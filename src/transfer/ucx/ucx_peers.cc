@@ -1,6 +1,8 @@
 // The UCX backend's peers: heartbeats and failure (a peer silent for the timeout, or whose
 // endpoint UCX reports broken, fails with its transfers), and active messages
 // (notifications, pings and pongs).
+#include <cstring>
+
 #include "transfer/ucx/ucx_worker.h"
 
 namespace eplbx::internal::ucx {
@@ -21,7 +23,9 @@ void UcxWorker::MarkFailed(PeerState& p, const std::string& why) {
     p.failure = why;
     p.failed = true;
   }
-  if (!p.disconnected) listener_->OnPeerFailed(p.id, Unreachable(p));
+  if (p.disconnected) return;
+  listener_->OnPeerFailed(p.id, Unreachable(p));
+  if (stage_sink_ != nullptr) stage_sink_->OnStagePeerFailed(p.id, Unreachable(p));
 }
 
 void UcxWorker::FailPeer(const std::shared_ptr<PeerState>& p, const std::string& why) {
@@ -150,9 +154,12 @@ void UcxWorker::OnAmSent(void* request, ucs_status_t status, void* user_data) {
   ucp_request_free(request);
 }
 
-ucs_status_t UcxWorker::OnAm(void* arg, const void*, size_t, void* data, size_t length,
-                             const ucp_am_recv_param_t* param) {
+ucs_status_t UcxWorker::OnAm(void* arg, const void* header, size_t header_length, void* data,
+                             size_t length, const ucp_am_recv_param_t* param) {
   auto* self = static_cast<UcxWorker*>(arg);
+  if (header_length > 0) {
+    return self->OnStageAm({static_cast<const char*>(header), header_length}, data, length, param);
+  }
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) return UCS_OK;  // never sent
   std::string_view bytes(static_cast<const char*>(data), length);
   size_t consumed = 0;
@@ -183,9 +190,141 @@ ucs_status_t UcxWorker::OnAm(void* arg, const void*, size_t, void* data, size_t 
       }
       break;
     case MessageKind::kPong:
+    case MessageKind::kStage:  // comes with a header (OnStageAm)
       break;
   }
   return UCS_OK;
+}
+
+void UcxWorker::SetStageSink(std::shared_ptr<StageSink> sink) {
+  (void)RunSync<bool>([&]() -> Result<bool> {
+    stage_sink_ = std::move(sink);
+    return true;
+  });
+}
+
+Status UcxWorker::SendStage(PeerId peer, std::string head, const void* data, size_t bytes,
+                            std::function<void(Status)> sent) {
+  std::shared_ptr<PeerState> p;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = peers_.find(peer);
+    if (it == peers_.end()) {
+      return Status::NotFound(StrCat("agent '", options_.agent_name, "': no peer ", peer));
+    }
+    p = it->second;
+    if (p->failed) return Unreachable(*p);
+  }
+  Enqueue([this, p = std::move(p), head = std::move(head), data, bytes,
+           sent = std::move(sent)]() mutable {
+    if (p->failed || p->ep == nullptr) {
+      sent(Unreachable(*p));
+      return;
+    }
+    // The head goes in the message's header (it marks the message as the path's); the data
+    // as its payload, by rendezvous when large (UCX reads it from `data`).
+    auto* msg = new AmMessage{this, EncodeMessageHeader({MessageKind::kStage, options_.agent_name}),
+                              p->name, std::move(sent)};
+    msg->bytes += head;
+    ucp_request_param_t param{};
+    param.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    param.cb.send = &UcxWorker::OnAmSent;
+    param.user_data = msg;
+    param.flags = UCP_AM_SEND_FLAG_REPLY;  // a receiver not connected to us can still answer
+    void* req =
+        ucp_am_send_nbx(p->ep, kAmId, msg->bytes.data(), msg->bytes.size(), data, bytes, &param);
+    if (req == nullptr) {
+      msg->sent(Status::OK());
+      delete msg;
+    } else if (UCS_PTR_IS_ERR(req)) {
+      msg->sent(Status::Unavailable(StrCat("agent '", options_.agent_name, "': sending to '",
+                                           p->name, "' failed: ", Ucs(UCS_PTR_STATUS(req)))));
+      delete msg;
+    } else {
+      ++inflight_;
+    }
+  });
+  return Status::OK();
+}
+
+ucs_status_t UcxWorker::OnStageAm(std::string_view header, void* data, size_t length,
+                                  const ucp_am_recv_param_t* param) {
+  const bool rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
+  size_t consumed = 0;
+  Result<MessageHeader> h = DecodeMessageHeader(header, &consumed);
+  if (!h.ok() || h->kind != MessageKind::kStage || stage_sink_ == nullptr) {
+    ++dropped_messages_;
+    return rndv ? UCS_ERR_REJECTED : UCS_OK;  // the sender's send fails: nobody reads it
+  }
+  auto it = by_name_.find(h->sender);
+  if (it == by_name_.end()) {
+    // Not connected to the sender: tell it so on the message's own endpoint, now (as a PONG
+    // is sent), so that its transfer fails by name instead of waiting.
+    std::string answer = stage_sink_->OnStageFromStranger(h->sender, header.substr(consumed));
+    if (!answer.empty() && (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 &&
+        param->reply_ep != nullptr) {
+      auto* msg = new AmMessage{
+          this, EncodeMessageHeader({MessageKind::kStage, options_.agent_name}) + answer, h->sender,
+          nullptr};
+      ucp_request_param_t rp{};
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      rp.cb.send = &UcxWorker::OnAmSent;
+      rp.user_data = msg;
+      void* req = ucp_am_send_nbx(param->reply_ep, kAmId, msg->bytes.data(), msg->bytes.size(),
+                                  nullptr, 0, &rp);
+      if (!UCS_PTR_IS_PTR(req)) {
+        delete msg;
+      } else {
+        ++inflight_;
+      }
+    }
+    ++dropped_messages_;
+    return rndv ? UCS_ERR_REJECTED : UCS_OK;
+  }
+  PeerState& p = *it->second;
+  p.last_heard = Clock::now();
+  const std::string_view head = header.substr(consumed);
+  void* dest = stage_sink_->OnStage(p.id, head, length);
+  if (length == 0) return UCS_OK;
+  if (dest == nullptr) return rndv ? UCS_ERR_REJECTED : UCS_OK;
+  if (!rndv) {
+    std::memcpy(dest, data, length);
+    stage_sink_->OnStageLanded(p.id, std::string(head), Status::OK());
+    return UCS_OK;
+  }
+  auto* r = new StageReceive{this, stage_sink_, p.id, std::string(head)};
+  ucp_request_param_t rp{};
+  rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  rp.cb.recv_am = &UcxWorker::OnStageReceived;
+  rp.user_data = r;
+  void* req = ucp_am_recv_data_nbx(worker_, data, dest, length, &rp);
+  if (req == nullptr) {
+    stage_sink_->OnStageLanded(p.id, r->head, Status::OK());
+    delete r;
+  } else if (UCS_PTR_IS_ERR(req)) {
+    stage_sink_->OnStageLanded(
+        p.id, r->head,
+        Status::Unavailable(StrCat("agent '", options_.agent_name, "': receiving from '", p.name,
+                                   "' failed: ", Ucs(UCS_PTR_STATUS(req)))));
+    delete r;
+  } else {
+    ++inflight_;
+  }
+  return UCS_OK;
+}
+
+void UcxWorker::OnStageReceived(void* request, ucs_status_t status, size_t, void* user_data) {
+  auto* r = static_cast<StageReceive*>(user_data);
+  UcxWorker* self = r->self;
+  --self->inflight_;
+  r->sink->OnStageLanded(r->peer, r->head,
+                         status == UCS_OK ? Status::OK()
+                                          : Status::Unavailable(StrCat(
+                                                "agent '", self->options_.agent_name,
+                                                "': receiving staged rows failed: ", Ucs(status))));
+  delete r;
+  ucp_request_free(request);
 }
 
 }  // namespace eplbx::internal::ucx

@@ -35,6 +35,32 @@ inline std::string Ucs(ucs_status_t s) { return ucs_status_string(s); }
 
 class UcxWorker;
 
+// Where the cuda_staged data path (cuda/cuda_staged_path.cc) hears its messages: a small
+// head and optional data that UCX lands straight in memory the sink names (eagerly or by
+// rendezvous). Called on the progress thread, with no lock of the worker held.
+class StageSink {
+ public:
+  virtual ~StageSink() = default;
+  // A message from `peer` with `head` and `bytes` of data (0: none). Returns where the data
+  // goes (host memory of `bytes`), or null to drop it; ignored when `bytes` is 0.
+  virtual void* OnStage(PeerId peer, std::string_view head, size_t bytes) = 0;
+  // The data of a message OnStage gave memory for landed there (OK) or will not.
+  virtual void OnStageLanded(PeerId peer, const std::string& head, Status status) = 0;
+  // A message from an agent this one has no connection to: the head of the answer to send
+  // back on the message's own endpoint at once (empty: none).
+  virtual std::string OnStageFromStranger(std::string_view sender, std::string_view head) = 0;
+  // The peer failed (silent, connection lost); not called for Disconnect.
+  virtual void OnStagePeerFailed(PeerId peer, Status reason) = 0;
+};
+
+// A stage message's data being received by rendezvous.
+struct StageReceive {
+  UcxWorker* self = nullptr;
+  std::shared_ptr<StageSink> sink;  // outlives its path until UCX is done with the memory
+  PeerId peer = 0;
+  std::string head;
+};
+
 // One connected peer. Immutable after Connect except where noted.
 struct PeerState {
   UcxWorker* self = nullptr;
@@ -98,6 +124,12 @@ class UcxWorker final : public ControlChannel {
   // path registers device memory with UCX directly.
   bool cuda_memory() const { return cuda_memory_; }
   void UnmapMemory(uint64_t region_id);
+  // For the cuda_staged path: where its messages go (null: nowhere; a receive in flight
+  // keeps its sink alive), and a message to `peer`: `head` plus `bytes` of data at `data`
+  // (kept valid until `sent` runs once: UCX is done with it, OK or the reason). Thread-safe.
+  void SetStageSink(std::shared_ptr<StageSink> sink);
+  Status SendStage(PeerId peer, std::string head, const void* data, size_t bytes,
+                   std::function<void(Status)> sent);
   Status UnpackRkeys(PeerId id, const std::vector<std::string>& rkeys);
   Status PostRma(PathRequest req);
   void CancelRma(TransferId id);
@@ -143,8 +175,12 @@ class UcxWorker final : public ControlChannel {
               std::function<void(Status)> sent);
   void SendAmOn(ucp_ep_h ep, AmMessage* msg, const ucp_request_param_t* param);
   static void OnAmSent(void* request, ucs_status_t status, void* user_data);
-  static ucs_status_t OnAm(void* arg, const void*, size_t, void* data, size_t length,
-                           const ucp_am_recv_param_t* param);
+  static ucs_status_t OnAm(void* arg, const void* header, size_t header_length, void* data,
+                           size_t length, const ucp_am_recv_param_t* param);
+  // A message with a header: the cuda_staged path's.
+  ucs_status_t OnStageAm(std::string_view header, void* data, size_t length,
+                         const ucp_am_recv_param_t* param);
+  static void OnStageReceived(void* request, ucs_status_t status, size_t length, void* user_data);
 
   // ---- data: UCX RMA ---------------------------------------------------------------------
 
@@ -157,6 +193,7 @@ class UcxWorker final : public ControlChannel {
   const PartOptions options_;
   CoreListener* const listener_;
   CoreListener* rma_listener_ = nullptr;
+  std::shared_ptr<StageSink> stage_sink_;  // progress thread
   Clock::duration ping_interval_;
   Clock::duration tick_;
 

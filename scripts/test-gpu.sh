@@ -11,11 +11,13 @@
 # build-gpu with -DEPLBX_WITH_CUDA=ON against that prefix and the machine's python3; build the
 # CUDA tests, the transfer peer, the CLI and the Python module; run
 #   1. eplbx_cuda_tests: transfers between processes on one GPU (cudaMalloc and cuMem memory,
-#      every byte checked), a peer killed mid-transfer, the section and refusal checks;
+#      every byte checked), by cuda_ipc and, as two hosts (EPLBX_HOST_ID), by cuda_staged; a
+#      peer killed mid-transfer; the section and refusal checks;
 #   2. the Python communicator on CUDA tensors driven as vLLM's asynchronous mode drives it
 #      (set_stream, transfers from another thread);
 #   3. eplbx bench xfer --memory cuda (cuda_ipc READ/WRITE of 1-64 MiB rows, batch 1 and 16,
-#      beside device-to-device and pinned host copies in the same run) -> $OUT/bench-cuda.json;
+#      beside device-to-device copies; cuda_staged READ/WRITE beside pinned host <-> device
+#      copies; all in the same run) -> $OUT/bench-cuda.json;
 #   4. bench/python/bench_cuda_communicator.py: 4 ranks on the GPU, EplbxCommunicator beside
 #      vLLM's gloo-staged communicator (reimplemented), every row checked
 #      -> $OUT/bench-python-cuda.json.
@@ -130,6 +132,9 @@ for r in j["results"]:
           f'{r["gbps"]:8.1f} GB/s  d2d {r["device_copy_gbps"]:8.1f}  ratio {r["ratio_to_device_copy"]:.2f}')
 for r in j.get("pinned_host_copy", []):
     print(f'pinned {r["block_bytes"] >> 20:3} MiB  h2d {r["host_to_device_gbps"]:.1f}  d2h {r["device_to_host_gbps"]:.1f} GB/s')
+for r in j.get("staged", []):
+    print(f'{r["op"]:5} {r["path"]} {r["block_bytes"] >> 20:3} MiB x1   '
+          f'{r["gbps"]:8.1f} GB/s  pinned {r["pinned_host_copy_gbps"]:8.1f}  ratio {r["ratio_to_pinned_host_copy"]:.2f}')
 EOF
   summary+=("bench: bench-cuda.json")
 else

@@ -164,8 +164,14 @@ bool ReadAll(int fd, void* p, size_t n) {
   std::string blob = (*agent)->Metadata();
   uint64_t header[3] = {blob.size(), r1->addr(), r2.ok() ? r2->addr() : 0};
   if (!WriteAll(fd, header, sizeof(header)) || !WriteAll(fd, blob.data(), blob.size())) _exit(1);
-  char c;
-  while (read(fd, &c, 1) > 0) {
+  // Until the bench closes the socket: metadata of agents to connect back to (cuda_staged
+  // sends rows to its peer, so the target must be connected to it), answered 1 or 0.
+  uint64_t n = 0;
+  while (ReadAll(fd, &n, sizeof(n)) && n <= (16u << 20)) {
+    std::string peer(n, '\0');
+    if (!ReadAll(fd, peer.data(), n)) break;
+    const uint64_t ok = (*agent)->Connect(peer).ok() ? 1 : 0;
+    if (!WriteAll(fd, &ok, sizeof(ok))) break;
   }
   _exit(0);
 }
@@ -209,6 +215,17 @@ Status StartTarget(Target* t, uint64_t bytes, bool cuda = false) {
     return Status::Unavailable("bench target died");
   t->plain = header[1];
   t->shared = header[2];
+  return Status::OK();
+}
+
+// Makes the target connect to the agent with metadata `blob`.
+Status ConnectBack(Target& t, const std::string& blob) {
+  const uint64_t n = blob.size();
+  uint64_t ok = 0;
+  if (!WriteAll(t.fd, &n, sizeof(n)) || !WriteAll(t.fd, blob.data(), n) ||
+      !ReadAll(t.fd, &ok, sizeof(ok)) || ok != 1) {
+    return Status::Unavailable("bench target could not connect back");
+  }
   return Status::OK();
 }
 
@@ -310,7 +327,7 @@ Result<double> Perftest(const std::string& test, const std::string& tls, uint64_
 #ifdef EPLBX_WITH_CUDA
 // Copies of `batch` rows of `block` per iteration with cuMemcpyAsync on one stream, from the
 // same windows Measure uses: device to device in this process (the limit cuda_ipc READs are
-// compared with), or pinned host <-> device (what a host-staged path would be bound by). GB/s.
+// compared with), or pinned host <-> device (what the cuda_staged path is bound by). GB/s.
 Result<double> MeasureCopies(const internal::cuda::Driver& d, CUstream stream, uint64_t dst,
                              uint64_t src, uint64_t block, uint64_t batch, double seconds) {
   const uint64_t span = block * batch;
@@ -415,11 +432,13 @@ Status RunCudaRows(const XferOptions& o, const std::vector<uint64_t>& sizes,
     }
   }
   const auto host = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(pinned));
+  std::map<uint64_t, double> staged_limit;  // per block: the slower of the two pinned copies
   for (uint64_t size : sizes) {
     Result<double> h2d = MeasureCopies(d, stream, local, host, size, 1, o.seconds);
     Result<double> d2h = MeasureCopies(d, stream, host, local, size, 1, o.seconds);
     if (!h2d.ok()) return h2d.status();
     if (!d2h.ok()) return d2h.status();
+    staged_limit[size] = std::min(*h2d, *d2h);
     out["pinned_host_copy"].push_back(
         {{"block_bytes", size}, {"host_to_device_gbps", *h2d}, {"device_to_host_gbps", *d2h}});
     if (!o.json) {
@@ -428,8 +447,47 @@ Status RunCudaRows(const XferOptions& o, const std::vector<uint64_t>& sizes,
           static_cast<unsigned long long>(size), *h2d, *d2h);
     }
   }
-  // Across hosts device rows would travel through pinned host buffers: not built yet.
-  out["staged_path"] = "not built (docs/transfer.md, \"Device memory\")";
+  // The same rows as if the target were on another host (EPLBX_HOST_ID differs): they
+  // travel by cuda_staged (device -> pinned host -> UCX -> pinned host -> device), compared
+  // with the slower pinned host <-> device copy of the same block, the bound of that path.
+  AgentConfig other_host = config;
+  other_host.host_id = "bench-xfer-other-host";
+  auto staged = Agent::Create("xfer-staged", other_host);
+  if (!staged.ok()) return staged.status();
+  auto staged_region = (*staged)->RegisterMemory(reinterpret_cast<void*>(local), kMaxBuffer);
+  if (!staged_region.ok()) return staged_region.status();
+  auto staged_peer = (*staged)->Connect(target.blob);
+  if (!staged_peer.ok()) return staged_peer.status();
+  EPLBX_RETURN_IF_ERROR(ConnectBack(target, (*staged)->Metadata()));
+  Result<PeerInfo> staged_info = (*staged)->Peer(*staged_peer);
+  if (!staged_info.ok()) return staged_info.status();
+  const std::string staged_path =
+      staged_info->paths.empty() ? "?" : staged_info->paths[0].path;
+  for (bool read : ops) {
+    for (uint64_t size : sizes) {
+      Result<Row> row =
+          Measure(**staged, *staged_peer, read, target.plain, local_rows, size, 1, o.seconds);
+      if (!row.ok()) return row.status();
+      const double limit = staged_limit[size];
+      out["staged"].push_back({{"op", read ? "read" : "write"},
+                               {"memory", "cuda"},
+                               {"path", staged_path},
+                               {"block_bytes", size},
+                               {"batch", 1},
+                               {"gbps", row->gbps},
+                               {"p50_us", row->p50},
+                               {"pinned_host_copy_gbps", limit},
+                               {"ratio_to_pinned_host_copy", row->gbps / limit}});
+      if (!o.json) {
+        std::printf(
+            "%-5s cuda %-11s block %9llu batch   1: %8.2f GB/s  p50 %9.1f us  "
+            "(pinned host copy here: %8.2f GB/s, ratio %.2f)\n",
+            read ? "read" : "write", staged_path.c_str(), static_cast<unsigned long long>(size),
+            row->gbps, row->p50, limit, row->gbps / limit);
+        std::fflush(stdout);
+      }
+    }
+  }
   d.cuStreamDestroy(stream);
   d.cuMemFreeHost(pinned);
   d.cuMemFree(other);  // `local` stays registered until the agent goes; the process ends then

@@ -516,6 +516,7 @@ class Staged final : public ucx::StageSink, public std::enable_shared_from_this<
     p.slot = -1;
     p.state = Piece::State::kDone;
     --s.active;
+    work_ = true;  // the slot may be waited for, the transfer may be over
     if (s.error.ok()) s.error = std::move(why);
   }
 
@@ -722,6 +723,7 @@ class Staged final : public ucx::StageSink, public std::enable_shared_from_this<
         ++it;
         continue;
       }
+      work_ = true;  // a slot comes free: pulls and serves waiting for one go next round
       Status st =
           r == CUDA_SUCCESS
               ? Status::OK()
@@ -831,7 +833,8 @@ class CudaStagedPath final : public DataPath {
     c.kinds = 1u << static_cast<unsigned>(MemoryKind::kCuda);
     c.local_kinds = c.kinds | (1u << static_cast<unsigned>(MemoryKind::kHost)) |
                     (1u << static_cast<unsigned>(MemoryKind::kHostFile));
-    c.same_host = true;  // after cuda_ipc: where a peer's device cannot be opened by IPC
+    // Other hosts only: on one host a device cuda_ipc cannot open is an error to fix
+    // (visibility, peer access), not a reason to stage silently.
     c.other_hosts = true;
     return c;
   }

@@ -4,6 +4,7 @@
 // every byte checked, and a peer killed mid-transfer. Device tests skip with the reason.
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <iostream>
 #include <map>
@@ -16,6 +17,7 @@
 #include <gtest/gtest.h>
 
 #include "common/bytes.h"
+#include "common/strings.h"
 #include "eplbx/transfer.h"
 #include "multiproc/child.h"
 #include "multiproc/device_buffer.h"
@@ -438,6 +440,44 @@ TEST_P(CudaIpcMultiProcTest, ReadsAndWritesDeviceRowsEveryByteChecked) {
   st = agent->Wait(*w, std::chrono::seconds(30));
   ASSERT_EQ(st.state, TransferState::kDone) << st.error.ToString();
   EXPECT_EQ(peer.child->Expect("NOTIFY "), "tester OK");
+
+  if (other_host()) {
+    // The owner serves only memory it registered: a reader whose copy of its metadata claims
+    // a region twice as large is refused by the owner for rows past the real end, naming
+    // them; nothing of ours is written and the owner goes on serving.
+    auto lie = internal::DecodeAgentMetadata(peer.blob);
+    ASSERT_TRUE(lie.ok());
+    uint64_t end = 0;
+    for (RegionInfo& r : lie->regions) {
+      if (r.kind != MemoryKind::kCuda) continue;
+      end = std::max(end, r.addr + r.bytes);
+      r.bytes *= 2;
+    }
+    AgentConfig config;
+    config.host_id = "gpu-host-c";
+    auto liar = Agent::Create("liar", config);
+    ASSERT_TRUE(liar.ok()) << liar.status().ToString();
+    std::vector<uint8_t> mine(kRow, 0x5a);
+    auto mr = (*liar)->RegisterMemory(mine.data(), mine.size());
+    ASSERT_TRUE(mr.ok()) << mr.status().ToString();
+    auto lp = (*liar)->Connect(internal::EncodeAgentMetadata(*lie));
+    ASSERT_TRUE(lp.ok()) << lp.status().ToString();
+    peer.child->Send("CONNECT " + testing::ToHex((*liar)->Metadata()));
+    ASSERT_FALSE(peer.child->Expect("PEER ").empty());
+    const Descriptor ml = Descriptor::Of(mine.data(), kRow);
+    const Descriptor past{end + 4096, kRow};
+    auto bad = (*liar)->Read(*lp, {&ml, 1}, {&past, 1});
+    ASSERT_TRUE(bad.ok()) << bad.status().ToString();
+    TransferStatus bs = (*liar)->Wait(*bad, std::chrono::seconds(30));
+    ASSERT_EQ(bs.state, TransferState::kError);
+    EXPECT_NE(bs.error.message().find("agent 'gpu-peer' (cuda_staged): rows [" +
+                                      internal::Hex(end + 4096) +
+                                      ", +1048576) are not in a registered device region of "
+                                      "this agent"),
+              std::string::npos)
+        << bs.error.ToString();
+    EXPECT_EQ(mine, std::vector<uint8_t>(kRow, 0x5a));
+  }
 
   // Host memory on our side reads the peer's device rows too.
   std::vector<uint8_t> host(kRow);

@@ -1,0 +1,297 @@
+// Backup sources (issue 20, item 3): experts no survivor holds are recovered from a host
+// backup another process wrote, or from the checkpoint's safetensors files; every row is
+// checked against the layout, and a recovery that cannot finish writes nothing.
+#include "io/backup.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace eplbx::io {
+namespace {
+
+constexpr int kRanks = 4, kPerRank = 3, kExperts = 8, kLayers = 2;
+
+// Byte i of tensor t's row of (layer, expert).
+uint8_t Pattern(int layer, int expert, int tensor, size_t i) {
+  return static_cast<uint8_t>(layer * 31 + expert * 7 + tensor * 101 + i);
+}
+
+struct TensorShape {
+  const char* name;
+  const char* dtype;
+  std::vector<int64_t> shape;
+  uint64_t bytes;
+};
+const std::vector<TensorShape> kTensors = {{"w13", "bf16", {2, 4}, 16}, {"w2", "f32", {3}, 12}};
+
+// Four ranks of three slots; slot s holds expert s % 8, so experts 0-3 have two replicas and
+// 4-7 one: losing rank 1 (slots 3-5: experts 3, 4, 5) takes experts 4 and 5 with it.
+struct Cluster {
+  Topology topo{.ranks = kRanks, .nodes = 1, .slots = kRanks * kPerRank, .groups = 1};
+  Placement in_force;
+  LoadMatrix load;
+  std::vector<std::vector<uint8_t>> memory;  // [rank x layer x tensor]
+  std::vector<RankLayout> layouts;
+
+  Cluster() {
+    std::vector<int32_t> map;
+    for (int l = 0; l < kLayers; ++l) {
+      for (int s = 0; s < kRanks * kPerRank; ++s) map.push_back(s % kExperts);
+    }
+    in_force = *Placement::FromPhy2Log(kLayers, kRanks * kPerRank, kExperts, map);
+    std::vector<double> values;
+    for (int i = 0; i < kLayers * kExperts; ++i) values.push_back(10 + i % 5);
+    load = *LoadMatrix::Create(kLayers, kExperts, values);
+    memory.resize(kRanks * kLayers * kTensors.size());
+    for (int r = 0; r < kRanks; ++r) {
+      RankLayout layout;
+      layout.rank = r;
+      for (int l = 0; l < kLayers; ++l) {
+        std::vector<TensorSpec> tensors;
+        for (size_t t = 0; t < kTensors.size(); ++t) {
+          std::vector<uint8_t>& m = memory[(r * kLayers + l) * kTensors.size() + t];
+          m.resize(kPerRank * kTensors[t].bytes);
+          for (int s = 0; s < kPerRank; ++s) {
+            const int expert = in_force.phy2log(l, r * kPerRank + s);
+            for (size_t i = 0; i < kTensors[t].bytes; ++i) {
+              m[s * kTensors[t].bytes + i] = Pattern(l, expert, static_cast<int>(t), i);
+            }
+          }
+          tensors.push_back(TensorSpec{kTensors[t].name, kTensors[t].dtype, kTensors[t].shape,
+                                       reinterpret_cast<uintptr_t>(m.data()), kTensors[t].bytes,
+                                       kPerRank});
+        }
+        layout.layers.push_back(std::move(tensors));
+      }
+      layouts.push_back(std::move(layout));
+    }
+  }
+
+  // Slot `s` of rank `r` holds expert `e` in `layer`, every tensor's bytes.
+  bool RowIs(int r, int layer, int s, int e) const {
+    for (size_t t = 0; t < kTensors.size(); ++t) {
+      const std::vector<uint8_t>& m = memory[(r * kLayers + layer) * kTensors.size() + t];
+      for (size_t i = 0; i < kTensors[t].bytes; ++i) {
+        if (m[s * kTensors[t].bytes + i] != Pattern(layer, e, static_cast<int>(t), i)) {
+          return false;
+        }
+      }
+    }
+    return true;
+  }
+
+  Result<SurvivorPlan> LoseRank1(const BackupSource& source) const {
+    SurvivorOptions o;
+    o.backup = [&](int l, int e) { return source.Holds(l, e); };
+    return PlanSurvivors(in_force, load, topo, {true, false, true, true}, o);
+  }
+};
+
+std::string TempPath(const std::string& name) { return testing::TempDir() + "/" + name; }
+
+TEST(HostBackupTest, ExpertsOfALostRankComeBackFromTheBackupItsProcessWrote) {
+  Cluster c;
+  const std::string path = TempPath("eplbx-backup-lost-rank");
+  auto backup = HostBackup::Create(path, c.layouts[0], kExperts);
+  ASSERT_TRUE(backup.ok()) << backup.status().ToString();
+  // Its memory cost: every expert of every layer, each tensor's row (plus a page of header).
+  const uint64_t rows = uint64_t{kLayers} * kExperts * (16 + 12);
+  EXPECT_GE((*backup)->bytes(), rows);
+  EXPECT_LE((*backup)->bytes(), rows + 2 * 4096);
+  EXPECT_EQ((*backup)->experts_held(), 0);
+  // Rank 1 writes its experts from its own process, then that process is gone.
+  const pid_t child = fork();
+  if (child == 0) {
+    auto mine = HostBackup::Open(path);
+    _exit(mine.ok() && (*mine)->Capture(c.in_force, c.layouts[1]).ok() ? 0 : 1);
+  }
+  int wstatus = 0;
+  ASSERT_EQ(waitpid(child, &wstatus, 0), child);
+  ASSERT_TRUE(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0);
+  for (int r : {0, 2, 3}) ASSERT_TRUE((*backup)->Capture(c.in_force, c.layouts[r]).ok());
+  EXPECT_EQ((*backup)->experts_held(), kLayers * kExperts);
+
+  // A survivor maps it and plans: experts 4 and 5 of each layer are recovered.
+  auto opened = HostBackup::Open(path);
+  ASSERT_TRUE(opened.ok()) << opened.status().ToString();
+  Result<SurvivorPlan> plan = c.LoseRank1(**opened);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+
+  EXPECT_EQ(plan->experts_recovered, 2 * kLayers);
+  ASSERT_EQ(plan->recovered.size(), static_cast<size_t>(2 * kLayers));
+  int64_t written = 0;
+  for (int r : {0, 2, 3}) {
+    Result<int64_t> n = RecoverSlots(*plan, c.layouts[r], **opened);
+    ASSERT_TRUE(n.ok()) << n.status().ToString();
+    written += *n;
+  }
+  EXPECT_EQ(written, static_cast<int64_t>(plan->recovered.size() * kTensors.size()));
+  for (const RecoveredSlot& rec : plan->recovered) {
+    EXPECT_TRUE(rec.expert == 4 || rec.expert == 5) << rec.expert;
+    EXPECT_NE(rec.slot / kPerRank, 1);
+    EXPECT_TRUE(c.RowIs(rec.slot / kPerRank, rec.layer, rec.slot % kPerRank, rec.expert))
+        << "layer " << rec.layer << " slot " << rec.slot << " expert " << rec.expert;
+  }
+  unlink(path.c_str());
+}
+
+TEST(HostBackupTest, AnExpertTheBackupLacksFailsTheRecoveryAndWritesNothing) {
+  Cluster c;
+  const std::string full_path = TempPath("eplbx-backup-full"),
+                    part_path = TempPath("eplbx-backup-part");
+  auto full = HostBackup::Create(full_path, c.layouts[0], kExperts);
+  auto part = HostBackup::Create(part_path, c.layouts[0], kExperts);
+  ASSERT_TRUE(full.ok() && part.ok());
+  for (int r = 0; r < kRanks; ++r) ASSERT_TRUE((*full)->Capture(c.in_force, c.layouts[r]).ok());
+  ASSERT_TRUE((*part)->Capture(c.in_force, c.layouts[0]).ok());
+  // Without rank 1's experts the plan itself fails, naming them.
+  Result<SurvivorPlan> refused = c.LoseRank1(**part);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("layer 0: 4, 5"), std::string::npos)
+      << refused.status().ToString();
+  // A plan made with another source, recovered from one that lacks them: named, and no
+  // row changes.
+  Result<SurvivorPlan> plan = c.LoseRank1(**full);
+  ASSERT_TRUE(plan.ok());
+  auto lacking = HostBackup::Create(TempPath("eplbx-backup-lacking"), c.layouts[0], kExperts);
+  ASSERT_TRUE(lacking.ok());
+  for (int r : {0, 2, 3}) ASSERT_TRUE((*lacking)->Capture(c.in_force, c.layouts[r]).ok());
+  std::vector<int> touched;
+  for (const RecoveredSlot& rec : plan->recovered) touched.push_back(rec.slot / kPerRank);
+  const int rank = touched.front();
+  const std::vector<std::vector<uint8_t>> before = c.memory;
+  Result<int64_t> n = RecoverSlots(*plan, c.layouts[rank], **lacking);
+  ASSERT_FALSE(n.ok());
+  EXPECT_NE(n.status().message().find("rank " + std::to_string(rank) + " must recover expert "),
+            std::string::npos)
+      << n.status().ToString();
+  EXPECT_NE(n.status().message().find("does not hold it; nothing was written"), std::string::npos);
+  EXPECT_EQ(c.memory, before);
+  unlink(full_path.c_str());
+  unlink(part_path.c_str());
+  unlink(TempPath("eplbx-backup-lacking").c_str());
+}
+
+TEST(HostBackupTest, AnotherLayoutOrADamagedFileIsRefusedByName) {
+  Cluster c;
+  const std::string path = TempPath("eplbx-backup-shapes");
+  auto backup = HostBackup::Create(path, c.layouts[0], kExperts);
+  ASSERT_TRUE(backup.ok());
+  RankLayout other = c.layouts[2];
+  other.layers[1][1].dtype = "bf16";
+  other.layers[1][1].bytes_per_expert = 6;
+  Status s = (*backup)->Capture(c.in_force, other);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), Code::kMismatch);
+  EXPECT_NE(s.message().find("rank 2: layer 1 tensor 'w2' is bf16 [3], 6 bytes per expert; the "
+                             "backup has f32 [3], 12 bytes per expert"),
+            std::string::npos)
+      << s.ToString();
+  EXPECT_EQ((*backup)->experts_held(), 0);  // nothing copied
+  // Truncated: the header describes more than the file holds.
+  ASSERT_EQ(truncate(path.c_str(), static_cast<off_t>((*backup)->bytes() - 1)), 0);
+  auto cut = HostBackup::Open(path);
+  ASSERT_FALSE(cut.ok());
+  EXPECT_NE(cut.status().message().find("(truncated, or written by another layout)"),
+            std::string::npos)
+      << cut.status().ToString();
+  std::ofstream(path, std::ios::binary) << std::string(64, 'x');
+  auto junk = HostBackup::Open(path);
+  ASSERT_FALSE(junk.ok());
+  EXPECT_NE(junk.status().message().find("not a host backup"), std::string::npos)
+      << junk.status().ToString();
+  unlink(path.c_str());
+}
+
+// Per layer a safetensors file with "model.layers.L.w13" BF16 [8, 2, 4] and
+// "model.layers.L.w2" F32 [8, 3] (or `w2_dtype`), rows in Pattern.
+std::string WriteCheckpoint(int layer, const std::string& w2_dtype = "F32") {
+  std::string data;
+  for (size_t t = 0; t < kTensors.size(); ++t) {
+    for (int e = 0; e < kExperts; ++e) {
+      for (size_t i = 0; i < kTensors[t].bytes; ++i)
+        data += static_cast<char>(Pattern(layer, e, static_cast<int>(t), i));
+    }
+  }
+  const uint64_t w13 = kExperts * 16, w2 = kExperts * 12;
+  const std::string p = "model.layers." + std::to_string(layer);
+  const std::string w2_shape = w2_dtype == "F32" ? "[8, 3]" : "[8, 6]";
+  const std::string header = "{\"" + p + ".w13\": {\"dtype\": \"BF16\", \"shape\": [8, 2, 4], " +
+                             "\"data_offsets\": [0, " + std::to_string(w13) + "]}, \"" + p +
+                             ".w2\": {\"dtype\": \"" + w2_dtype + "\", \"shape\": " + w2_shape +
+                             ", \"data_offsets\": [" + std::to_string(w13) + ", " +
+                             std::to_string(w13 + w2) + "]}}";
+  const std::string path =
+      TempPath("ckpt-" + std::to_string(layer) + "-" + w2_dtype + ".safetensors");
+  std::string len(8, '\0');
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<char>(header.size() >> (8 * i));
+  std::ofstream(path, std::ios::binary) << len << header << data;
+  return path;
+}
+
+std::vector<CheckpointTensor> Entries(const std::vector<std::string>& files) {
+  std::vector<CheckpointTensor> out;
+  for (int l = 0; l < kLayers; ++l) {
+    for (const char* t : {"w13", "w2"}) {
+      out.push_back({l, t, files[l], "model.layers." + std::to_string(l) + "." + t});
+    }
+  }
+  return out;
+}
+
+TEST(CheckpointBackupTest, ExpertsComeBackFromTheCheckpointCheckedAgainstTheLayout) {
+  Cluster c;
+  auto ckpt = CheckpointBackup::Open(Entries({WriteCheckpoint(0), WriteCheckpoint(1)}));
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+  EXPECT_EQ((*ckpt)->Describe(), "checkpoint (2 files)");
+  Result<SurvivorPlan> plan = c.LoseRank1(**ckpt);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  for (int r : {0, 2, 3}) ASSERT_TRUE(RecoverSlots(*plan, c.layouts[r], **ckpt).ok());
+  ASSERT_FALSE(plan->recovered.empty());
+  for (const RecoveredSlot& rec : plan->recovered) {
+    EXPECT_TRUE(c.RowIs(rec.slot / kPerRank, rec.layer, rec.slot % kPerRank, rec.expert));
+  }
+  // Layer 1's w2 quantized otherwise in the checkpoint: named, nothing written.
+  auto other = CheckpointBackup::Open(Entries({WriteCheckpoint(0), WriteCheckpoint(1, "BF16")}));
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  Cluster fresh;
+  const std::vector<std::vector<uint8_t>> before = fresh.memory;
+  bool refused = false;
+  for (int r : {0, 2, 3}) {
+    Result<int64_t> n = RecoverSlots(*plan, fresh.layouts[r], **other);
+    if (n.ok()) continue;
+    refused = true;
+    EXPECT_NE(n.status().message().find("tensor 'model.layers.1.w2' is BF16 [8, 6]"),
+              std::string::npos)
+        << n.status().ToString();
+    EXPECT_NE(n.status().message().find("(nothing was written)"), std::string::npos);
+    // Not even its layer-0 rows, which were readable.
+    for (size_t i = r * kLayers * kTensors.size(); i < (r + 1) * kLayers * kTensors.size(); ++i) {
+      EXPECT_EQ(fresh.memory[i], before[i]) << "rank " << r;
+    }
+  }
+  EXPECT_TRUE(refused);
+  // No row of layer 1 changed anywhere.
+  for (int r = 0; r < kRanks; ++r) {
+    for (size_t t = 0; t < kTensors.size(); ++t) {
+      const size_t i = (r * kLayers + 1) * kTensors.size() + t;
+      EXPECT_EQ(fresh.memory[i], before[i]) << "rank " << r << " layer 1 tensor " << t;
+    }
+  }
+  // A truncated checkpoint is refused when opened.
+  const std::string cut = WriteCheckpoint(0);
+  ASSERT_EQ(truncate(cut.c_str(), 100), 0);
+  auto bad = CheckpointBackup::Open(Entries({cut, WriteCheckpoint(1)}));
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("ckpt-0-F32.safetensors"), std::string::npos)
+      << bad.status().ToString();
+}
+
+}  // namespace
+}  // namespace eplbx::io

@@ -238,6 +238,14 @@ int64_t HostBackup::experts_held() const {
   return n;
 }
 
+uint64_t HostBackup::held_bytes() const {
+  uint64_t n = 0;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    for (int e = 0; e < experts_; ++e) n += Holds(static_cast<int>(l), e) ? layer_row_[l] : 0;
+  }
+  return n;
+}
+
 Status HostBackup::Capture(const Placement& placement, const RankLayout& layout) {
   const std::string who = StrCat(Describe(), ": rank ", layout.rank);
   if (layout.layers.size() != layers_.size() ||

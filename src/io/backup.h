@@ -5,7 +5,7 @@
 // - HostBackup: a host copy of experts in a shared file (a /dev/shm file: it outlives the
 //   rank process that wrote it, any process of the node maps it, and an agent can register
 //   it like any shared file). TensorRT-LLM's host pool, SGLang's DRAM backup. Its memory
-//   cost is the file's size (bytes()).
+//   cost is held_bytes(): the rows captured (the file is sparse).
 // - CheckpointBackup: the checkpoint's safetensors files, one tensor per (layer, tensor of
 //   the layout), each [experts, ...]; every row checked against the layout when read.
 // - RecoverSlots: reads every row a rank must recover (checked) before writing any, so an
@@ -61,7 +61,10 @@ class HostBackup final : public BackupSource {
   bool Holds(int layer, int expert) const override;
   Status ReadRow(int layer, int expert, const TensorSpec& spec, uint8_t* dst) const override;
 
-  uint64_t bytes() const { return size_; }  // what it costs in host memory
+  // The file's size (room for every expert; a sparse file: pages nobody wrote cost nothing
+  // on tmpfs) and what the rows held cost in host memory.
+  uint64_t bytes() const { return size_; }
+  uint64_t held_bytes() const;
   int64_t experts_held() const;
   const std::string& path() const { return path_; }
 

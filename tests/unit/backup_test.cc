@@ -116,6 +116,7 @@ TEST(HostBackupTest, ExpertsOfALostRankComeBackFromTheBackupItsProcessWrote) {
   ASSERT_TRUE(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0);
   for (int r : {0, 2, 3}) ASSERT_TRUE((*backup)->Capture(c.in_force, c.layouts[r]).ok());
   EXPECT_EQ((*backup)->experts_held(), kLayers * kExperts);
+  EXPECT_EQ((*backup)->held_bytes(), rows);
 
   // A survivor maps it and plans: experts 4 and 5 of each layer are recovered.
   auto opened = HostBackup::Open(path);
@@ -150,6 +151,8 @@ TEST(HostBackupTest, AnExpertTheBackupLacksFailsTheRecoveryAndWritesNothing) {
   ASSERT_TRUE(full.ok() && part.ok());
   for (int r = 0; r < kRanks; ++r) ASSERT_TRUE((*full)->Capture(c.in_force, c.layouts[r]).ok());
   ASSERT_TRUE((*part)->Capture(c.in_force, c.layouts[0]).ok());
+  EXPECT_EQ((*part)->experts_held(), kLayers * kPerRank);  // rank 0's slots: experts 0, 1, 2
+  EXPECT_EQ((*part)->held_bytes(), uint64_t{kLayers} * kPerRank * (16 + 12));
   // Without rank 1's experts the plan itself fails, naming them.
   Result<SurvivorPlan> refused = c.LoseRank1(**part);
   ASSERT_FALSE(refused.ok());

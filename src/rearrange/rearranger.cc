@@ -91,7 +91,17 @@ Status RearrangerImpl::Setup() {
     return gathered.status().WithPrefix(StrCat("rank ", self(), ": exchanging metadata"));
   std::vector<std::string> blobs(gathered->size());
   all.resize(gathered->size());
+  // Over a changed member set (the store's epochs, docs/deploy.md): a rank that is not a
+  // member contributed nothing and is neither connected to nor read from; its layout stands
+  // in as ours (its slots hold nothing a plan over the members may use).
+  const std::vector<bool> members = boot->members();
+  auto member = [&](uint32_t r) { return r >= members.size() || members[r]; };
   for (uint32_t r = 0; r < gathered->size(); ++r) {
+    if (!member(r)) {
+      all[r] = layout;
+      all[r].rank = r;
+      continue;
+    }
     ByteReader in((*gathered)[r], "rank contribution");
     std::string layout_bytes;
     if (!in.Str32("agent_metadata", 16u << 20, &blobs[r]) ||
@@ -113,7 +123,7 @@ Status RearrangerImpl::Setup() {
   }
   peer_of.assign(world(), 0);
   for (uint32_t r = 0; r < world(); ++r) {
-    if (r == self()) continue;
+    if (r == self() || !member(r)) continue;
     Result<PeerId> p = agent->Connect(blobs[r]);
     if (!p.ok()) return p.status().WithPrefix(StrCat("rank ", self(), ": connecting to rank ", r));
     peer_of[r] = *p;

@@ -16,28 +16,13 @@
 #include "common/bytes.h"
 #include "eplbx/bootstrap.h"
 #include "eplbx/rearrange.h"
+#include "joined_store.h"
 #include "test_env.h"
 
 namespace eplbx {
 namespace {
 
 using std::chrono::milliseconds;
-
-// A port no socket uses now, from the kernel (a fixed range collided with other test
-// processes' ports and with UCX's ephemeral ones when runs overlapped).
-uint16_t Port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    ADD_FAILURE() << "no free port";
-  }
-  close(fd);
-  return ntohs(a.sin_port);
-}
 
 TEST(TcpStoreTest, AllGatherAndRefusals) {
   const uint16_t port = Port();
@@ -216,52 +201,6 @@ TEST(TcpStoreTest, DeadlinesFollowTheEnvClock) {
 
 // A member that misses a round's timeout, or leaves, is reported lost, so that whoever
 // collects reports stops waiting for it (the worker's report with a dead link).
-// A store of `world` members served on a thread with a 300 ms round timeout, every member
-// joined; `lost` collects the store's on_lost calls. Stops serving when destroyed.
-struct JoinedStore {
-  JoinedStore(uint32_t world, bool membership) : port(Port()) {
-    auto listening = TcpStore::Listen("127.0.0.1", port, "t", world);
-    if (!listening.ok()) return;
-    store = std::move(*listening);
-    store->set_membership(membership);
-    serve = std::thread([this] {
-      (void)store->Serve(
-          milliseconds(5000), milliseconds(10000), [](uint32_t, std::string) {},
-          [this] { return done.load(); }, milliseconds(300),
-          [this](uint32_t r) {
-            std::lock_guard<std::mutex> lock(mu);
-            lost.insert(r);
-          });
-    });
-    m.resize(world);
-    std::vector<std::thread> joins;
-    for (uint32_t r = 0; r < world; ++r) {
-      joins.emplace_back([this, r, world] {
-        auto b = JoinTcpStore("127.0.0.1", port, "t", r, world, milliseconds(5000));
-        if (b.ok()) m[r] = std::move(*b);
-      });
-    }
-    for (std::thread& t : joins) t.join();
-  }
-  ~JoinedStore() {
-    done = true;
-    if (serve.joinable()) serve.join();
-  }
-  bool joined() const {
-    return std::all_of(m.begin(), m.end(), [](const auto& b) { return b != nullptr; });
-  }
-  std::set<uint32_t> Lost() {
-    std::lock_guard<std::mutex> lock(mu);
-    return lost;
-  }
-  uint16_t port;
-  std::unique_ptr<TcpStore> store;
-  std::thread serve;
-  std::atomic<bool> done{false};
-  std::mutex mu;
-  std::set<uint32_t> lost;
-  std::vector<std::unique_ptr<SocketBootstrap>> m;
-};
 
 TEST(TcpStoreTest, MembersThatMissARoundOrLeaveAreLost) {
   JoinedStore served(3, false);

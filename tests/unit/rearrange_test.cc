@@ -12,6 +12,9 @@
 #include "eplbx/layout.h"
 #include "eplbx/migration.h"
 #include "eplbx/rearrange.h"
+#include "eplbx/survivors.h"
+#include "io/backup.h"
+#include "joined_store.h"
 #include "protocol/records.h"
 #include "rank_fixture.h"
 #include "test_env.h"
@@ -1242,6 +1245,112 @@ TEST(SwapTest, TooFewSpareRowsCommitThatRankInPlace) {
   }
   EXPECT_GT(swapped, 0);
   EXPECT_GT(in_place, 0);
+}
+
+// Surviving a lost rank (issue 20): the survivors learn the new member set from the store,
+// build a Rearranger over the members only (the lost rank is neither connected to nor
+// expected), re-place over themselves with PlanSurvivors, move among themselves, and fill
+// the experts only the lost rank held from the host backup every rank wrote; every row is
+// checked afterwards.
+TEST(RecoveryTest, SurvivorsRePlaceOverTheMembersAndRecoverTheLostRanksExperts) {
+  // Slot s holds s % 7: rank 0 holds 0-3, rank 1 (lost) 4, 5, 6, 0, rank 2 1-4, so experts 5
+  // and 6 are only on rank 1; expert 0, the hottest, gets a second replica among the
+  // survivors' 8 slots, read from the other survivor.
+  constexpr int kE = 7;
+  std::vector<std::vector<int32_t>> before(kLayers);
+  std::vector<int32_t> flat;
+  for (int l = 0; l < kLayers; ++l) {
+    for (int s = 0; s < kRanks * kRows; ++s) {
+      before[l].push_back(s % kE);
+      flat.push_back(s % kE);
+    }
+  }
+  const Placement in_force = *Placement::FromPhy2Log(kLayers, kRanks * kRows, kE, flat);
+  std::vector<double> values;
+  for (int i = 0; i < kLayers * kE; ++i) values.push_back(i % kE == 0 ? 100.0 : 5.0 + i % 5);
+  const LoadMatrix load = *LoadMatrix::Create(kLayers, kE, values);
+  const Topology topo{.ranks = kRanks, .nodes = 1, .slots = kRanks * kRows, .groups = 1};
+  std::vector<std::unique_ptr<Rank>> ranks;
+  for (uint32_t r = 0; r < kRanks; ++r) ranks.push_back(MakeRank(r, before));
+  const std::string path = ::testing::TempDir() + "/eplbx-recovery-backup";
+  auto backup = io::HostBackup::Create(path, ranks[0]->layout, kE);
+  ASSERT_TRUE(backup.ok()) << backup.status().ToString();
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    ASSERT_TRUE((*backup)->Capture(in_force, ranks[r]->layout).ok());
+  }
+  JoinedStore store(kRanks, /*membership=*/true);
+  ASSERT_TRUE(store.joined());
+  store.m[1].reset();  // rank 1's process is gone
+
+  struct Survivor {
+    Status setup;
+    int attempts = 0;
+    uint64_t epoch = 0;
+    std::vector<bool> members;
+    Result<SurvivorPlan> plan = Status::Internal("not planned");
+    RearrangeReport report;
+    Result<int64_t> recovered = Status::Internal("not recovered");
+  };
+  std::vector<Survivor> out(kRanks);
+  std::vector<std::thread> threads;
+  for (uint32_t r : {0u, 2u}) {
+    threads.emplace_back([&, r] {
+      Survivor& me = out[r];
+      Bootstrap* boot = store.m[r].get();
+      RearrangeOptions o;
+      o.deadline = std::chrono::seconds(10);
+      Result<std::unique_ptr<Rearranger>> re = Status::Internal("no attempt");
+      // A round refused because the member set changed under it: learn it and go again.
+      for (; me.attempts < 3; ++me.attempts) {
+        const uint64_t epoch = boot->epoch();
+        re = Rearranger::Create(ranks[r]->agent.get(), boot, ranks[r]->layout, o);
+        if (re.ok() || boot->epoch() == epoch) break;
+      }
+      if (!re.ok()) {
+        me.setup = re.status();
+        return;
+      }
+      me.epoch = boot->epoch();
+      me.members = boot->members();
+      SurvivorOptions so;
+      so.backup = [&](int l, int e) { return (*backup)->Holds(l, e); };
+      me.plan = PlanSurvivors(in_force, load, topo, me.members, so);
+      if (!me.plan.ok()) return;
+      me.report = (*re)->Rearrange(me.plan->sources, me.plan->interim, me.plan->migration);
+      if (me.report.status.ok())
+        me.recovered = io::RecoverSlots(*me.plan, ranks[r]->layout, **backup);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (uint32_t r : {0u, 2u}) {
+    const Survivor& me = out[r];
+    ASSERT_TRUE(me.setup.ok()) << "rank " << r << ": " << me.setup.ToString();
+    EXPECT_EQ(me.members, (std::vector<bool>{true, false, true})) << "rank " << r;
+    EXPECT_EQ(me.epoch, out[0].epoch);
+    ASSERT_TRUE(me.plan.ok()) << me.plan.status().ToString();
+    EXPECT_EQ(me.plan->experts_recovered, 2 * kLayers);  // experts 5 and 6 of every layer
+    ASSERT_TRUE(me.report.status.ok()) << "rank " << r << ": " << me.report.status.ToString();
+    ASSERT_TRUE(me.recovered.ok()) << me.recovered.status().ToString();
+    const Placement& after = me.plan->placement;
+    for (int l = 0; l < kLayers; ++l) {
+      for (int row = 0; row < kRows; ++row) {
+        const int32_t e = after.phy2log(l, static_cast<int>(r) * kRows + row);
+        ASSERT_GE(e, 0);
+        for (int t = 0; t < 2; ++t) {
+          const uint8_t* got = ranks[r]->SlotRow(l, t, row);
+          for (uint64_t i = 0; i < kBytes[t]; ++i) {
+            ASSERT_EQ(got[i], Byte(l, e, t, i))
+                << "rank " << r << " layer " << l << " row " << row << " expert " << e;
+          }
+        }
+      }
+    }
+  }
+  // The survivors read from each other (expert 0's new replica) and from the backup.
+  EXPECT_GT(out[0].report.experts_read + out[2].report.experts_read, 0u);
+  EXPECT_EQ(*out[0].recovered + *out[2].recovered,
+            static_cast<int64_t>(out[0].plan->recovered.size()) * 2);  // two tensors each
+  unlink(path.c_str());
 }
 
 }  // namespace

@@ -100,7 +100,9 @@ struct RearrangerImpl::Pipeline {
 };
 
 RearrangerImpl::RearrangerImpl() = default;
-RearrangerImpl::~RearrangerImpl() = default;
+RearrangerImpl::~RearrangerImpl() {
+  for (PeerId p : connected) (void)agent->Disconnect(p);
+}
 
 bool RearrangerImpl::Busy() const { return pipe != nullptr && pipe->active; }
 

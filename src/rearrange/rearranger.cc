@@ -127,6 +127,7 @@ Status RearrangerImpl::Setup() {
     Result<PeerId> p = agent->Connect(blobs[r]);
     if (!p.ok()) return p.status().WithPrefix(StrCat("rank ", self(), ": connecting to rank ", r));
     peer_of[r] = *p;
+    connected.push_back(*p);
     rank_of_name[agent->Peer(*p)->name] = r;
   }
   Result<RegisteredRegion> s = agent->AllocateShared(StagingBytes());

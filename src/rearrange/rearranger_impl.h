@@ -30,6 +30,9 @@ class RearrangerImpl {
   RearrangeOptions options;
   Env* env = Env::Default();    // options.env or Env::Default()
   std::vector<PeerId> peer_of;  // by rank; self unused
+  // The peers Setup connected: disconnected when this goes, so that a Rearranger made again
+  // on the same agent (after the member set changed) can connect them anew.
+  std::vector<PeerId> connected;
   std::map<std::string, uint32_t> rank_of_name;
   // Staging buffers of one layer each: [0] for the synchronous loop, more for the pipeline.
   std::vector<RegisteredRegion> staging;

@@ -1247,110 +1247,197 @@ TEST(SwapTest, TooFewSpareRowsCommitThatRankInPlace) {
   EXPECT_GT(in_place, 0);
 }
 
-// Surviving a lost rank (issue 20): the survivors learn the new member set from the store,
-// build a Rearranger over the members only (the lost rank is neither connected to nor
-// expected), re-place over themselves with PlanSurvivors, move among themselves, and fill
-// the experts only the lost rank held from the host backup every rank wrote; every row is
-// checked afterwards.
-TEST(RecoveryTest, SurvivorsRePlaceOverTheMembersAndRecoverTheLostRanksExperts) {
-  // Slot s holds s % 7: rank 0 holds 0-3, rank 1 (lost) 4, 5, 6, 0, rank 2 1-4, so experts 5
-  // and 6 are only on rank 1; expert 0, the hottest, gets a second replica among the
-  // survivors' 8 slots, read from the other survivor.
-  constexpr int kE = 7;
-  std::vector<std::vector<int32_t>> before(kLayers);
-  std::vector<int32_t> flat;
-  for (int l = 0; l < kLayers; ++l) {
-    for (int s = 0; s < kRanks * kRows; ++s) {
-      before[l].push_back(s % kE);
-      flat.push_back(s % kE);
+// Surviving a lost rank (issue 20): three ranks as threads on the real store with
+// membership. Slot s holds expert s % 7: rank 0 holds 0-3, rank 1 holds 4, 5, 6, 0 and rank
+// 2 holds 1-4, so experts 5 and 6 are only on rank 1; expert 0 is the hottest. Every rank
+// writes its experts into one host backup (a node's /dev/shm file) first.
+struct RecoveryRig {
+  static constexpr int kE = 7;
+  Placement in_force;
+  LoadMatrix load;
+  Topology topo{.ranks = kRanks, .nodes = 1, .slots = kRanks * kRows, .groups = 1};
+  std::vector<std::unique_ptr<Rank>> ranks;
+  std::string path = ::testing::TempDir() + "/eplbx-recovery-backup";
+  std::unique_ptr<io::HostBackup> backup;
+  JoinedStore store{kRanks, /*membership=*/true};
+
+  explicit RecoveryRig(const std::vector<std::shared_ptr<internal::FaultPlan>>& faults = {}) {
+    std::vector<std::vector<int32_t>> before(kLayers);
+    std::vector<int32_t> flat;
+    for (int l = 0; l < kLayers; ++l) {
+      for (int s = 0; s < kRanks * kRows; ++s) {
+        before[l].push_back(s % kE);
+        flat.push_back(s % kE);
+      }
+    }
+    in_force = *Placement::FromPhy2Log(kLayers, kRanks * kRows, kE, flat);
+    std::vector<double> values;
+    for (int i = 0; i < kLayers * kE; ++i) values.push_back(i % kE == 0 ? 100.0 : 5.0 + i % 5);
+    load = *LoadMatrix::Create(kLayers, kE, values);
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      ranks.push_back(MakeRank(r, before, r < faults.size() ? faults[r] : nullptr));
+    }
+    auto b = io::HostBackup::Create(path, ranks[0]->layout, kE);
+    EXPECT_TRUE(b.ok()) << b.status().ToString();
+    if (!b.ok()) return;
+    backup = std::move(*b);
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      EXPECT_TRUE(backup->Capture(in_force, ranks[r]->layout).ok());
     }
   }
-  const Placement in_force = *Placement::FromPhy2Log(kLayers, kRanks * kRows, kE, flat);
-  std::vector<double> values;
-  for (int i = 0; i < kLayers * kE; ++i) values.push_back(i % kE == 0 ? 100.0 : 5.0 + i % 5);
-  const LoadMatrix load = *LoadMatrix::Create(kLayers, kE, values);
-  const Topology topo{.ranks = kRanks, .nodes = 1, .slots = kRanks * kRows, .groups = 1};
-  std::vector<std::unique_ptr<Rank>> ranks;
-  for (uint32_t r = 0; r < kRanks; ++r) ranks.push_back(MakeRank(r, before));
-  const std::string path = ::testing::TempDir() + "/eplbx-recovery-backup";
-  auto backup = io::HostBackup::Create(path, ranks[0]->layout, kE);
-  ASSERT_TRUE(backup.ok()) << backup.status().ToString();
-  for (uint32_t r = 0; r < kRanks; ++r) {
-    ASSERT_TRUE((*backup)->Capture(in_force, ranks[r]->layout).ok());
-  }
-  JoinedStore store(kRanks, /*membership=*/true);
-  ASSERT_TRUE(store.joined());
-  store.m[1].reset();  // rank 1's process is gone
+  ~RecoveryRig() { unlink(path.c_str()); }
 
   struct Survivor {
     Status setup;
-    int attempts = 0;
     uint64_t epoch = 0;
     std::vector<bool> members;
     Result<SurvivorPlan> plan = Status::Internal("not planned");
     RearrangeReport report;
     Result<int64_t> recovered = Status::Internal("not recovered");
   };
-  std::vector<Survivor> out(kRanks);
-  std::vector<std::thread> threads;
-  for (uint32_t r : {0u, 2u}) {
-    threads.emplace_back([&, r] {
-      Survivor& me = out[r];
-      Bootstrap* boot = store.m[r].get();
-      RearrangeOptions o;
-      o.deadline = std::chrono::seconds(10);
-      Result<std::unique_ptr<Rearranger>> re = Status::Internal("no attempt");
-      // A round refused because the member set changed under it: learn it and go again.
-      for (; me.attempts < 3; ++me.attempts) {
-        const uint64_t epoch = boot->epoch();
-        re = Rearranger::Create(ranks[r]->agent.get(), boot, ranks[r]->layout, o);
-        if (re.ok() || boot->epoch() == epoch) break;
-      }
-      if (!re.ok()) {
-        me.setup = re.status();
-        return;
-      }
-      me.epoch = boot->epoch();
-      me.members = boot->members();
-      SurvivorOptions so;
-      so.backup = [&](int l, int e) { return (*backup)->Holds(l, e); };
-      me.plan = PlanSurvivors(in_force, load, topo, me.members, so);
-      if (!me.plan.ok()) return;
-      me.report = (*re)->Rearrange(me.plan->sources, me.plan->interim, me.plan->migration);
-      if (me.report.status.ok())
-        me.recovered = io::RecoverSlots(*me.plan, ranks[r]->layout, **backup);
-    });
+
+  // What survivor `r` does once it knows a rank is gone, from the placement in force: a
+  // Rearranger over the members (a round refused because the member set changed under it:
+  // learn it and go again), PlanSurvivors with the backup, the migration among the
+  // survivors, the recovered slots from the backup.
+  Survivor Survive(uint32_t r, const Placement& now) {
+    Survivor me;
+    Bootstrap* boot = store.m[r].get();
+    RearrangeOptions o;
+    o.deadline = std::chrono::seconds(10);
+    Result<std::unique_ptr<Rearranger>> re = Status::Internal("no attempt");
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      const uint64_t epoch = boot->epoch();
+      re = Rearranger::Create(ranks[r]->agent.get(), boot, ranks[r]->layout, o);
+      if (re.ok() || boot->epoch() == epoch) break;
+    }
+    if (!re.ok()) {
+      me.setup = re.status();
+      return me;
+    }
+    me.epoch = boot->epoch();
+    me.members = boot->members();
+    SurvivorOptions so;
+    so.backup = [&](int l, int e) { return backup->Holds(l, e); };
+    me.plan = PlanSurvivors(now, load, topo, me.members, so);
+    if (!me.plan.ok()) return me;
+    me.report = (*re)->Rearrange(me.plan->sources, me.plan->interim, me.plan->migration);
+    if (me.report.status.ok()) me.recovered = io::RecoverSlots(*me.plan, ranks[r]->layout, *backup);
+    return me;
   }
-  for (std::thread& t : threads) t.join();
-  for (uint32_t r : {0u, 2u}) {
-    const Survivor& me = out[r];
-    ASSERT_TRUE(me.setup.ok()) << "rank " << r << ": " << me.setup.ToString();
-    EXPECT_EQ(me.members, (std::vector<bool>{true, false, true})) << "rank " << r;
-    EXPECT_EQ(me.epoch, out[0].epoch);
-    ASSERT_TRUE(me.plan.ok()) << me.plan.status().ToString();
-    EXPECT_EQ(me.plan->experts_recovered, 2 * kLayers);  // experts 5 and 6 of every layer
-    ASSERT_TRUE(me.report.status.ok()) << "rank " << r << ": " << me.report.status.ToString();
-    ASSERT_TRUE(me.recovered.ok()) << me.recovered.status().ToString();
-    const Placement& after = me.plan->placement;
-    for (int l = 0; l < kLayers; ++l) {
-      for (int row = 0; row < kRows; ++row) {
-        const int32_t e = after.phy2log(l, static_cast<int>(r) * kRows + row);
-        ASSERT_GE(e, 0);
-        for (int t = 0; t < 2; ++t) {
-          const uint8_t* got = ranks[r]->SlotRow(l, t, row);
-          for (uint64_t i = 0; i < kBytes[t]; ++i) {
-            ASSERT_EQ(got[i], Byte(l, e, t, i))
-                << "rank " << r << " layer " << l << " row " << row << " expert " << e;
+
+  // Both survivors went on over ranks 0 and 2, and every row of theirs holds what the plan
+  // placed there.
+  void ExpectRecovered(const std::vector<Survivor>& out) {
+    for (uint32_t r : {0u, 2u}) {
+      const Survivor& me = out[r];
+      ASSERT_TRUE(me.setup.ok()) << "rank " << r << ": " << me.setup.ToString();
+      EXPECT_EQ(me.members, (std::vector<bool>{true, false, true})) << "rank " << r;
+      EXPECT_EQ(me.epoch, out[0].epoch);
+      ASSERT_TRUE(me.plan.ok()) << me.plan.status().ToString();
+      EXPECT_EQ(me.plan->experts_recovered, 2 * kLayers);  // experts 5 and 6 of every layer
+      ASSERT_TRUE(me.report.status.ok()) << "rank " << r << ": " << me.report.status.ToString();
+      ASSERT_TRUE(me.recovered.ok()) << me.recovered.status().ToString();
+      const Placement& after = me.plan->placement;
+      for (int l = 0; l < kLayers; ++l) {
+        for (int row = 0; row < kRows; ++row) {
+          const int32_t e = after.phy2log(l, static_cast<int>(r) * kRows + row);
+          ASSERT_GE(e, 0);
+          for (int t = 0; t < 2; ++t) {
+            const uint8_t* got = ranks[r]->SlotRow(l, t, row);
+            for (uint64_t i = 0; i < kBytes[t]; ++i) {
+              ASSERT_EQ(got[i], Byte(l, e, t, i))
+                  << "rank " << r << " layer " << l << " row " << row << " expert " << e;
+            }
           }
         }
       }
     }
+    // The survivors read from each other (expert 0's new replica) and from the backup.
+    EXPECT_GT(out[0].report.experts_read + out[2].report.experts_read, 0u);
+    EXPECT_EQ(*out[0].recovered + *out[2].recovered,
+              static_cast<int64_t>(out[0].plan->recovered.size()) * 2);  // two tensors each
   }
-  // The survivors read from each other (expert 0's new replica) and from the backup.
-  EXPECT_GT(out[0].report.experts_read + out[2].report.experts_read, 0u);
-  EXPECT_EQ(*out[0].recovered + *out[2].recovered,
-            static_cast<int64_t>(out[0].plan->recovered.size()) * 2);  // two tensors each
-  unlink(path.c_str());
+};
+
+// Rank 1 goes away between rearrangements: the survivors' first Rearranger creation is
+// refused at the new epoch, the second goes on over ranks 0 and 2.
+TEST(RecoveryTest, SurvivorsRePlaceOverTheMembersAndRecoverTheLostRanksExperts) {
+  RecoveryRig rig;
+  ASSERT_TRUE(rig.backup != nullptr && rig.store.joined());
+  rig.store.m[1].reset();  // rank 1's process is gone
+  std::vector<RecoveryRig::Survivor> out(kRanks);
+  std::vector<std::thread> threads;
+  for (uint32_t r : {0u, 2u}) {
+    threads.emplace_back([&, r] { out[r] = rig.Survive(r, rig.in_force); });
+  }
+  for (std::thread& t : threads) t.join();
+  rig.ExpectRecovered(out);
+}
+
+// Rank 1 is lost in the middle of a rearrangement (the survivors stop hearing it after a
+// few rows): the layer in flight rolls back on every rank, the survivors agree on which
+// layers committed, and from that placement they re-place and recover as above.
+TEST(RecoveryTest, ARankLostMidRearrangementIsRolledBackThenRecovered) {
+  using internal::Fault;
+  std::vector<std::shared_ptr<internal::FaultPlan>> faults(kRanks);
+  faults[0] = std::make_shared<internal::FaultPlan>();
+  faults[2] = std::make_shared<internal::FaultPlan>();
+  RecoveryRig g(faults);
+  ASSERT_TRUE(g.backup != nullptr && g.store.joined());
+  // Armed once rank 1's agent (its name) exists.
+  const std::string lost = g.ranks[1]->agent->name();
+  for (int r : {0, 2}) faults[r]->OnTransfers(Fault::Of(Fault::Action::kLosePeer, lost, 600, -1));
+  // Every layer moves: slot s goes from expert s % 7 to (s + 3) % 7.
+  std::vector<int32_t> flat;
+  for (int l = 0; l < kLayers; ++l) {
+    for (int s = 0; s < kRanks * kRows; ++s) flat.push_back((s + 3) % RecoveryRig::kE);
+  }
+  const Placement to = *Placement::FromPhy2Log(kLayers, kRanks * kRows, RecoveryRig::kE, flat);
+  std::vector<RearrangeReport> first(kRanks);
+  std::vector<RecoveryRig::Survivor> out(kRanks);
+  std::vector<Placement> now(kRanks, g.in_force);
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      RearrangeOptions o;
+      // Rank 1 hears nothing more from the survivors (they stopped talking to it): it gives
+      // up at its deadline, as a partitioned rank would.
+      o.deadline = std::chrono::seconds(r == 1 ? 2 : 10);
+      {
+        auto re =
+            Rearranger::Create(g.ranks[r]->agent.get(), g.store.m[r].get(), g.ranks[r]->layout, o);
+        if (!re.ok()) {
+          first[r].status = re.status();
+          return;
+        }
+        first[r] = (*re)->Rearrange(g.in_force, to);
+      }
+      if (r == 1) {
+        g.store.m[1].reset();  // rank 1's process is gone
+        return;
+      }
+      // The placement in force: each layer old or new as this rank's report says.
+      std::vector<int32_t> map(g.in_force.phy2log());
+      for (const LayerOutcome& lo : first[r].layers) {
+        if (!lo.committed) continue;
+        for (int s = 0; s < kRanks * kRows; ++s) {
+          map[static_cast<size_t>(lo.layer) * kRanks * kRows + s] = to.phy2log(lo.layer, s);
+        }
+      }
+      now[r] = *Placement::FromPhy2Log(kLayers, kRanks * kRows, RecoveryRig::kE, map);
+      out[r] = g.Survive(r, now[r]);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (uint32_t r : {0u, 2u}) {
+    ASSERT_FALSE(first[r].status.ok()) << "rank " << r << " did not notice the loss";
+    EXPECT_NE(first[r].status.message().find("this layer kept its old weights and map"),
+              std::string::npos)
+        << first[r].status.ToString();
+  }
+  EXPECT_EQ(now[0].phy2log(), now[2].phy2log()) << "the survivors disagree on what committed";
+  g.ExpectRecovered(out);
 }
 
 }  // namespace

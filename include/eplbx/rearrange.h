@@ -123,6 +123,10 @@ class Rearranger {
   // REQUIRES: every tensor's rows [base, base + rows * bytes_per_expert) lie in memory
   // registered with `agent`; `agent` and `bootstrap` outlive the Rearranger.
   // Fails with kMismatch (layout), kUnavailable / kTimeout (a rank missing or unreachable).
+  // With a bootstrap that tracks membership (docs/deploy.md, "After a lost rank"), only the
+  // members are connected and expected; a round refused because the member set changed
+  // fails Create with the bootstrap's epoch moved on: create it again. The Rearranger
+  // connects `agent` to the other members and disconnects them when it goes.
   static Result<std::unique_ptr<Rearranger>> Create(Agent* agent, Bootstrap* bootstrap,
                                                     RankLayout layout,
                                                     RearrangeOptions options = {});

@@ -461,8 +461,7 @@ Status RunCudaRows(const XferOptions& o, const std::vector<uint64_t>& sizes,
   EPLBX_RETURN_IF_ERROR(ConnectBack(target, (*staged)->Metadata()));
   Result<PeerInfo> staged_info = (*staged)->Peer(*staged_peer);
   if (!staged_info.ok()) return staged_info.status();
-  const std::string staged_path =
-      staged_info->paths.empty() ? "?" : staged_info->paths[0].path;
+  const std::string staged_path = staged_info->paths.empty() ? "?" : staged_info->paths[0].path;
   for (bool read : ops) {
     for (uint64_t size : sizes) {
       Result<Row> row =

@@ -138,6 +138,16 @@ struct PathCaps {
   }
 };
 
+// Caps of a path that reaches peers' device memory and copies to and from any memory of
+// ours (the driver copies host <-> device); the caller says which peers.
+inline PathCaps DeviceMemoryCaps() {
+  PathCaps c;
+  c.kinds = 1u << static_cast<unsigned>(MemoryKind::kCuda);
+  c.local_kinds = c.kinds | (1u << static_cast<unsigned>(MemoryKind::kHost)) |
+                  (1u << static_cast<unsigned>(MemoryKind::kHostFile));
+  return c;
+}
+
 class DataPath {
  public:
   virtual ~DataPath() = default;

@@ -90,11 +90,7 @@ class CudaIpcPath final : public DataPath {
 
   std::string_view name() const override { return "cuda_ipc"; }
   PathCaps caps() const override {
-    PathCaps c;
-    c.kinds = 1u << static_cast<unsigned>(MemoryKind::kCuda);
-    // Our side of a copy may be host memory too (the driver copies host <-> device).
-    c.local_kinds = c.kinds | (1u << static_cast<unsigned>(MemoryKind::kHost)) |
-                    (1u << static_cast<unsigned>(MemoryKind::kHostFile));
+    PathCaps c = DeviceMemoryCaps();
     c.same_host = true;
     return c;
   }

@@ -829,10 +829,7 @@ class CudaStagedPath final : public DataPath {
 
   std::string_view name() const override { return "cuda_staged"; }
   PathCaps caps() const override {
-    PathCaps c;
-    c.kinds = 1u << static_cast<unsigned>(MemoryKind::kCuda);
-    c.local_kinds = c.kinds | (1u << static_cast<unsigned>(MemoryKind::kHost)) |
-                    (1u << static_cast<unsigned>(MemoryKind::kHostFile));
+    PathCaps c = DeviceMemoryCaps();
     // Other hosts only: on one host a device cuda_ipc cannot open is an error to fix
     // (visibility, peer access), not a reason to stage silently.
     c.other_hosts = true;

@@ -46,18 +46,10 @@ Status UcxWorker::UnpackRkeys(PeerId id, const std::vector<std::string>& rkeys) 
 }
 
 Status UcxWorker::PostRma(PathRequest req) {
-  std::shared_ptr<PeerState> p;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = peers_.find(req.peer);
-    if (it == peers_.end()) {
-      return Status::NotFound(StrCat("agent '", options_.agent_name, "': no peer ", req.peer));
-    }
-    p = it->second;
-    if (p->failed) return Unreachable(*p);
-  }
+  Result<std::shared_ptr<PeerState>> p = LivePeer(req.peer);
+  if (!p.ok()) return p.status();
   Enqueue(
-      [this, p = std::move(p), req = std::move(req)]() mutable { StartRma(p, std::move(req)); });
+      [this, p = std::move(*p), req = std::move(req)]() mutable { StartRma(p, std::move(req)); });
   return Status::OK();
 }
 

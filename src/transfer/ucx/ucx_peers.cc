@@ -115,13 +115,16 @@ void UcxWorker::SendAm(PeerState& p, MessageKind kind, std::string payload,
 }
 
 void UcxWorker::SendAmOn(ucp_ep_h ep, AmMessage* msg, const ucp_request_param_t* param) {
-  void* req = ucp_am_send_nbx(ep, kAmId, nullptr, 0, msg->bytes.data(), msg->bytes.size(), param);
+  void* req = msg->stage ? ucp_am_send_nbx(ep, kAmId, msg->bytes.data(), msg->bytes.size(),
+                                           msg->data, msg->data_bytes, param)
+                         : ucp_am_send_nbx(ep, kAmId, nullptr, 0, msg->bytes.data(),
+                                           msg->bytes.size(), param);
   if (req == nullptr) {
     if (msg->sent) msg->sent(Status::OK());
     delete msg;
   } else if (UCS_PTR_IS_ERR(req)) {
     if (msg->sent) {
-      msg->sent(Status::Unavailable(StrCat("agent '", options_.agent_name, "': notification to '",
+      msg->sent(Status::Unavailable(StrCat("agent '", options_.agent_name, "': message to '",
                                            msg->peer, "' failed: ", Ucs(UCS_PTR_STATUS(req)))));
     }
     delete msg;
@@ -205,17 +208,9 @@ void UcxWorker::SetStageSink(std::shared_ptr<StageSink> sink) {
 
 Status UcxWorker::SendStage(PeerId peer, std::string head, const void* data, size_t bytes,
                             std::function<void(Status)> sent) {
-  std::shared_ptr<PeerState> p;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = peers_.find(peer);
-    if (it == peers_.end()) {
-      return Status::NotFound(StrCat("agent '", options_.agent_name, "': no peer ", peer));
-    }
-    p = it->second;
-    if (p->failed) return Unreachable(*p);
-  }
-  Enqueue([this, p = std::move(p), head = std::move(head), data, bytes,
+  Result<std::shared_ptr<PeerState>> p = LivePeer(peer);
+  if (!p.ok()) return p.status();
+  Enqueue([this, p = std::move(*p), head = std::move(head), data, bytes,
            sent = std::move(sent)]() mutable {
     if (p->failed || p->ep == nullptr) {
       sent(Unreachable(*p));
@@ -223,27 +218,18 @@ Status UcxWorker::SendStage(PeerId peer, std::string head, const void* data, siz
     }
     // The head goes in the message's header (it marks the message as the path's); the data
     // as its payload, by rendezvous when large (UCX reads it from `data`).
-    auto* msg = new AmMessage{this, EncodeMessageHeader({MessageKind::kStage, options_.agent_name}),
-                              p->name, std::move(sent)};
-    msg->bytes += head;
+    auto* msg = new AmMessage{
+        this,    EncodeMessageHeader({MessageKind::kStage, options_.agent_name}) + head,
+        p->name, std::move(sent),
+        true,    data,
+        bytes};
     ucp_request_param_t param{};
     param.op_attr_mask =
         UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
     param.cb.send = &UcxWorker::OnAmSent;
     param.user_data = msg;
     param.flags = UCP_AM_SEND_FLAG_REPLY;  // a receiver not connected to us can still answer
-    void* req =
-        ucp_am_send_nbx(p->ep, kAmId, msg->bytes.data(), msg->bytes.size(), data, bytes, &param);
-    if (req == nullptr) {
-      msg->sent(Status::OK());
-      delete msg;
-    } else if (UCS_PTR_IS_ERR(req)) {
-      msg->sent(Status::Unavailable(StrCat("agent '", options_.agent_name, "': sending to '",
-                                           p->name, "' failed: ", Ucs(UCS_PTR_STATUS(req)))));
-      delete msg;
-    } else {
-      ++inflight_;
-    }
+    SendAmOn(p->ep, msg, &param);
   });
   return Status::OK();
 }
@@ -266,18 +252,12 @@ ucs_status_t UcxWorker::OnStageAm(std::string_view header, void* data, size_t le
         param->reply_ep != nullptr) {
       auto* msg = new AmMessage{
           this, EncodeMessageHeader({MessageKind::kStage, options_.agent_name}) + answer, h->sender,
-          nullptr};
+          nullptr, true};
       ucp_request_param_t rp{};
       rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
       rp.cb.send = &UcxWorker::OnAmSent;
       rp.user_data = msg;
-      void* req = ucp_am_send_nbx(param->reply_ep, kAmId, msg->bytes.data(), msg->bytes.size(),
-                                  nullptr, 0, &rp);
-      if (!UCS_PTR_IS_PTR(req)) {
-        delete msg;
-      } else {
-        ++inflight_;
-      }
+      SendAmOn(param->reply_ep, msg, &rp);
     }
     ++dropped_messages_;
     return rndv ? UCS_ERR_REJECTED : UCS_OK;

@@ -213,24 +213,27 @@ void UcxWorker::Disconnect(PeerId id) {
   });
 }
 
-Status UcxWorker::Notify(PeerId peer, std::string payload, std::function<void(Status)> sent) {
-  std::shared_ptr<PeerState> p;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = peers_.find(peer);
-    if (it == peers_.end()) {
-      return Status::NotFound(StrCat("agent '", options_.agent_name, "': no peer ", peer));
-    }
-    p = it->second;
-    if (p->failed) return Unreachable(*p);
+Result<std::shared_ptr<PeerState>> UcxWorker::LivePeer(PeerId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = peers_.find(id);
+  if (it == peers_.end()) {
+    return Status::NotFound(StrCat("agent '", options_.agent_name, "': no peer ", id));
   }
-  Enqueue([this, p = std::move(p), payload = std::move(payload), sent = std::move(sent)]() mutable {
-    if (p->failed) {
-      if (sent) sent(Unreachable(*p));
-      return;
-    }
-    SendAm(*p, MessageKind::kNotify, std::move(payload), std::move(sent));
-  });
+  if (it->second->failed) return Unreachable(*it->second);
+  return it->second;
+}
+
+Status UcxWorker::Notify(PeerId peer, std::string payload, std::function<void(Status)> sent) {
+  Result<std::shared_ptr<PeerState>> p = LivePeer(peer);
+  if (!p.ok()) return p.status();
+  Enqueue(
+      [this, p = std::move(*p), payload = std::move(payload), sent = std::move(sent)]() mutable {
+        if (p->failed) {
+          if (sent) sent(Unreachable(*p));
+          return;
+        }
+        SendAm(*p, MessageKind::kNotify, std::move(payload), std::move(sent));
+      });
   return Status::OK();
 }
 

@@ -97,9 +97,12 @@ struct ConnectFlush {
 // An active message in flight: its bytes live until UCX is done with them.
 struct AmMessage {
   UcxWorker* self = nullptr;
-  std::string bytes;
+  std::string bytes;                 // the payload; of a stage message: its header
   std::string peer;                  // for messages
   std::function<void(Status)> sent;  // runs once when UCX is done with it, if set
+  bool stage = false;                // a cuda_staged message: `bytes` go as the header,
+  const void* data = nullptr;        // and these as its data (kept valid by the sender)
+  size_t data_bytes = 0;
 };
 
 class UcxWorker final : public ControlChannel {
@@ -156,6 +159,9 @@ class UcxWorker final : public ControlChannel {
   }
 
   void Loop();
+
+  // The connected peer `id`, or why not (not found; unreachable).
+  Result<std::shared_ptr<PeerState>> LivePeer(PeerId id);
 
   // ---- failure ---------------------------------------------------------------------------
 

@@ -116,10 +116,9 @@ struct Sink {
   Status error;       // the first failure: no more pulls; the transfer ends once none is active
 };
 
-// A WRITE we posted: its pieces (the target pulls them) and the list it was sent.
+// A WRITE we posted: its pieces (the target pulls them).
 struct WriteJob {
   std::vector<Piece> pieces;
-  std::string list;
 };
 
 // A piece we send: from host memory at once, from device memory through a send slot.
@@ -304,18 +303,19 @@ class Staged final : public ucx::StageSink, public std::enable_shared_from_this<
       return Status::InvalidArgument(StrCat("agent '", agent_, "': a WRITE of ", pieces.size(),
                                             " pieces; at most ", kMaxPieces, " (cuda_staged)"));
     }
-    ByteWriter list;
+    ByteWriter w;
     for (const Piece& p : pieces) {
-      list.U64(p.dst);
-      list.U64(p.bytes);
+      w.U64(p.dst);
+      w.U64(p.bytes);
     }
-    WriteJob& job = writes_[{req.peer, req.id}];
-    job.pieces = std::move(pieces);
-    job.list = list.Take();
-    Head h = Make(Msg::kWrite, Role::kWrite, req.id);
-    const std::string& bytes = job.list;
-    Status s = worker_->SendStage(req.peer, Encode(h), bytes.data(), bytes.size(),
-                                  Sent(req.peer, Role::kWrite, req.id, 0, /*pull=*/false));
+    // The list lives until UCX is done with it (its callback holds it), whatever becomes of
+    // the job meanwhile.
+    auto list = std::make_shared<const std::string>(w.Take());
+    writes_[{req.peer, req.id}].pieces = std::move(pieces);
+    std::function<void(Status)> sent = Sent(req.peer, Role::kWrite, req.id, 0, /*pull=*/false);
+    Status s = worker_->SendStage(
+        req.peer, Encode(Make(Msg::kWrite, Role::kWrite, req.id)), list->data(), list->size(),
+        [list, sent = std::move(sent)](Status st) { sent(std::move(st)); });
     if (!s.ok()) writes_.erase({req.peer, req.id});
     return s;
   }

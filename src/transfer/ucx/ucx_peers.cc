@@ -213,7 +213,7 @@ Status UcxWorker::SendStage(PeerId peer, std::string head, const void* data, siz
   Enqueue([this, p = std::move(*p), head = std::move(head), data, bytes,
            sent = std::move(sent)]() mutable {
     if (p->failed || p->ep == nullptr) {
-      sent(Unreachable(*p));
+      if (sent) sent(Unreachable(*p));
       return;
     }
     // The head goes in the message's header (it marks the message as the path's); the data

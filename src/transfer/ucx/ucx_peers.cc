@@ -105,20 +105,21 @@ void UcxWorker::SendAm(PeerState& p, MessageKind kind, std::string payload,
   auto* msg = new AmMessage{this, EncodeMessageHeader({kind, options_.agent_name}), p.name,
                             std::move(sent)};
   msg->bytes += payload;
+  SendAmOn(p.ep, msg,
+           UCP_AM_SEND_FLAG_EAGER | (kind == MessageKind::kPing ? UCP_AM_SEND_FLAG_REPLY : 0));
+}
+
+void UcxWorker::SendAmOn(ucp_ep_h ep, AmMessage* msg, uint32_t flags) {
   ucp_request_param_t param{};
   param.op_attr_mask =
       UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   param.cb.send = &UcxWorker::OnAmSent;
   param.user_data = msg;
-  param.flags = UCP_AM_SEND_FLAG_EAGER | (kind == MessageKind::kPing ? UCP_AM_SEND_FLAG_REPLY : 0);
-  SendAmOn(p.ep, msg, &param);
-}
-
-void UcxWorker::SendAmOn(ucp_ep_h ep, AmMessage* msg, const ucp_request_param_t* param) {
+  param.flags = flags;
   void* req = msg->stage ? ucp_am_send_nbx(ep, kAmId, msg->bytes.data(), msg->bytes.size(),
-                                           msg->data, msg->data_bytes, param)
+                                           msg->data, msg->data_bytes, &param)
                          : ucp_am_send_nbx(ep, kAmId, nullptr, 0, msg->bytes.data(),
-                                           msg->bytes.size(), param);
+                                           msg->bytes.size(), &param);
   if (req == nullptr) {
     if (msg->sent) msg->sent(Status::OK());
     delete msg;
@@ -183,13 +184,7 @@ ucs_status_t UcxWorker::OnAm(void* arg, const void* header, size_t header_length
         auto* msg = new AmMessage{
             self, EncodeMessageHeader({MessageKind::kPong, self->options_.agent_name}), h->sender,
             nullptr};
-        ucp_request_param_t p{};
-        p.op_attr_mask =
-            UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-        p.cb.send = &UcxWorker::OnAmSent;
-        p.user_data = msg;
-        p.flags = UCP_AM_SEND_FLAG_EAGER;
-        self->SendAmOn(param->reply_ep, msg, &p);
+        self->SendAmOn(param->reply_ep, msg, UCP_AM_SEND_FLAG_EAGER);
       }
       break;
     case MessageKind::kPong:
@@ -223,13 +218,7 @@ Status UcxWorker::SendStage(PeerId peer, std::string head, const void* data, siz
         p->name, std::move(sent),
         true,    data,
         bytes};
-    ucp_request_param_t param{};
-    param.op_attr_mask =
-        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-    param.cb.send = &UcxWorker::OnAmSent;
-    param.user_data = msg;
-    param.flags = UCP_AM_SEND_FLAG_REPLY;  // a receiver not connected to us can still answer
-    SendAmOn(p->ep, msg, &param);
+    SendAmOn(p->ep, msg, UCP_AM_SEND_FLAG_REPLY);  // a receiver not connected to us can answer
   });
   return Status::OK();
 }
@@ -253,11 +242,7 @@ ucs_status_t UcxWorker::OnStageAm(std::string_view header, void* data, size_t le
       auto* msg = new AmMessage{
           this, EncodeMessageHeader({MessageKind::kStage, options_.agent_name}) + answer, h->sender,
           nullptr, true};
-      ucp_request_param_t rp{};
-      rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-      rp.cb.send = &UcxWorker::OnAmSent;
-      rp.user_data = msg;
-      SendAmOn(param->reply_ep, msg, &rp);
+      SendAmOn(param->reply_ep, msg, 0);
     }
     ++dropped_messages_;
     return rndv ? UCS_ERR_REJECTED : UCS_OK;

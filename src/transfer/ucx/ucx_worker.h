@@ -179,7 +179,8 @@ class UcxWorker final : public ControlChannel {
   // Sends header + payload; `sent`, if set, runs once UCX is done with it.
   void SendAm(PeerState& p, MessageKind kind, std::string payload,
               std::function<void(Status)> sent);
-  void SendAmOn(ucp_ep_h ep, AmMessage* msg, const ucp_request_param_t* param);
+  // Sends `msg` (deleted once UCX is done with it) with UCP_AM_SEND_FLAG_* `flags`.
+  void SendAmOn(ucp_ep_h ep, AmMessage* msg, uint32_t flags);
   static void OnAmSent(void* request, ucs_status_t status, void* user_data);
   static ucs_status_t OnAm(void* arg, const void* header, size_t header_length, void* data,
                            size_t length, const ucp_am_recv_param_t* param);

@@ -80,7 +80,7 @@ fi
 grep -E "eplbx: (CUDA|Python)" "$out/configure.log" >&2
 log "build ($jobs jobs)"
 if ! cmake --build build-gpu -j "$jobs" --target eplbx_cuda_tests eplbx_xfer_peer eplbx_cli \
-    $(grep -q "Python module NOT built" "$out/configure.log" || echo _eplbx) >"$out/build.log" 2>&1; then
+    $(grep -q "Python module NOT built" "$out/configure.log" || echo _eplbx) -- -k 0 >"$out/build.log" 2>&1; then
   grep -E "error|Error" "$out/build.log" | head -30
   log "FAILED: build"
   exit 1

@@ -2,6 +2,7 @@
 #ifndef EPLBX_SRC_COMMON_STRINGS_H_
 #define EPLBX_SRC_COMMON_STRINGS_H_
 
+#include <cstdint>
 #include <sstream>
 #include <string>
 #include <string_view>

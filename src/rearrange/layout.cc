@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <sstream>
+#include <unordered_map>
 
 #include "common/bytes.h"
 #include "common/strings.h"
@@ -270,20 +271,23 @@ Status ValidateLayouts(std::span<const RankLayout> all, uint32_t self) {
                    " spare)"));
         continue;
       }
-      std::vector<int> slot_of(rows, -1);
+      // Keyed by row, sized by the table: the row count comes from a peer and
+      // may be far larger than the table (many spare rows).
+      std::unordered_map<uint32_t, uint32_t> slot_of;
+      slot_of.reserve(table.size());
       for (uint32_t s = 0; s < table.size(); ++s) {
         if (table[s] >= rows) {
           add(StrCat("layout of rank ", peer, ", layer ", l, ": the row table puts slot ", s,
                      " in row ", table[s], ", past the layer's ", rows, " rows"));
           break;
         }
-        if (slot_of[table[s]] >= 0) {
+        const auto [it, fresh] = slot_of.emplace(table[s], s);
+        if (!fresh) {
           add(StrCat("layout of rank ", peer, ", layer ", l, ": the row table puts slots ",
-                     slot_of[table[s]], " and ", s, " in the same row ", table[s],
+                     it->second, " and ", s, " in the same row ", table[s],
                      " (every slot needs a row of its own)"));
           break;
         }
-        slot_of[table[s]] = static_cast<int>(s);
       }
     }
   }

@@ -86,6 +86,15 @@ if ! cmake --build build-gpu -j "$jobs" --target eplbx_cuda_tests eplbx_xfer_pee
   exit 1
 fi
 log "built in $(($(date +%s) - start)) s"
+# What the module was linked with (a C++ runtime linked into it statically would show here).
+module=$(ls build-gpu/python/eplbx/_eplbx*.so 2>/dev/null | head -1)
+{ c++ --version 2>&1 | head -1
+  env | grep -E '^(CC|CXX|CFLAGS|CXXFLAGS|CPPFLAGS|LDFLAGS)=' || true
+  if [[ -n "$module" ]]; then
+    echo "module: $(nm -D --defined-only "$module" 2>/dev/null | grep -c ' [TWV] ') exported symbols," \
+         "$(nm -D --defined-only "$module" 2>/dev/null | grep -c 'codecvt') of libstdc++'s codecvt;" \
+         "needs: $(ldd "$module" 2>/dev/null | awk '{print $1}' | grep -E 'stdc|ucp|gcc' | tr '\n' ' ')"
+  fi; } >&2
 
 # ---- device checks ----------------------------------------------------------------------
 status=0
@@ -134,7 +143,8 @@ for r in j.get("pinned_host_copy", []):
     print(f'pinned {r["block_bytes"] >> 20:3} MiB  h2d {r["host_to_device_gbps"]:.1f}  d2h {r["device_to_host_gbps"]:.1f} GB/s')
 for r in j.get("staged", []):
     print(f'{r["op"]:5} {r["path"]} {r["block_bytes"] >> 20:3} MiB x1   '
-          f'{r["gbps"]:8.1f} GB/s  pinned {r["pinned_host_copy_gbps"]:8.1f}  ratio {r["ratio_to_pinned_host_copy"]:.2f}')
+          f'{r["gbps"]:8.1f} GB/s  pinned {r["pinned_host_copy_gbps"]:8.1f}  ratio {r["ratio_to_pinned_host_copy"]:.2f}'
+          f'  host rows over {r["link_path"]} {r["link_host_rows_gbps"]:6.1f}  ratio to slower {r["ratio_to_bound"]:.2f}')
 EOF
   summary+=("bench: bench-cuda.json")
 else

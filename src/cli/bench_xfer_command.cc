@@ -126,8 +126,8 @@ bool ReadAll(int fd, void* p, size_t n) {
 }
 
 // Registers two buffers (plain memory and AllocateShared; with `cuda`, device memory on GPU
-// 0 instead, through the driver loaded only here, after the fork), sends its metadata and
-// their addresses, then serves until the parent closes the socket.
+// 0, through the driver loaded only here, after the fork, and plain host memory), sends its
+// metadata and their addresses, then serves until the parent closes the socket.
 [[noreturn]] void RunTarget(int fd, uint64_t bytes, bool cuda) {
   std::unique_ptr<uint8_t[]> plain;
   uint8_t* first = nullptr;
@@ -160,6 +160,11 @@ bool ReadAll(int fd, void* p, size_t n) {
     r2 = (*agent)->AllocateShared(bytes);
     if (!r2.ok()) TargetFails(fd, r2.status().message());
     std::memset(r2->data(), 7, bytes);
+  } else {  // host rows too: the link cuda_staged crosses, measured on its own
+    plain.reset(new uint8_t[bytes]);
+    std::memset(plain.get(), 7, bytes);
+    r2 = (*agent)->RegisterMemory(plain.get(), bytes);
+    if (!r2.ok()) TargetFails(fd, r2.status().message());
   }
   std::string blob = (*agent)->Metadata();
   uint64_t header[3] = {blob.size(), r1->addr(), r2.ok() ? r2->addr() : 0};
@@ -448,8 +453,10 @@ Status RunCudaRows(const XferOptions& o, const std::vector<uint64_t>& sizes,
     }
   }
   // The same rows as if the target were on another host (EPLBX_HOST_ID differs): they
-  // travel by cuda_staged (device -> pinned host -> UCX -> pinned host -> device), compared
-  // with the slower pinned host <-> device copy of the same block, the bound of that path.
+  // travel by cuda_staged (device -> pinned host -> UCX -> pinned host -> device). Its bound
+  // is the slower of the pinned host <-> device copy and the link: host rows between the
+  // same two agents over the same UCX (the path a host-memory peer on another host uses),
+  // measured here too.
   AgentConfig other_host = config;
   other_host.host_id = "bench-xfer-other-host";
   auto staged = Agent::Create("xfer-staged", other_host);
@@ -461,13 +468,23 @@ Status RunCudaRows(const XferOptions& o, const std::vector<uint64_t>& sizes,
   EPLBX_RETURN_IF_ERROR(ConnectBack(target, (*staged)->Metadata()));
   Result<PeerInfo> staged_info = (*staged)->Peer(*staged_peer);
   if (!staged_info.ok()) return staged_info.status();
-  const std::string staged_path = staged_info->paths.empty() ? "?" : staged_info->paths[0].path;
+  std::string staged_path = "?", link_path = "?";
+  for (const PathChoice& c : staged_info->paths) {
+    (c.kind == MemoryKind::kHost ? link_path : staged_path) = c.path;
+  }
+  auto staged_host = (*staged)->RegisterMemory(pinned, kMaxBuffer);
+  if (!staged_host.ok()) return staged_host.status();
+  auto* host_rows = static_cast<uint8_t*>(pinned);
   for (bool read : ops) {
     for (uint64_t size : sizes) {
       Result<Row> row =
           Measure(**staged, *staged_peer, read, target.plain, local_rows, size, 1, o.seconds);
       if (!row.ok()) return row.status();
-      const double limit = staged_limit[size];
+      Result<Row> link =
+          Measure(**staged, *staged_peer, read, target.shared, host_rows, size, 1, o.seconds);
+      if (!link.ok()) return link.status();
+      const double copy = staged_limit[size];
+      const double bound = std::min(copy, link->gbps);
       out["staged"].push_back({{"op", read ? "read" : "write"},
                                {"memory", "cuda"},
                                {"path", staged_path},
@@ -475,14 +492,19 @@ Status RunCudaRows(const XferOptions& o, const std::vector<uint64_t>& sizes,
                                {"batch", 1},
                                {"gbps", row->gbps},
                                {"p50_us", row->p50},
-                               {"pinned_host_copy_gbps", limit},
-                               {"ratio_to_pinned_host_copy", row->gbps / limit}});
+                               {"pinned_host_copy_gbps", copy},
+                               {"ratio_to_pinned_host_copy", row->gbps / copy},
+                               {"link_path", link_path},
+                               {"link_host_rows_gbps", link->gbps},
+                               {"ratio_to_bound", row->gbps / bound}});
       if (!o.json) {
         std::printf(
             "%-5s cuda %-11s block %9llu batch   1: %8.2f GB/s  p50 %9.1f us  "
-            "(pinned host copy here: %8.2f GB/s, ratio %.2f)\n",
+            "(pinned host copy here: %8.2f GB/s, ratio %.2f; host rows over %s: %8.2f GB/s; "
+            "ratio to the slower %.2f)\n",
             read ? "read" : "write", staged_path.c_str(), static_cast<unsigned long long>(size),
-            row->gbps, row->p50, limit, row->gbps / limit);
+            row->gbps, row->p50, copy, row->gbps / copy, link_path.c_str(), link->gbps,
+            row->gbps / bound);
         std::fflush(stdout);
       }
     }

@@ -284,7 +284,9 @@ class CudaIpcMultiProcTest : public ::testing::TestWithParam<std::tuple<std::str
     auto pid = rig.agent->Connect(rig.peer.blob);
     ASSERT_TRUE(pid.ok()) << pid.status().ToString();
     rig.pid = *pid;
-    if (other_host() && connect_back) ASSERT_NO_FATAL_FAILURE(ConnectBack(rig));
+    if (other_host() && connect_back) {
+      ASSERT_NO_FATAL_FAILURE(ConnectBack(rig));
+    }
   }
   void ConnectBack(Rig& rig) {
     rig.peer.child->Send("CONNECT " + testing::ToHex(rig.agent->Metadata()));

@@ -1,6 +1,7 @@
 #include "transfer/cuda/cuda_driver.h"
 
 #include <dlfcn.h>
+#include <sys/prctl.h>
 
 #include <cstdio>
 #include <map>
@@ -116,6 +117,8 @@ std::string UuidText(std::string_view uuid) {
   }
   return out;
 }
+
+void UsePreciseSleeps() { static_cast<void>(prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0)); }
 
 Status UseDevice(const Driver& d, int ordinal) {
   static std::mutex mu;

@@ -550,6 +550,7 @@ class CudaIpcPath final : public DataPath {
   void Poll(int device) {
     // Post made the context current for the copies; the events are queried from here.
     static_cast<void>(cuda::UseDevice(*d_, device));
+    cuda::UsePreciseSleeps();
     std::unique_lock<std::mutex> lock(mu_);
     while (true) {
       cv_.wait(lock, [&] { return stop_ || !ops_.empty(); });

@@ -773,6 +773,7 @@ class Staged final : public ucx::StageSink, public std::enable_shared_from_this<
   }
 
   void Run() {
+    cuda::UsePreciseSleeps();
     std::unique_lock<std::mutex> lock(mu_);
     bool device_set = false;
     while (!stop_) {

@@ -21,7 +21,9 @@ Communicators, as vLLM would use them on these tensors:
   copies each sent row to the host (`.to("cpu", non_blocking=True)` on the engine's stream),
   receives into pinned host tensors, synchronises the stream, runs gloo `batch_isend_irecv`
   on the CPU group, waits for every request, then copies each received row into its buffer
-  row (`copy_(non_blocking=True)` on the stream). vLLM picks it for device tensors when NCCL
+  row (`copy_(non_blocking=True)` on the stream). As in vLLM's synchronous mode (its
+  default) no stream is set: the current stream serves, and vLLM's loop copies the buffer
+  into the weights on that same stream afterwards. vLLM picks it for device tensors when NCCL
   cannot run (several ranks on one GPU, as here: NCCL refuses two ranks on one device).
 - `eplbx_loop`: EplbxCommunicator through vLLM's own loop (local copies into the buffer,
   add_send / add_recv / execute per layer, then the buffer copied into the weights).
@@ -82,6 +84,8 @@ class GlooStaged:
         self._ops.clear()
         if self._stream is not None:
             self._stream.synchronize()
+        elif self._pin:
+            torch.cuda.current_stream().synchronize()
         for req in dist.batch_isend_irecv(ops):
             req.wait()
         with torch.cuda.stream(self._stream) if self._stream is not None else _null():
@@ -185,11 +189,10 @@ def worker(rank, world, port, cfg, device_kind, results):
                    for _ in range(cfg["layers"])]
         buffer = [torch.zeros((rows, e), dtype=torch.float32, device=device) for e in elems]
         fill(weights, maps[0])
-        stream = torch.cuda.Stream(device) if device_kind == "cuda" else None
-        comms = {"torch_gloo_staged": GlooStaged(group, stream, device)}
+        # vLLM's synchronous mode (its default): the communicators get no stream, so every
+        # copy runs on the current stream, ordered with the loop's own copies.
+        comms = {"torch_gloo_staged": GlooStaged(group, None, device)}
         eplbx_comm = EplbxCommunicator(group, weights, buffer, timeout_s=120.0)
-        if stream is not None:
-            eplbx_comm.set_stream(stream)
         comms["eplbx_loop"] = comms["eplbx"] = eplbx_comm
         transfers = 0
         times = {n: [] for n in NAMES}

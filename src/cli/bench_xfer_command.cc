@@ -403,7 +403,10 @@ Status RunCudaRows(const XferOptions& o, const std::vector<uint64_t>& sizes,
   if (!peer.ok()) return peer.status();
   Result<PeerInfo> info = (*agent)->Peer(*peer);
   if (!info.ok()) return info.status();
-  const std::string path = info->paths.empty() ? "?" : info->paths[0].path;
+  std::string path = "?";  // the path of the device rows (the target has host rows too)
+  for (const PathChoice& c : info->paths) {
+    if (c.kind != MemoryKind::kHost) path = c.path;
+  }
   auto* local_rows = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(local));
   for (bool read : ops) {
     for (uint64_t size : sizes) {

@@ -51,6 +51,12 @@ struct BalancerOptions {
   // For the migration planner's estimates (the Rearranger moves the layout's real rows).
   uint64_t bytes_per_expert = 44040192;
   double link_gbps = 400.0;
+  // The ranks that serve (empty: every rank). After ranks were lost (docs/deploy.md, "After
+  // a lost rank") the survivors go on over the members: the other ranks' slots stay empty
+  // (-1) in the initial placement and in every plan, balance is measured over the members,
+  // and plans are made on the members' topology (MembersTopology) incremental from what
+  // they hold. One flag per rank of `topology`.
+  std::vector<bool> live;
 };
 
 // One rebalance, as this rank saw it.

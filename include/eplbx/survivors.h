@@ -67,6 +67,22 @@ Result<SurvivorPlan> PlanSurvivors(const Placement& in_force, const LoadMatrix& 
                                    const Topology& topology, const std::vector<bool>& live,
                                    const SurvivorOptions& options = {});
 
+// ---- Placements over the members --------------------------------------------------------
+//
+// A deployment of `topology.ranks` ranks where only the ranks with live[r] serve: their
+// slots in rank order make a smaller deployment (rank k of it is the k-th live rank).
+
+// The topology of the members: their slots; the nodes kept when every node lost the same
+// number of ranks and the members still split evenly over them, else one node.
+Topology MembersTopology(const Topology& topology, const std::vector<bool>& live);
+// The members' slots of `full` (over `topology`), compact in rank order.
+Result<Placement> CompactToMembers(const Placement& full, const Topology& topology,
+                                   const std::vector<bool>& live);
+// `compact` (over MembersTopology) spread back over every rank's slots, the other ranks'
+// slots empty (-1).
+Result<Placement> SpreadOverMembers(const Placement& compact, const Topology& topology,
+                                    const std::vector<bool>& live);
+
 // ---- Elastic resize (docs/placement.md, "Adding and removing ranks") --------------------
 //
 // Ranks join with empty slots and ranks leave gracefully: a leaving rank is still readable

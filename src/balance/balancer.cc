@@ -7,6 +7,7 @@
 
 #include "common/strings.h"
 #include "eplbx/migration.h"
+#include "eplbx/survivors.h"
 
 namespace eplbx {
 
@@ -18,6 +19,29 @@ using SteadyClock = std::chrono::steady_clock;
 
 double Since(SteadyClock::time_point t0) {
   return std::chrono::duration<double>(SteadyClock::now() - t0).count();
+}
+
+// The balance of `p` under `load` over the ranks that serve (the members' slots only when
+// options.live is set).
+Result<Balance> BalanceOver(const BalancerOptions& o, const Placement& p, const LoadMatrix& load) {
+  if (o.live.empty()) return ComputeBalance(p, load, o.topology.ranks);
+  EPLBX_ASSIGN_OR_RETURN(Placement compact, CompactToMembers(p, o.topology, o.live));
+  return ComputeBalance(compact, load, MembersTopology(o.topology, o.live).ranks);
+}
+
+// The next placement from the window, incremental from `current`: over every rank, or with
+// options.live planned on the members' topology and spread back (other ranks' slots empty).
+Result<Placement> PlanNext(const BalancerOptions& o, const LoadMatrix& window,
+                           const Placement& current) {
+  if (o.live.empty()) {
+    return Plan(window, o.topology,
+                {.policy = o.policy, .previous = &current, .tolerance = o.tolerance});
+  }
+  EPLBX_ASSIGN_OR_RETURN(Placement compact, CompactToMembers(current, o.topology, o.live));
+  EPLBX_ASSIGN_OR_RETURN(
+      Placement next, Plan(window, MembersTopology(o.topology, o.live),
+                           {.policy = o.policy, .previous = &compact, .tolerance = o.tolerance}));
+  return SpreadOverMembers(next, o.topology, o.live);
 }
 
 }  // namespace
@@ -38,14 +62,13 @@ Planned PlanRebalance(const BalancerOptions& o, const LoadMatrix& window, const 
   Planned out;
   const Topology& t = o.topology;
   auto t0 = SteadyClock::now();
-  Result<Placement> next =
-      Plan(window, t, {.policy = o.policy, .previous = &current, .tolerance = o.tolerance});
+  Result<Placement> next = PlanNext(o, window, current);
   out.record.plan_s = Since(t0);
   if (!next.ok()) {
     out.status = next.status();
     return out;
   }
-  Result<Balance> planned = ComputeBalance(*next, window, t.ranks);
+  Result<Balance> planned = BalanceOver(o, *next, window);
   if (!planned.ok()) {
     out.status = planned.status();
     return out;
@@ -152,6 +175,30 @@ Result<std::unique_ptr<Balancer>> Balancer::Create(Placement initial, BalancerOp
     return Status::InvalidArgument(StrCat("the topology has ", options.topology.slots,
                                           " slots, the initial placement ", initial.slots()));
   }
+  if (!options.live.empty()) {
+    const Topology& t = options.topology;
+    if (options.live.size() != static_cast<size_t>(t.ranks)) {
+      return Status::InvalidArgument(StrCat(options.live.size(), " liveness flags (live) for ",
+                                            t.ranks, " ranks (one per rank, or none)"));
+    }
+    const Topology members = MembersTopology(t, options.live);
+    if (members.slots < initial.experts()) {
+      return Status::InvalidArgument(StrCat("the ", members.ranks, " serving ranks have ",
+                                            members.slots, " slots for ", initial.experts(),
+                                            " experts; every expert needs a slot"));
+    }
+    const int per_rank = t.slots_per_rank();
+    for (int l = 0; l < initial.layers(); ++l) {
+      for (int slot = 0; slot < initial.slots(); ++slot) {
+        if (!options.live[slot / per_rank] && initial.phy2log(l, slot) >= 0) {
+          return Status::InvalidArgument(
+              StrCat("the initial placement puts expert ", initial.phy2log(l, slot), " of layer ",
+                     l, " in slot ", slot, " of rank ", slot / per_rank,
+                     ", which does not serve (live); its slots must be empty (-1)"));
+        }
+      }
+    }
+  }
   EPLBX_ASSIGN_OR_RETURN(LoadRecorder rec,
                          LoadRecorder::Create(initial.layers(), initial.experts(), options.window));
   if (rearranger != nullptr && options.mode == BalancerMode::kAsynchronous) {
@@ -204,12 +251,11 @@ Result<BalancerStep> Balancer::StepSlots(std::span<const double> slot_counts) {
 
 Result<BalancerStep> Balancer::Step(std::span<const double> expert_counts) {
   State& s = *state_;
-  const Topology& t = s.o.topology;
   EPLBX_ASSIGN_OR_RETURN(LoadMatrix load,
                          LoadMatrix::Create(s.current.layers(), s.current.experts(),
                                             {expert_counts.begin(), expert_counts.end()}));
   BalancerStep out;
-  EPLBX_ASSIGN_OR_RETURN(Balance b, ComputeBalance(s.current, load, t.ranks));
+  EPLBX_ASSIGN_OR_RETURN(Balance b, BalanceOver(s.o, s.current, load));
   out.balancedness = b.total;
   EPLBX_RETURN_IF_ERROR(s.recorder.Record(expert_counts));
   ++s.report.steps;
@@ -235,7 +281,7 @@ Result<BalancerStep> Balancer::Step(std::span<const double> expert_counts) {
   if (!Due(s.o.trigger, s.report.steps) || s.active || s.next) return out;
   ++s.report.considered;
   EPLBX_ASSIGN_OR_RETURN(LoadMatrix window, s.recorder.Window());
-  EPLBX_ASSIGN_OR_RETURN(const Balance on_window, ComputeBalance(s.current, window, t.ranks));
+  EPLBX_ASSIGN_OR_RETURN(const Balance on_window, BalanceOver(s.o, s.current, window));
   const double before = on_window.total;
   out.decision = Decide(s.o.trigger, before, 0);
   if (out.decision == TriggerDecision::kSkipBalanced) {

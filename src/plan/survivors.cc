@@ -33,6 +33,38 @@ Status CheckShapes(std::string_view what, const Placement& in_force, const LoadM
   return Status::OK();
 }
 
+// The members' slots of `held` (layers x span slots, -1 empty), compact in `members` order.
+std::vector<int32_t> Compact(const std::vector<int32_t>& held, int layers, int span_slots,
+                             int per_rank, const std::vector<int>& members) {
+  const int small = static_cast<int>(members.size()) * per_rank;
+  std::vector<int32_t> out(static_cast<size_t>(layers) * small, -1);
+  for (int l = 0; l < layers; ++l) {
+    for (size_t k = 0; k < members.size(); ++k) {
+      for (int i = 0; i < per_rank; ++i) {
+        out[static_cast<size_t>(l) * small + k * per_rank + i] =
+            held[static_cast<size_t>(l) * span_slots + members[k] * per_rank + i];
+      }
+    }
+  }
+  return out;
+}
+
+// `compact` (layers x members' slots) back over the span; other ranks' slots empty.
+std::vector<int32_t> Spread(const Placement& compact, int span_slots, int per_rank,
+                            const std::vector<int>& members) {
+  const int layers = compact.layers();
+  std::vector<int32_t> out(static_cast<size_t>(layers) * span_slots, -1);
+  for (int l = 0; l < layers; ++l) {
+    for (size_t k = 0; k < members.size(); ++k) {
+      for (int i = 0; i < per_rank; ++i) {
+        out[static_cast<size_t>(l) * span_slots + members[k] * per_rank + i] =
+            compact.phy2log(l, static_cast<int>(k) * per_rank + i);
+      }
+    }
+  }
+  return out;
+}
+
 // The ranks `members` (ids in a span of ranks with `per_rank` slots each) planned on `small`
 // (their topology, in that order), incremental from what the span's slots hold (`held`,
 // layers x span slots, -1 empty): the plan spread back over the span (other ranks' slots
@@ -46,47 +78,86 @@ Result<OverMembers> PlanOverMembers(const LoadMatrix& load, const std::vector<in
                                     const std::vector<int>& members, const Topology& small,
                                     Policy policy, double tolerance) {
   const int layers = load.layers();
-  std::vector<int32_t> compact(static_cast<size_t>(layers) * small.slots, -1);
-  for (int l = 0; l < layers; ++l) {
-    for (size_t k = 0; k < members.size(); ++k) {
-      for (int i = 0; i < per_rank; ++i) {
-        compact[static_cast<size_t>(l) * small.slots + k * per_rank + i] =
-            held[static_cast<size_t>(l) * span_slots + members[k] * per_rank + i];
-      }
-    }
-  }
-  EPLBX_ASSIGN_OR_RETURN(Placement previous,
-                         Placement::FromPhy2Log(layers, small.slots, experts, compact));
+  EPLBX_ASSIGN_OR_RETURN(
+      Placement previous,
+      Placement::FromPhy2Log(layers, small.slots, experts,
+                             Compact(held, layers, span_slots, per_rank, members)));
   PlanOptions po;
   po.policy = policy;
   po.tolerance = tolerance;
   po.previous = &previous;
   EPLBX_ASSIGN_OR_RETURN(Placement planned, Plan(load, small, po));
-  OverMembers out{std::vector<int32_t>(static_cast<size_t>(layers) * span_slots, -1),
-                  std::move(planned)};
-  for (int l = 0; l < layers; ++l) {
-    for (size_t k = 0; k < members.size(); ++k) {
-      for (int i = 0; i < per_rank; ++i) {
-        out.span[static_cast<size_t>(l) * span_slots + members[k] * per_rank + i] =
-            out.compact.phy2log(l, static_cast<int>(k) * per_rank + i);
-      }
-    }
+  std::vector<int32_t> span = Spread(planned, span_slots, per_rank, members);
+  return OverMembers{std::move(span), std::move(planned)};
+}
+
+std::vector<int> Members(const std::vector<bool>& live) {
+  std::vector<int> out;
+  for (size_t r = 0; r < live.size(); ++r) {
+    if (live[r]) out.push_back(static_cast<int>(r));
   }
   return out;
 }
 
+Status CheckLive(const Topology& topology, const std::vector<bool>& live) {
+  if (live.size() != static_cast<size_t>(topology.ranks)) {
+    return Status::InvalidArgument(
+        StrCat(live.size(), " liveness flags for ", topology.ranks, " ranks (one per rank)"));
+  }
+  return Status::OK();
+}
+
 }  // namespace
+
+Topology MembersTopology(const Topology& topology, const std::vector<bool>& live) {
+  const int per_rank = topology.slots_per_rank();
+  Topology small = topology;
+  small.ranks = 0;
+  std::vector<int> lost_per_node(std::max(topology.nodes, 1), 0);
+  for (int r = 0; r < topology.ranks && r < static_cast<int>(live.size()); ++r) {
+    if (live[r]) {
+      ++small.ranks;
+    } else if (topology.nodes >= 1) {
+      ++lost_per_node[topology.node_of_rank(r)];
+    }
+  }
+  small.slots = small.ranks * per_rank;
+  bool even = topology.nodes > 1;
+  for (int n : lost_per_node) even = even && n == lost_per_node[0];
+  small.nodes = even && small.ranks % topology.nodes == 0 ? topology.nodes : 1;
+  return small;
+}
+
+Result<Placement> CompactToMembers(const Placement& full, const Topology& topology,
+                                   const std::vector<bool>& live) {
+  EPLBX_RETURN_IF_ERROR(CheckLive(topology, live));
+  const std::vector<int> members = Members(live);
+  const int per_rank = topology.slots_per_rank();
+  return Placement::FromPhy2Log(
+      full.layers(), static_cast<int>(members.size()) * per_rank, full.experts(),
+      Compact(full.phy2log(), full.layers(), full.slots(), per_rank, members));
+}
+
+Result<Placement> SpreadOverMembers(const Placement& compact, const Topology& topology,
+                                    const std::vector<bool>& live) {
+  EPLBX_RETURN_IF_ERROR(CheckLive(topology, live));
+  const std::vector<int> members = Members(live);
+  const int per_rank = topology.slots_per_rank();
+  if (compact.slots() != static_cast<int>(members.size()) * per_rank) {
+    return Status::InvalidArgument(StrCat("a placement over the members has ", compact.slots(),
+                                          " slots; ", members.size(), " members x ", per_rank,
+                                          " slots per rank expected"));
+  }
+  return Placement::FromPhy2Log(compact.layers(), topology.slots, compact.experts(),
+                                Spread(compact, topology.slots, per_rank, members));
+}
 
 Result<SurvivorPlan> PlanSurvivors(const Placement& in_force, const LoadMatrix& load,
                                    const Topology& topology, const std::vector<bool>& live,
                                    const SurvivorOptions& options) {
   EPLBX_RETURN_IF_ERROR(CheckShapes("survivor planning", in_force, load, topology));
   const int layers = in_force.layers(), slots = in_force.slots(), experts = in_force.experts();
-  if (live.size() != static_cast<size_t>(topology.ranks)) {
-    return Status::InvalidArgument(StrCat("survivor planning: ", live.size(),
-                                          " liveness flags for ", topology.ranks,
-                                          " ranks (one per rank)"));
-  }
+  if (Status s = CheckLive(topology, live); !s.ok()) return s.WithPrefix("survivor planning");
   const int per_rank = topology.slots_per_rank();
   std::vector<int> alive, lost;
   for (int r = 0; r < topology.ranks; ++r) (live[r] ? alive : lost).push_back(r);
@@ -139,14 +210,7 @@ Result<SurvivorPlan> PlanSurvivors(const Placement& in_force, const LoadMatrix& 
   }
 
   // Plan on a topology of the survivors: the live ranks' slots, in rank order.
-  Topology small = topology;
-  small.ranks = static_cast<int>(alive.size());
-  small.slots = small.ranks * per_rank;
-  bool even = topology.nodes > 1;
-  std::vector<int> lost_per_node(topology.nodes, 0);
-  for (int r : lost) ++lost_per_node[topology.node_of_rank(r)];
-  for (int n : lost_per_node) even = even && n == lost_per_node[0];
-  small.nodes = even && small.ranks % topology.nodes == 0 ? topology.nodes : 1;
+  const Topology small = MembersTopology(topology, live);
   Result<OverMembers> planned = PlanOverMembers(load, held, experts, slots, per_rank, alive, small,
                                                 options.policy, options.tolerance);
   if (!planned.ok()) return planned.status().WithPrefix("survivor planning");

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include "eplbx/simulate.h"
+#include "eplbx/survivors.h"
 #include "rank_fixture.h"
 
 namespace eplbx {
@@ -181,6 +182,89 @@ TEST(BalancerTest, PlanOnlyIsWhatSimulateReplays) {
     EXPECT_TRUE(r->steps[static_cast<size_t>(e.step)].rebalanced);
     EXPECT_EQ((e.step + 1) % 50, 0);
   }
+}
+
+// After a lost rank the Balancer goes on over the members (BalancerOptions::live): no plan
+// ever puts an expert on the lost rank's slots, every expert keeps a replica, balance is
+// measured over the members, and it still rebalances as the hot experts move.
+TEST(BalancerTest, OverTheMembersNoPlanUsesALostRanksSlots) {
+  const Topology topo{.ranks = 4, .nodes = 1, .slots = 20, .groups = 1};
+  const std::vector<bool> live = {true, true, false, true};
+  const Topology members = MembersTopology(topo, live);
+  EXPECT_EQ(members.ranks, 3);
+  EXPECT_EQ(members.slots, 15);
+  const int layers = 2, experts = 12;
+  std::vector<int32_t> flat;
+  for (int l = 0; l < layers; ++l) {
+    for (int s = 0; s < 15; ++s) flat.push_back(s % experts);
+  }
+  auto compact = Placement::FromPhy2Log(layers, 15, experts, flat);
+  ASSERT_TRUE(compact.ok());
+  auto initial = SpreadOverMembers(*compact, topo, live);
+  ASSERT_TRUE(initial.ok()) << initial.status().ToString();
+  for (int s = 10; s < 15; ++s) EXPECT_EQ(initial->phy2log(0, s), -1);
+  auto back = CompactToMembers(*initial, topo, live);
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->phy2log(), compact->phy2log());
+
+  BalancerOptions o;
+  o.topology = topo;
+  o.policy = Policy::kBalanced;
+  o.window = 20;
+  o.trigger.interval = 20;
+  o.live = live;
+  auto b = Balancer::Create(*initial, o, nullptr);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  int commits = 0;
+  for (int step = 0; step < 240; ++step) {
+    std::vector<double> load;
+    for (int l = 0; l < layers; ++l) {
+      for (int e = 0; e < experts; ++e)
+        load.push_back(std::round(1000.0 / (1 + (e + step / 60 * 5) % experts)));
+    }
+    auto st = (*b)->Step(load);
+    ASSERT_TRUE(st.ok()) << st.status().ToString();
+    auto lm = LoadMatrix::Create(layers, experts, load);
+    ASSERT_TRUE(lm.ok());
+    auto c = CompactToMembers((*b)->placement(), topo, live);
+    ASSERT_TRUE(c.ok());
+    auto bal = ComputeBalance(*c, *lm, 3);
+    ASSERT_TRUE(bal.ok());
+    EXPECT_DOUBLE_EQ(st->balancedness, bal->total) << "step " << step;
+    commits += (*b)->Commit().layers.empty() ? 0 : 1;
+    const Placement& p = (*b)->placement();
+    for (int l = 0; l < layers; ++l) {
+      for (int s = 10; s < 15; ++s) ASSERT_EQ(p.phy2log(l, s), -1) << "step " << step;
+      for (int e = 0; e < experts; ++e) ASSERT_GE(p.logcnt(l, e), 1) << "step " << step;
+    }
+  }
+  EXPECT_GE(commits, 2);
+  EXPECT_GE((*b)->report().rebalances.size(), 2u);
+
+  // What does not fit is refused by name.
+  BalancerOptions bad = o;
+  bad.live = {true, true, false};
+  EXPECT_NE(Balancer::Create(*initial, bad, nullptr)
+                .status()
+                .message()
+                .find("3 liveness flags (live) for 4 ranks"),
+            std::string::npos);
+  std::vector<int32_t> on_lost = initial->phy2log();
+  on_lost[11] = 4;
+  auto wrong = Placement::FromPhy2Log(layers, 20, experts, on_lost);
+  ASSERT_TRUE(wrong.ok());
+  EXPECT_NE(Balancer::Create(*wrong, o, nullptr)
+                .status()
+                .message()
+                .find("the initial placement puts expert 4 of layer 0 in slot 11 of rank 2, "
+                      "which does not serve (live); its slots must be empty (-1)"),
+            std::string::npos);
+  bad.live = {true, false, false, false};
+  EXPECT_NE(Balancer::Create(*initial, bad, nullptr)
+                .status()
+                .message()
+                .find("the 1 serving ranks have 5 slots for 12 experts"),
+            std::string::npos);
 }
 
 // Counts per physical slot go to the slot's expert; a wrong count of counts is named.

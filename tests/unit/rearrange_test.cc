@@ -1171,7 +1171,9 @@ std::vector<RearrangeReport> SwapOnThreads(
     // Every rank is done; the next Rearranger on these agents connects afresh.
     ASSERT_TRUE(boot.Barrier(std::chrono::seconds(10)).ok());
     for (uint32_t peer = 0; peer < kRanks; ++peer) {
-      if (peer != r) ASSERT_TRUE(ranks[r]->agent->Disconnect(*(*re)->peer(peer)).ok());
+      if (peer != r) {
+        ASSERT_TRUE(ranks[r]->agent->Disconnect(*(*re)->peer(peer)).ok());
+      }
     }
   });
   return reports;

@@ -201,7 +201,9 @@ void ExpectResizeConsistent(const World& w, const ResizePlan& p) {
     for (int s = 0; s < span_slots; ++s) {
       const int r = s / per_rank;
       EXPECT_EQ(p.sources.phy2log(l, s), r < w.topo.ranks ? w.in_force.phy2log(l, s) : -1);
-      if (!members.count(r)) EXPECT_EQ(p.placement.phy2log(l, s), -1) << "slot " << s;
+      if (!members.count(r)) {
+        EXPECT_EQ(p.placement.phy2log(l, s), -1) << "slot " << s;
+      }
     }
     for (size_t k = 0; k < p.members.size(); ++k) {
       for (int i = 0; i < per_rank; ++i) {

@@ -46,6 +46,11 @@ struct DemoOptions {
   std::string fault;  // kind of --inject
   int fault_rank = -1;
   std::string fault_phase;  // exchange, transfer (default) or commit
+  // --serve drills (KIND:RANK@STEP, KIND kill or stop): the step at which rank fault_rank
+  // is killed or stopped; -1: no drill. The coordinator tracks membership then, and the
+  // ranks keep a host backup in backup_path (made by the coordinator's process id).
+  int fault_step = -1;
+  std::string backup_path;
   // Rearrange with the asynchronous pipeline (Begin, Commit back to back) instead of the
   // synchronous loop.
   bool pipeline = false;

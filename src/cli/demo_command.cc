@@ -53,8 +53,6 @@ Result<uint64_t> ParseBytes(const std::string& text, const char* flag) {
 Status ParseDemo(DemoOptions& o) {
   if (!o.steps_given) o.steps = o.serve ? 300 : 3;
   if (o.serve) {
-    if (!o.inject.empty())
-      return Status::InvalidArgument("--inject drills the rearrangement demo; not with --serve");
     if (o.interval < 1 || o.interval > o.steps) {
       return Status::InvalidArgument(
           StrCat("--interval ", o.interval, ": expected 1..--steps (", o.steps, ")"));
@@ -146,7 +144,44 @@ Status ParseDemo(DemoOptions& o) {
                " MiB of weights; reduce --layers, --slots-per-rank, --spare-rows or "
                "--expert-bytes"));
   }
-  if (!o.inject.empty()) {
+  if (!o.inject.empty() && o.serve) {  // a rank lost while serving
+    const auto colon = o.inject.find(':');
+    const auto at = o.inject.find('@');
+    o.fault = o.inject.substr(0, std::min(colon, o.inject.size()));
+    if (colon == std::string::npos || at == std::string::npos || at < colon ||
+        (o.fault != "kill" && o.fault != "stop")) {
+      return Status::InvalidArgument(
+          StrCat("--inject '", o.inject,
+                 "': with --serve expected kill:RANK@STEP or stop:RANK@STEP (the rank is "
+                 "killed, or stopped with SIGSTOP, at the start of that step)"));
+    }
+    Result<int> rank =
+        internal::ParseInteger<int>(std::string_view(o.inject).substr(colon + 1, at - colon - 1),
+                                    StrCat("--inject ", o.inject, ": the rank"), 0, o.ranks - 1);
+    if (!rank.ok()) return rank.status();
+    Result<int> step =
+        internal::ParseInteger<int>(std::string_view(o.inject).substr(at + 1),
+                                    StrCat("--inject ", o.inject, ": the step"), 1, o.steps - 1);
+    if (!step.ok()) return step.status();
+    o.fault_rank = *rank;
+    o.fault_step = *step;
+    if (o.mode_list.size() != 1) {
+      return Status::InvalidArgument(StrCat("--inject ", o.inject,
+                                            " with --serve drills one mode: pass --modes sync, "
+                                            "--modes async or --modes off (not '",
+                                            o.modes, "')"));
+    }
+    if (o.ranks < 3) {
+      return Status::InvalidArgument(
+          StrCat("--inject ", o.inject, " with --serve needs at least 3 ranks (two survive)"));
+    }
+    if (static_cast<int64_t>(o.ranks - 1) * o.slots_per_rank < o.experts) {
+      return Status::InvalidArgument(
+          StrCat("--inject ", o.inject, ": the ", o.ranks - 1, " surviving ranks would have ",
+                 (o.ranks - 1) * o.slots_per_rank, " slots for --experts ", o.experts,
+                 "; raise --slots-per-rank or --ranks"));
+    }
+  } else if (!o.inject.empty()) {
     const auto colon = o.inject.find(':');
     static const char* kFaults[] = {"stride-mismatch", "missing-tensor", "kill", "stall",
                                     "bad-notify"};
@@ -194,6 +229,10 @@ Status RunDemo(DemoOptions o) {
     if (page == MAP_FAILED || sem_init(static_cast<sem_t*>(page), 1, 1) != 0)
       return Status::Unavailable(StrCat("a shared semaphore: ", std::strerror(errno)));
     o.work_turn = page;
+  }
+  if (o.fault_step >= 0) {
+    const std::string dir = Env::Default()->GetVar("EPLBX_BACKUP_DIR").value_or("/dev/shm");
+    o.backup_path = StrCat(dir, "/eplbx-demo-backup-", getpid());
   }
   std::cout.flush();
   std::cerr.flush();
@@ -249,7 +288,9 @@ Status RunDemo(DemoOptions o) {
       // The coordinator gives up on a setup round before the ranks do, so it can name who
       // is missing.
       std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 800)),
-      [&](uint32_t rank) { closed[rank] = true; });
+      [&](uint32_t rank) { closed[rank] = true; }, nullptr,
+      /*membership=*/o.fault_step >= 0);
+  if (!o.backup_path.empty()) unlink(o.backup_path.c_str());
   // Every rank has reported or left; a stopped one is removed now.
   for (int r = 0; r < o.ranks; ++r) {
     close(fds[r]);

@@ -14,6 +14,7 @@
 // dispatch and combine all-to-all): a step's work is the sum over layers of the slowest
 // rank's work on that layer.
 #include <semaphore.h>
+#include <signal.h>
 #include <time.h>
 
 #include <algorithm>
@@ -27,6 +28,8 @@
 #include "eplbx/balancer.h"
 #include "eplbx/rearrange.h"
 #include "eplbx/simulate.h"
+#include "eplbx/survivors.h"
+#include "io/backup.h"
 
 namespace eplbx::cli {
 namespace {
@@ -73,6 +76,11 @@ struct ModeRun {
   uint64_t checksum = 0;  // of the work (reported, so the compiler keeps it)
   std::string first_bad, error;
   bool verified = false;
+  // A drill rebuilds the Balancer: what the one before the loss did, and the step the new
+  // one's step 0 is.
+  std::vector<RebalanceRecord> earlier;
+  int failed_earlier = 0;
+  int64_t step_offset = 0;
 };
 
 // One mode's world on this rank: its own weights (and agent and Rearranger when it moves
@@ -83,6 +91,7 @@ struct Mode {
   Weights w;
   std::unique_ptr<Rearranger> rearranger;
   std::unique_ptr<Balancer> balancer;
+  BalancerOptions options;  // what it was created with (a drill rebuilds it over the members)
   ModeRun m;
 };
 
@@ -138,10 +147,17 @@ void Work(const DemoOptions& o, int rank, int step, std::span<const double> coun
 
 nlohmann::json ModeReport(Mode& mode) {
   ModeRun& m = mode.m;
-  const BalancerReport& br = mode.balancer->report();
+  static const BalancerReport kNone;
+  const BalancerReport& br = mode.balancer != nullptr ? mode.balancer->report() : kNone;
   uint64_t bytes_read = 0, bytes_copied = 0;
   nlohmann::json rebalances = nlohmann::json::array();
-  for (const RebalanceRecord& x : br.rebalances) {
+  std::vector<RebalanceRecord> all = m.earlier;
+  for (RebalanceRecord x : br.rebalances) {
+    x.step += m.step_offset;
+    x.finished_step += m.step_offset;
+    all.push_back(std::move(x));
+  }
+  for (const RebalanceRecord& x : all) {
     bytes_read += x.bytes_read;
     bytes_copied += x.bytes_copied;
     nlohmann::json paths = nlohmann::json::object();
@@ -179,9 +195,146 @@ nlohmann::json ModeReport(Mode& mode) {
           {"bytes_read", bytes_read},
           {"bytes_copied", bytes_copied},
           {"rebalances", rebalances},
-          {"failed", br.failed},
+          {"failed", br.failed + m.failed_earlier},
           {"error", m.error},
           {"verified", m.verified}};
+}
+
+// The kill / stop drill of `--serve --inject KIND:RANK@STEP` (docs/cli.md, "Serving through a
+// lost rank"): what this survivor saw and did.
+struct DrillLog {
+  int detected_step = -1;
+  double detect_wait_s = 0;  // from the start of that step until the loss was known here
+  double recovery_s = 0;     // from then until serving again with every expert present
+  double drain_s = 0, setup_s = 0, plan_s = 0, move_s = 0, restore_s = 0;
+  uint64_t epoch = 0;
+  std::vector<int> members;
+  std::string interrupted;  // how the rebalance in flight ended ("" when none was)
+  int64_t experts_recovered = 0, rows_recovered = 0;
+  uint64_t bytes_moved = 0;
+  uint64_t backup_bytes = 0;     // the host backup's memory cost (rows held)
+  std::vector<int64_t> step_ns;  // wall-clock time of every step here, recovery included
+};
+
+// After the group lost a member (the step's collective failed with a new epoch): ends the
+// rebalance in flight (the layer protocol rolls back a layer the lost rank was in), builds a
+// Rearranger over the members, plans over the survivors with the host backup as the source
+// of experts no survivor holds, moves among the survivors, restores the rest from the backup,
+// and rebuilds the Balancer over the members. Every survivor runs it at the same step.
+Status RecoverFromLoss(const DemoOptions& o, int step, const LoadTrace& trace, const Topology& topo,
+                       Bootstrap& boot, Mode& mode, const io::HostBackup& backup, DrillLog& log) {
+  using Clock = std::chrono::steady_clock;
+  auto since = [](Clock::time_point t) {
+    return std::chrono::duration<double>(Clock::now() - t).count();
+  };
+  auto t = Clock::now();
+  // A rebalance in flight ends at its next Commit (the member set changed under it: the
+  // layers committed so far stay).
+  while (mode.balancer->progress().rebalancing) {
+    BalancerCommit c = mode.balancer->Commit();
+    for (const CommittedLayer& cl : c.layers)
+      mode.w.SetRows(static_cast<int>(cl.layer), cl.row_of_slot);
+    if (c.finished) log.interrupted = c.status.ok() ? "finished" : c.status.message();
+  }
+  // The placement in force, each member vouching for its own slots: the lost rank may have
+  // voted a layer ready to some survivors only, so one may have committed a layer another
+  // did not; each rank's rows are what its own map says.
+  const Placement& mine = mode.balancer->placement();
+  const int rows = mode.w.rows;
+  std::string own;
+  for (int l = 0; l < o.layers; ++l) {
+    for (int row = 0; row < rows; ++row) {
+      const int32_t e = mine.phy2log(l, static_cast<int>(boot.rank()) * rows + row);
+      own.append(reinterpret_cast<const char*>(&e), sizeof(e));
+    }
+  }
+  Result<std::vector<std::string>> all = Status::Internal("not gathered");
+  for (int attempt = 0; attempt < 4; ++attempt) {  // again if the member set moved meanwhile
+    const uint64_t epoch = boot.epoch();
+    all = boot.AllGather(own, std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000)));
+    if (all.ok() || boot.epoch() == epoch) break;
+  }
+  if (!all.ok()) return all.status().WithPrefix("gathering the survivors' maps");
+  std::vector<int32_t> flat(static_cast<size_t>(o.layers) * topo.slots, -1);
+  for (size_t r = 0; r < all->size(); ++r) {
+    const std::string& b = (*all)[r];
+    if (b.empty()) continue;  // not a member
+    if (b.size() != own.size()) {
+      return Status::Internal(
+          StrCat("rank ", r, " sent a map of ", b.size(), " bytes, ", own.size(), " expected"));
+    }
+    for (int l = 0; l < o.layers; ++l) {
+      for (int row = 0; row < rows; ++row) {
+        int32_t e;
+        std::memcpy(&e, b.data() + (static_cast<size_t>(l) * rows + row) * sizeof(e), sizeof(e));
+        flat[static_cast<size_t>(l) * topo.slots + r * rows + row] = e;
+      }
+    }
+  }
+  EPLBX_ASSIGN_OR_RETURN(const Placement in_force,
+                         Placement::FromPhy2Log(o.layers, topo.slots, o.experts, flat));
+  log.drain_s = since(t);
+  t = Clock::now();
+  if (mode.w.spare > 0) mode.w.layout.row_of_slot = mode.w.row_of_slot;  // the rows in force
+  for (const RebalanceRecord& x : mode.balancer->report().rebalances) mode.m.earlier.push_back(x);
+  mode.m.failed_earlier += mode.balancer->report().failed;
+  mode.m.step_offset = step + 1;  // the new Balancer's first Step is the next step
+  mode.balancer.reset();
+  mode.rearranger.reset();
+  RearrangeOptions ro;
+  ro.deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
+  Result<std::unique_ptr<Rearranger>> re = Status::Internal("not created");
+  for (int attempt = 0; attempt < 4; ++attempt) {  // again if the member set moved meanwhile
+    const uint64_t epoch = boot.epoch();
+    re = Rearranger::Create(mode.agent.get(), &boot, mode.w.layout, ro);
+    if (re.ok() || boot.epoch() == epoch) break;
+  }
+  if (!re.ok()) return re.status().WithPrefix("a Rearranger over the survivors");
+  mode.rearranger = std::move(*re);
+  log.epoch = boot.epoch();
+  const std::vector<bool> live = boot.members();
+  for (size_t r = 0; r < live.size(); ++r) {
+    if (live[r]) log.members.push_back(static_cast<int>(r));
+  }
+  log.setup_s = since(t);
+  t = Clock::now();
+  // The load of the last window, as the Balancer would plan from it.
+  std::vector<double> sum(static_cast<size_t>(o.layers) * o.experts, 0.0);
+  for (int k = std::max(0, step - o.interval + 1); k <= step; ++k) {
+    const std::span<const double> c = trace.step(k);
+    for (size_t i = 0; i < sum.size(); ++i) sum[i] += c[i];
+  }
+  EPLBX_ASSIGN_OR_RETURN(LoadMatrix window, LoadMatrix::Create(o.layers, o.experts, sum));
+  SurvivorOptions so;
+  so.policy = Policy::kIncremental;
+  so.backup = [&backup](int l, int e) { return backup.Holds(l, e); };
+  so.migration.bytes_per_expert = o.expert_bytes_value;
+  Result<SurvivorPlan> plan = PlanSurvivors(in_force, window, topo, live, so);
+  if (!plan.ok()) return plan.status();
+  log.experts_recovered = plan->experts_recovered;
+  log.plan_s = since(t);
+  t = Clock::now();
+  RearrangeReport moved = mode.rearranger->Rearrange(plan->sources, plan->interim, plan->migration);
+  if (!moved.status.ok()) return moved.status.WithPrefix("moving among the survivors");
+  log.bytes_moved = moved.bytes_read;
+  if (mode.w.spare > 0) {
+    for (int l = 0; l < o.layers; ++l) {
+      mode.w.SetRows(l, mode.rearranger->RowTable(static_cast<uint32_t>(l)));
+      mode.w.layout.row_of_slot[l] = mode.w.row_of_slot[l];
+    }
+  }
+  log.move_s = since(t);
+  t = Clock::now();
+  Result<int64_t> restored = io::RecoverSlots(*plan, mode.w.layout, backup);
+  if (!restored.ok()) return restored.status().WithPrefix("restoring from the host backup");
+  log.rows_recovered = *restored;
+  log.restore_s = since(t);
+  mode.options.live = live;
+  Result<std::unique_ptr<Balancer>> b =
+      Balancer::Create(plan->placement, mode.options, mode.rearranger.get());
+  if (!b.ok()) return b.status().WithPrefix("a Balancer over the survivors");
+  mode.balancer = std::move(*b);
+  return Status::OK();
 }
 
 }  // namespace
@@ -248,18 +401,44 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
     bo.trigger.interval = mode.name == "off" ? o.steps + 1 : o.interval;
     bo.mode = mode.name == "sync" ? BalancerMode::kSynchronous : BalancerMode::kAsynchronous;
     bo.bytes_per_expert = o.expert_bytes_value;
+    mode.options = bo;
     Result<std::unique_ptr<Balancer>> b = Balancer::Create(*initial, bo, mode.rearranger.get());
     if (!b.ok()) return fail(StrCat(mode.name, ": ", b.status().message()));
     mode.balancer = std::move(*b);
   }
+  // The drill's host backup: rank 0 creates the file, every rank copies in the experts its
+  // slots hold (together: every expert), so experts only a lost rank held can be restored.
+  const bool drill = o.fault_step >= 0;
+  DrillLog drill_log;
+  std::unique_ptr<io::HostBackup> backup;
+  if (drill) {
+    if (rank == 0) {
+      Result<std::unique_ptr<io::HostBackup>> b =
+          io::HostBackup::Create(o.backup_path, modes[0].w.layout, o.experts);
+      if (!b.ok()) return fail(b.status().message());
+      backup = std::move(*b);
+    }
+    if (Status made = boot.Barrier(deadline); !made.ok()) return fail(made.message());
+    if (rank != 0) {
+      Result<std::unique_ptr<io::HostBackup>> b = io::HostBackup::Open(o.backup_path);
+      if (!b.ok()) return fail(b.status().message());
+      backup = std::move(*b);
+    }
+    if (Status c = backup->Capture(*initial, modes[0].w.layout); !c.ok()) return fail(c.message());
+  }
   Status ready = boot.Barrier(deadline);
   if (!ready.ok()) return fail(ready.message());
+  uint64_t epoch = boot.epoch();
   const uint64_t row0 = modes[0].w.bytes[0];
   const uint64_t work = std::max<uint64_t>(8, std::min<uint64_t>(o.work_bytes_value, row0) & ~7ull);
   const uint64_t segments = std::max<uint64_t>(1, row0 / work);
   auto* turn = static_cast<sem_t*>(o.work_turn);
   bool stopped = false;
   for (int step = 0; step < o.steps && !stopped; ++step) {
+    const int64_t step_t0 = MonotonicNs();
+    if (drill && rank == o.fault_rank && step == o.fault_step) {
+      raise(o.fault == "kill" ? SIGKILL : SIGSTOP);  // as a crash or a hung host would
+    }
     const std::span<const double> counts = trace->step(step);
     for (Mode& mode : modes) {
       ModeRun& m = mode.m;
@@ -283,7 +462,36 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
       m.balancedness.push_back(st->balancedness);
       m.rebalancing.push_back(in_flight || (st->began && mode.name == "sync") ? 1 : 0);
       m.committed.push_back(static_cast<int>(c.layers.size()));
-      if (c.finished && !c.status.ok() && m.error.empty()) m.error = c.status.message();
+      if (c.finished && !c.status.ok()) {
+        // In a drill the rebalance the lost rank was in fails (its layers roll back); the
+        // step's collective below says why.
+        if (drill) {
+          drill_log.interrupted = c.status.message();
+        } else if (m.error.empty()) {
+          m.error = c.status.message();
+        }
+      }
+    }
+    // The step's collective (an engine's all-to-all): a lost member fails it for everyone
+    // with a new epoch; then the survivors recover, all at this step.
+    if (drill && !stopped) {
+      Status alive = boot.Barrier(deadline);
+      if (!alive.ok() && boot.epoch() != epoch && drill_log.detected_step < 0) {
+        drill_log.detected_step = step;
+        drill_log.detect_wait_s = static_cast<double>(MonotonicNs() - step_t0) * 1e-9;
+        const int64_t t0 = MonotonicNs();
+        Status rec = RecoverFromLoss(o, step, *trace, topo, boot, modes[0], *backup, drill_log);
+        drill_log.recovery_s = static_cast<double>(MonotonicNs() - t0) * 1e-9;
+        epoch = boot.epoch();
+        if (!rec.ok()) {
+          modes[0].m.error = StrCat("recovery at step ", step, ": ", rec.message());
+          stopped = true;
+        }
+      } else if (!alive.ok()) {
+        modes[0].m.error = StrCat("step ", step, ": ", alive.message());
+        stopped = true;
+      }
+      drill_log.step_ns.push_back(MonotonicNs() - step_t0);
     }
     if (rank == 0 && (step + 1) % 100 == 0) {
       (void)boot.SendMessage(nlohmann::json{
@@ -298,14 +506,14 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
   for (Mode& mode : modes) {
     ModeRun& m = mode.m;
     // A rebalance still in flight ends on every rank at the same step.
-    while (mode.balancer->progress().rebalancing) {
+    while (mode.balancer != nullptr && mode.balancer->progress().rebalancing) {
       BalancerCommit c = mode.balancer->Commit();
       for (const CommittedLayer& cl : c.layers)
         mode.w.SetRows(static_cast<int>(cl.layer), cl.row_of_slot);
       if (c.finished && !c.status.ok() && m.error.empty()) m.error = c.status.message();
     }
-    std::string bad;
-    for (int l = 0; l < o.layers && bad.empty(); ++l)
+    std::string bad;  // (no Balancer: a drill's recovery failed, m.error says how)
+    for (int l = 0; l < o.layers && bad.empty() && mode.balancer != nullptr; ++l)
       bad = VerifyLayer(mode.w, mode.balancer->placement(), l, rank);
     if (!bad.empty() && m.error.empty()) m.error = StrCat("final verification: ", bad);
     if (m.bad_rows > 0 && m.error.empty()) m.error = m.first_bad;
@@ -318,6 +526,30 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
   // Nobody tears its agents down while a peer may still be finishing.
   Status done = boot.Barrier(deadline);
   if (!done.ok() && report["error"].get<std::string>().empty()) report["error"] = done.message();
+  if (drill) {
+    if (drill_log.detected_step < 0 && report["error"].get<std::string>().empty()) {
+      report["error"] = StrCat("the ", o.fault, " of rank ", o.fault_rank, " at step ",
+                               o.fault_step, " was never detected");
+      all_ok = false;
+    }
+    drill_log.backup_bytes = backup == nullptr ? 0 : backup->held_bytes();
+    report["drill"] = {{"detected_step", drill_log.detected_step},
+                       {"detect_wait_s", drill_log.detect_wait_s},
+                       {"recovery_s", drill_log.recovery_s},
+                       {"drain_s", drill_log.drain_s},
+                       {"setup_s", drill_log.setup_s},
+                       {"plan_s", drill_log.plan_s},
+                       {"move_s", drill_log.move_s},
+                       {"restore_s", drill_log.restore_s},
+                       {"epoch", drill_log.epoch},
+                       {"members", drill_log.members},
+                       {"interrupted", drill_log.interrupted},
+                       {"experts_recovered", drill_log.experts_recovered},
+                       {"rows_recovered", drill_log.rows_recovered},
+                       {"bytes_moved", drill_log.bytes_moved},
+                       {"backup_bytes", drill_log.backup_bytes},
+                       {"step_ns", drill_log.step_ns}};
+  }
   report["modes"] = std::move(out);
   report["verified"] = all_ok && done.ok();
   report["weights_intact"] = all_ok;

@@ -103,10 +103,182 @@ void WriteSvg(const std::string& file, const std::vector<ModeSummary>& modes, in
   out << "</svg>\n";
 }
 
+// `--serve --inject kill|stop:RANK@STEP`: what the survivors saw, did and served
+// (docs/cli.md, "Serving through a lost rank"). Step times are wall-clock on each survivor
+// (the step's collective keeps them in step); a step's time is the slowest survivor's.
+Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& reports, double wall,
+                          const Status& served) {
+  std::string error;
+  const std::string& mode = o.mode_list[0];
+  std::vector<int> survivors;
+  for (int r = 0; r < o.ranks; ++r) {
+    if (r != o.fault_rank) survivors.push_back(r);
+  }
+  auto number = [](const json& j, const char* key) {
+    return j.contains(key) && j[key].is_number() ? j[key].get<double>() : -1.0;
+  };
+  std::vector<double> step_s;
+  double recovery_s = 0, detect_wait_s = 0, drain_s = 0, setup_s = 0, plan_s = 0, move_s = 0,
+         restore_s = 0, backup_bytes = 0;
+  double detected = -1, epoch = -1, experts_recovered = -1;
+  uint64_t rows_recovered = 0, bytes_moved = 0, rows_checked = 0, bad_rows = 0;
+  int rebalances_after = 0;
+  json members, interrupted = "";
+  for (int r : survivors) {
+    if (!error.empty()) break;
+    if (reports.count(r) == 0) {
+      error = StrCat("rank ", r, " (a survivor) exited without a report");
+      break;
+    }
+    const json& rep = reports.at(r);
+    if (std::string e = rep.value("error", ""); !e.empty()) {
+      error = StrCat("rank ", r, ": ", e);
+      break;
+    }
+    if (!rep.contains("drill") || !rep["drill"].is_object() || !rep.contains("modes") ||
+        !rep["modes"].is_object() || !rep["modes"].contains(mode) ||
+        !rep["modes"][mode].is_object()) {
+      error = StrCat("rank ", r, " sent no drill report");
+      break;
+    }
+    const json& d = rep["drill"];
+    const double det = number(d, "detected_step"), ep = number(d, "epoch"),
+                 rec = number(d, "experts_recovered");
+    if (detected < 0) {
+      detected = det;
+      epoch = ep;
+      experts_recovered = rec;
+      members = d.value("members", json::array());
+      interrupted = d.value("interrupted", json(""));
+    } else if (det != detected || ep != epoch || rec != experts_recovered ||
+               d.value("members", json::array()) != members) {
+      error = StrCat("the survivors disagree: rank ", survivors[0], " recovered at step ", detected,
+                     " (epoch ", epoch, ", ", experts_recovered, " experts from the backup), rank ",
+                     r, " at step ", det, " (epoch ", ep, ", ", rec, ")");
+      break;
+    }
+    // The phases of the survivor that took longest (the others waited for it).
+    if (number(d, "recovery_s") >= recovery_s) {
+      recovery_s = number(d, "recovery_s");
+      drain_s = number(d, "drain_s");
+      setup_s = number(d, "setup_s");
+      plan_s = number(d, "plan_s");
+      move_s = number(d, "move_s");
+      restore_s = number(d, "restore_s");
+    }
+    detect_wait_s = std::max(detect_wait_s, number(d, "detect_wait_s"));
+    backup_bytes = std::max(backup_bytes, number(d, "backup_bytes"));
+    rows_recovered += static_cast<uint64_t>(std::max(0.0, number(d, "rows_recovered")));
+    bytes_moved += static_cast<uint64_t>(std::max(0.0, number(d, "bytes_moved")));
+    const json& mj = rep["modes"][mode];
+    rows_checked += mj.value("rows_checked", uint64_t{0});
+    bad_rows += mj.value("bad_rows", uint64_t{0});
+    if (r == survivors[0] && mj.contains("rebalances") && mj["rebalances"].is_array()) {
+      for (const json& x : mj["rebalances"]) {
+        if (x.is_object() && number(x, "step") > detected && x.value("ok", false))
+          ++rebalances_after;
+      }
+    }
+    if (d.contains("step_ns") && d["step_ns"].is_array()) {
+      const json& ns = d["step_ns"];
+      step_s.resize(std::max(step_s.size(), ns.size()), 0.0);
+      for (size_t i = 0; i < ns.size(); ++i) {
+        if (ns[i].is_number()) step_s[i] = std::max(step_s[i], ns[i].get<double>() * 1e-9);
+      }
+    }
+  }
+  if (error.empty() && detected < 0) error = "no survivor detected the loss";
+  if (!served.ok())
+    error = error.empty() ? served.message() : StrCat(served.message(), "; ", error);
+  // Tokens per second before the fault, from it until serving again, and after.
+  auto rate = [&](size_t from, size_t to) {
+    double t = 0;
+    for (size_t i = from; i < to && i < step_s.size(); ++i) t += step_s[i];
+    const size_t n = std::min(to, step_s.size()) > from ? std::min(to, step_s.size()) - from : 0;
+    return t > 0 ? static_cast<double>(o.tokens) * static_cast<double>(n) / t : 0.0;
+  };
+  const size_t fault = static_cast<size_t>(o.fault_step);
+  const size_t back = detected >= 0 ? static_cast<size_t>(detected) + 1 : fault;
+  const double before = rate(0, fault), during = rate(fault, back),
+               after = rate(back, step_s.size());
+  double during_s = 0;
+  for (size_t i = fault; i < back && i < step_s.size(); ++i) during_s += step_s[i];
+  const bool verified = error.empty() && bad_rows == 0 && rows_checked > 0;
+  json out = {{"ranks", o.ranks},
+              {"steps", o.steps},
+              {"mode", mode},
+              {"tokens_per_step", o.tokens},
+              {"expert_bytes", o.expert_bytes_value},
+              {"wall_seconds", wall},
+              {"drill",
+               {{"fault", o.fault},
+                {"rank", o.fault_rank},
+                {"step", o.fault_step},
+                {"detected_step", detected},
+                {"detect_wait_s", detect_wait_s},
+                {"recovery_s", recovery_s},
+                {"recovery_target_s", 1.0},
+                {"phases_s",
+                 {{"end_rebalance_and_agree_maps", drain_s},
+                  {"rearranger_over_members", setup_s},
+                  {"plan", plan_s},
+                  {"move_among_survivors", move_s},
+                  {"restore_from_backup", restore_s}}},
+                {"epoch", epoch},
+                {"members", members},
+                {"interrupted_rebalance", interrupted},
+                {"experts_recovered", experts_recovered},
+                {"rows_recovered", rows_recovered},
+                {"bytes_moved_among_survivors", bytes_moved},
+                {"backup_bytes", backup_bytes},
+                {"rebalances_after", rebalances_after}}},
+              {"tokens_per_s", {{"before", before}, {"during", during}, {"after", after}}},
+              {"seconds_from_fault_to_serving", during_s},
+              {"step_time_model",
+               "wall-clock time of each step on the slowest survivor (work, Balancer, the step's "
+               "collective, recovery)"},
+              {"rows_checked", rows_checked},
+              {"bad_rows", bad_rows},
+              {"verified", verified}};
+  if (!error.empty()) out["error"] = error;
+  if (o.json) {
+    std::cout << out.dump(1) << "\n";
+  } else {
+    std::printf("drill: %s rank %d at step %d (%s mode)\n", o.fault.c_str(), o.fault_rank,
+                o.fault_step, mode.c_str());
+    if (detected >= 0) {
+      std::printf(
+          "  detected at step %.0f after %.3f s of that step; epoch %.0f, members %s\n"
+          "  recovery (detection to serving with every expert present): %.3f s (target <= 1 s): "
+          "end the rebalance in flight and agree on the maps %.3f, Rearranger over the members "
+          "%.3f, plan %.3f, move among survivors %.3f "
+          "(%.1f MiB), restore from the host backup %.3f (%llu rows of %.0f experts; backup "
+          "holds %.1f MiB)\n",
+          detected, detect_wait_s, epoch, members.dump().c_str(), recovery_s, drain_s, setup_s,
+          plan_s, move_s, static_cast<double>(bytes_moved) / 1048576.0, restore_s,
+          static_cast<unsigned long long>(rows_recovered), experts_recovered,
+          backup_bytes / 1048576.0);
+      if (interrupted.is_string() && !interrupted.get<std::string>().empty())
+        std::printf("  the rebalance in flight: %s\n", interrupted.get<std::string>().c_str());
+    }
+    std::printf(
+        "  tokens/s before %.0f, from the fault to serving again %.0f (%.3f s), after %.0f; "
+        "rebalances after: %d\n",
+        before, during, during_s, after, rebalances_after);
+    std::printf("  every row a step used checked against its map: %s (%llu rows); wall %.1f s\n",
+                bad_rows == 0 && rows_checked > 0 ? "yes" : "NO",
+                static_cast<unsigned long long>(rows_checked), wall);
+  }
+  if (!error.empty()) return Status::Aborted(error);
+  if (!verified) return Status::Internal("the serving drill did not verify (see the report)");
+  return Status::OK();
+}
+
 }  // namespace
 
 Status ReportServing(const DemoOptions& o, const std::map<int, json>& reports, double wall,
                      const Status& served) {
+  if (o.fault_step >= 0) return ReportServingDrill(o, reports, wall, served);
   std::string error;
   for (int r = 0; r < o.ranks && error.empty(); ++r) {
     if (reports.count(r) == 0) {

@@ -30,7 +30,8 @@ using protocol::Record;
 using protocol::RecordKind;
 
 struct RearrangerImpl::Pipeline {
-  uint64_t id = 0;  // the same on every rank: the n-th Begin
+  uint64_t id = 0;     // the same on every rank: the n-th Begin
+  uint64_t epoch = 0;  // the membership epoch it began at
   // Layer l runs as generation first_generation + l on every rank, however far each got.
   uint64_t first_generation = 0;
   Placement from, to;
@@ -126,6 +127,7 @@ Status RearrangerImpl::Begin(const Placement& from, const Placement& to, const M
   EPLBX_RETURN_IF_ERROR(CheckPlan(from, to, plan));
   auto p = std::make_unique<Pipeline>();
   p->id = pipe ? pipe->id + 1 : 1;
+  p->epoch = boot->epoch();
   if (pipe) {
     for (auto& [key, v] : pipe->votes) {
       if (key.first >= p->id) p->votes[key] = std::move(v);
@@ -277,6 +279,41 @@ CommitResult RearrangerImpl::Commit() {
   (void)Poll();
   ++p.step;
   p.posted_this_step = 0;
+  // `agreed`: every rank ends the same way at this step, so the Rearranger stays usable;
+  // otherwise (a vote missing) the ranks may disagree and it must be rebuilt.
+  auto finish = [&](Status status, bool agreed) {
+    out.finished = true;
+    out.status = status;
+    if (!status.ok()) StopRuns(*this, p, status.message());
+    if (!agreed) {
+      failed = true;
+      failure = status.message();
+    }
+    for (const auto& run : p.runs) {
+      if (run->protocol->state() == LayerState::kAborted && run->outcome.error.empty())
+        run->outcome.error = run->protocol->error();
+    }
+    p.report = PipelineReport();
+    p.report.status = status;
+    p.active = false;
+    // Old votes are of no use now.
+    for (auto it = p.votes.begin(); it != p.votes.end();)
+      it = it->first.first <= p.id ? p.votes.erase(it) : std::next(it);
+  };
+  // The member set changed under it (a rank was lost, docs/deploy.md "After a lost rank"):
+  // no vote of this pipeline can complete any more, so it ends here at once, the layers
+  // committed so far staying (a survivor may have committed one more or one fewer than
+  // another: each rank's own slots say which, and the survivors go on from that).
+  if (boot->epoch() != p.epoch) {
+    finish(
+        Status::Aborted(StrCat("rank ", self(),
+                               ": the member set changed under the "
+                               "rearrangement (epoch ",
+                               p.epoch, " -> ", boot->epoch(), "); committed ", p.applied, " of ",
+                               p.layers, " layers, the rest keep their old weights and maps")),
+        false);
+    return out;
+  }
   Record mine;
   mine.kind = RecordKind::kVote;
   mine.generation = p.id;
@@ -304,27 +341,6 @@ CommitResult RearrangerImpl::Commit() {
       StopRuns(*this, p, p.failure.message());
     }
   }
-  // `agreed`: every rank ends the same way at this step, so the Rearranger stays usable;
-  // otherwise (a vote missing) the ranks may disagree and it must be rebuilt.
-  auto finish = [&](Status status, bool agreed) {
-    out.finished = true;
-    out.status = status;
-    if (!status.ok()) StopRuns(*this, p, status.message());
-    if (!agreed) {
-      failed = true;
-      failure = status.message();
-    }
-    for (const auto& run : p.runs) {
-      if (run->protocol->state() == LayerState::kAborted && run->outcome.error.empty())
-        run->outcome.error = run->protocol->error();
-    }
-    p.report = PipelineReport();
-    p.report.status = status;
-    p.active = false;
-    // Old votes are of no use now.
-    for (auto it = p.votes.begin(); it != p.votes.end();)
-      it = it->first.first <= p.id ? p.votes.erase(it) : std::next(it);
-  };
   if (p.step == 1) {
     (void)Poll();
     return out;

@@ -93,13 +93,15 @@ Status RearrangerImpl::Setup() {
   all.resize(gathered->size());
   // Over a changed member set (the store's epochs, docs/deploy.md): a rank that is not a
   // member contributed nothing and is neither connected to nor read from; its layout stands
-  // in as ours (its slots hold nothing a plan over the members may use).
+  // in as ours (its slots hold nothing a plan over the members may use), with identity row
+  // tables, the same on every member (they compare every slot's row in the layer protocol).
   const std::vector<bool> members = boot->members();
   auto member = [&](uint32_t r) { return r >= members.size() || members[r]; };
   for (uint32_t r = 0; r < gathered->size(); ++r) {
     if (!member(r)) {
       all[r] = layout;
       all[r].rank = r;
+      all[r].row_of_slot.clear();
       continue;
     }
     ByteReader in((*gathered)[r], "rank contribution");

@@ -300,6 +300,55 @@ TEST(DemoTest, ServingInSwapModeChecksEveryRowThroughTheRowTables) {
   }
 }
 
+// A rank lost while serving (issue 20, item 5): killed, or stopped with SIGSTOP, at the start
+// of a step. The survivors learn it from the step's collective (a new epoch), end the
+// rebalance in flight, agree on what each holds, re-place over themselves, move among
+// themselves, restore the experts only the lost rank held from the host backup, rebuild the
+// Balancer over the members and serve on, every row every step used checked; the report has
+// the recovery time and tokens/s before, during and after.
+TEST(DemoTest, ServingGoesOnAfterARankIsKilledOrStopped) {
+  struct Drill {
+    const char* inject;
+    const char* extra;
+    int lost, step;
+  };
+  const Drill drills[] = {
+      {"kill:1@25", "--modes async --deadline 3", 1, 25},  // rebalances around then
+      {"stop:2@17", "--modes sync --deadline 2", 2, 17},   // found by the round timeout
+      {"kill:0@31", "--modes async --deadline 3 --spare-rows 6", 0, 31},  // swap mode, rank 0
+  };
+  for (const Drill& d : drills) {
+    SCOPED_TRACE(d.inject);
+    DemoRun r = Demo(std::string("--serve --ranks 4 --layers 3 --experts 16 --slots-per-rank 6 "
+                                 "--expert-bytes 64K --steps 50 --interval 10 --tokens 64 "
+                                 "--top-k 4 --work-bytes 1K --inject ") +
+                     d.inject + " " + d.extra);
+    ASSERT_FALSE(r.report.is_discarded());
+    EXPECT_EQ(r.exit_code, 0) << r.report.dump();
+    EXPECT_TRUE(r.report["verified"].get<bool>()) << r.report.dump();
+    EXPECT_FALSE(r.report.contains("error")) << r.report.dump();
+    const auto& drill = r.report["drill"];
+    EXPECT_EQ(drill["rank"].get<int>(), d.lost);
+    EXPECT_EQ(drill["detected_step"].get<int>(), d.step) << drill.dump();
+    EXPECT_EQ(drill["epoch"].get<int>(), 2);
+    std::vector<int> members;
+    for (int k = 0; k < 4; ++k) {
+      if (k != d.lost) members.push_back(k);
+    }
+    EXPECT_EQ(drill["members"].get<std::vector<int>>(), members);
+    // 16 experts over 24 slots: the lost rank held some experts nobody else did.
+    EXPECT_GT(drill["experts_recovered"].get<int>(), 0) << drill.dump();
+    EXPECT_GE(drill["rows_recovered"].get<int>(), drill["experts_recovered"].get<int>());
+    EXPECT_GT(drill["backup_bytes"].get<double>(), 0);
+    EXPECT_GT(drill["recovery_s"].get<double>(), 0);
+    // Every row of every survivor at every step, and none wrong.
+    EXPECT_EQ(r.report["rows_checked"].get<uint64_t>(), 50u * 3 * 6 * 3);
+    EXPECT_EQ(r.report["bad_rows"].get<uint64_t>(), 0u);
+    for (const char* when : {"before", "during", "after"})
+      EXPECT_GT(r.report["tokens_per_s"][when].get<double>(), 0) << when;
+  }
+}
+
 TEST(DemoTest, BadFlagsAreRejectedBeforeAnythingStarts) {
   const std::pair<const char*, const char*> cases[] = {
       {"--inject explode:1", "--inject 'explode:1': expected KIND:RANK with KIND one of"},
@@ -328,7 +377,18 @@ TEST(DemoTest, BadFlagsAreRejectedBeforeAnythingStarts) {
       {"--serve --top-k 65", "--tokens 512 and --top-k 65: expected >= 1, and top-k <= --experts"},
       {"--serve --policy greedy", "--policy"},
       {"--serve --work-bytes 4", "--work-bytes 4: expected at least 8"},
-      {"--serve --inject kill:1", "--inject drills the rearrangement demo; not with --serve"},
+      {"--serve --modes async --inject kill:1",
+       "--inject 'kill:1': with --serve expected kill:RANK@STEP or stop:RANK@STEP"},
+      {"--serve --modes async --inject stall:1@5", "with --serve expected kill:RANK@STEP"},
+      {"--serve --modes async --inject kill:1@300",
+       "the step is '300': out of range (expected 1 .. 299)"},
+      {"--serve --modes async --inject kill:4@30",
+       "the rank is '4': out of range (expected 0 .. 3)"},
+      {"--serve --inject kill:1@30", "with --serve drills one mode: pass --modes sync"},
+      {"--serve --modes async --ranks 2 --slots-per-rank 40 --inject kill:1@30",
+       "needs at least 3 ranks (two survive)"},
+      {"--serve --modes async --inject kill:1@30",
+       "the 3 surviving ranks would have 54 slots for --experts 64"},
   };
   // Numbers that are not numbers of the flag's kind: usage errors (exit 2), before anything.
   const std::pair<const char*, const char*> usage[] = {

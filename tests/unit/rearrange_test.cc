@@ -1445,6 +1445,71 @@ TEST(RecoveryTest, SurvivorsRePlaceOverTheMembersAndRecoverTheLostRanksExperts) 
   EXPECT_GT(out[0].report.experts_read + out[2].report.experts_read, 0u);
 }
 
+// An asynchronous rearrangement whose member set changes under it (a rank lost: the
+// survivors learned the new epoch from a bootstrap round) ends at the survivors' next Commit,
+// at once and by name, instead of waiting for the lost rank's vote until the deadline; the
+// layers committed before stay. (The serving demo's drill runs this with real processes.)
+TEST(RecoveryTest, AnAsynchronousRearrangementEndsAtOnceWhenTheMemberSetChanges) {
+  RecoveryRig g;
+  ASSERT_TRUE(g.backup != nullptr && g.store.joined());
+  std::vector<int32_t> flat;
+  for (int l = 0; l < kLayers; ++l) {
+    for (int s = 0; s < kRanks * kRows; ++s) flat.push_back((s + 3) % RecoveryRig::kE);
+  }
+  const Placement to = *Placement::FromPhy2Log(kLayers, kRanks * kRows, RecoveryRig::kE, flat);
+  MigrationOptions mo;
+  mo.ranks = kRanks;
+  auto plan = PlanMigration(g.in_force, to, mo);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  std::vector<std::unique_ptr<Rearranger>> re(kRanks);
+  std::vector<CommitResult> ended(kRanks);
+  std::vector<double> seconds(kRanks, 0);
+  std::vector<Status> barrier(kRanks);
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    threads.emplace_back([&, r] {
+      RearrangeOptions o;
+      o.deadline = std::chrono::seconds(20);
+      auto made =
+          Rearranger::Create(g.ranks[r]->agent.get(), g.store.m[r].get(), g.ranks[r]->layout, o);
+      ASSERT_TRUE(made.ok()) << made.status().ToString();
+      re[r] = std::move(*made);
+      AsyncOptions ao;
+      ao.step_budget_bytes = 1;  // one READ per step: it spans many steps
+      ASSERT_TRUE(re[r]->Begin(g.in_force, to, *plan, ao).ok());
+      for (int step = 0; step < 2; ++step) (void)re[r]->Commit();
+      // Every rank is two steps in; then rank 1's process goes.
+      ASSERT_TRUE(g.store.m[r]->Barrier(std::chrono::seconds(10)).ok());
+      if (r == 1) {
+        re[r].reset();
+        g.store.m[r].reset();
+        return;
+      }
+      barrier[r] = g.store.m[r]->Barrier(std::chrono::seconds(10));  // learns epoch 2
+      const auto t0 = std::chrono::steady_clock::now();
+      do {
+        ended[r] = re[r]->Commit();
+      } while (!ended[r].finished);
+      seconds[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (uint32_t r : {0u, 2u}) {
+    SCOPED_TRACE(r);
+    EXPECT_FALSE(barrier[r].ok());
+    EXPECT_EQ(g.store.m[r]->epoch(), 2u);
+    ASSERT_TRUE(ended[r].finished);
+    EXPECT_EQ(ended[r].status.code(), Code::kAborted);
+    EXPECT_NE(ended[r].status.message().find(
+                  "the member set changed under the rearrangement (epoch 1 -> 2); committed "),
+              std::string::npos)
+        << ended[r].status.ToString();
+    // Not the 20 s deadline of the lost rank's vote (a bound far above any scheduling noise).
+    EXPECT_LT(seconds[r], 10.0);
+    EXPECT_TRUE(re[r]->failed());  // rebuilt over the members next
+  }
+}
+
 // Rank 1 is lost in the middle of a rearrangement (the survivors stop hearing it after a
 // few rows): the layer in flight rolls back on every rank, the survivors agree on which
 // layers committed, and from that placement they re-place and recover as above.

@@ -256,7 +256,8 @@ Status RunDemo(DemoOptions o) {
               << o.experts << " experts, " << o.slots_per_rank << " slots per rank, "
               << o.expert_bytes_value << " bytes per expert, " << o.steps << " steps of "
               << o.tokens << " tokens x top-" << o.top_k << ", rebalance every " << o.interval
-              << " steps (" << o.policy << "), modes " << o.modes << "\n";
+              << " steps (" << o.policy << "), modes " << o.modes
+              << (o.inject.empty() ? "" : ", inject " + o.inject) << "\n";
   } else if (!o.json) {
     std::cerr << "eplbx demo: " << o.ranks << " ranks, " << o.layers << " layers x " << o.experts
               << " experts, " << o.slots_per_rank << " slots per rank, " << o.tensors
@@ -615,7 +616,8 @@ void AddDemoFlags(CLI::App& cmd, DemoOptions& o) {
                  "data paths in order of preference, e.g. shm,cma,ucx (overrides --transport)");
   cmd.add_option("--inject", o.inject,
                  "fault drill KIND:RANK[@exchange|transfer|commit], KIND one of stride-mismatch, "
-                 "missing-tensor, kill, stall, bad-notify");
+                 "missing-tensor, kill, stall, bad-notify; with --serve kill:RANK@STEP or "
+                 "stop:RANK@STEP (a rank lost while serving; the others recover)");
   cmd.add_flag("--json", o.json, "print one JSON report on stdout (worker: rank 0)");
 }
 

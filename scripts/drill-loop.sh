@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Runs N serving drills with real rank processes (docs/reliability.md, "Fault matrix"):
+# `eplbx demo --serve --inject kill|stop:RANK@STEP` with the kind, rank, step, mode and commit
+# mode drawn per drill (drill i draws the same on every run), and checks each one: exit 0,
+# the loss detected at its step, the survivors recovered and served on with every row they
+# used at every step checked (bad_rows 0), all within a time limit (no hang). Prints a line
+# per drill and a JSON summary (last line).
+#
+#   scripts/drill-loop.sh [N=50]      # EPLBX_CLI: the eplbx binary (build/bin/eplbx)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+n=${1:-50}
+cli=${EPLBX_CLI:-build/bin/eplbx}
+py=$(command -v python3 || echo /usr/bin/python3)
+[[ -x "$cli" ]] || { echo "drill-loop: no $cli (scripts/build.sh first)" >&2; exit 2; }
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+failed=0
+for i in $(seq 1 "$n"); do
+  RANDOM=$((i * 7919))
+  kind=kill; ((RANDOM % 10 < 3)) && kind=stop
+  rank=$((RANDOM % 4))
+  step=$((2 + RANDOM % 46))
+  modes=(async async sync off); mode=${modes[$((RANDOM % 4))]}
+  spare=0; ((RANDOM % 3 == 0)) && spare=6
+  args="--serve --json --ranks 4 --layers 3 --experts 16 --slots-per-rank 6 --expert-bytes 64K
+        --steps 50 --interval 8 --tokens 64 --top-k 4 --work-bytes 1K --deadline 2
+        --modes $mode --spare-rows $spare --inject $kind:$rank@$step"
+  # shellcheck disable=SC2086
+  timeout 120 "$cli" demo $args >"$out/$i.json" 2>"$out/$i.err"
+  rc=$?
+  line=$("$py" - "$out/$i.json" "$rc" "$step" <<'EOF'
+import json, sys
+path, rc, step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+try:
+    j = json.load(open(path))
+except Exception:
+    print(f"FAIL rc {rc}: no report"); sys.exit(0)
+d = j.get("drill", {})
+ok = (rc == 0 and j.get("verified") and j.get("bad_rows") == 0 and
+      d.get("detected_step") == step and "error" not in j)
+when = "mid-rebalance" if d.get("interrupted_rebalance") else "between rebalances"
+print(("ok" if ok else f"FAIL rc {rc}") +
+      f" recovery {d.get('recovery_s', -1):.3f} s, {when}, {d.get('experts_recovered')} experts"
+      f" restored, rows checked {j.get('rows_checked')}, bad {j.get('bad_rows')}" +
+      ("" if ok else f": {j.get('error', '')[:300]}"))
+EOF
+)
+  echo "drill $i: $kind:$rank@$step --modes $mode --spare-rows $spare: $line"
+  [[ $line == ok* ]] || failed=$((failed + 1))
+done
+"$py" - "$out" "$n" "$failed" <<'EOF'
+import json, os, statistics, sys
+out, n, failed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rec, mid = [], 0
+for i in range(1, n + 1):
+    try:
+        d = json.load(open(os.path.join(out, f"{i}.json")))["drill"]
+    except Exception:
+        continue
+    if d.get("recovery_s", 0) > 0:
+        rec.append(d["recovery_s"])
+    mid += 1 if d.get("interrupted_rebalance") else 0
+print(json.dumps({"drills": n, "failed": failed, "mid_rebalance": mid,
+                  "recovery_s_median": statistics.median(rec) if rec else None,
+                  "recovery_s_max": max(rec) if rec else None}))
+EOF
+((failed == 0))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs N serving drills with real rank processes (docs/reliability.md, "Fault matrix"):
-# `eplbx demo --serve --inject kill|stop:RANK@STEP` with the kind, rank, step, mode and commit
-# mode drawn per drill (drill i draws the same on every run), and checks each one: exit 0,
+# `eplbx demo --serve --inject kill|stop:RANK@STEP` (60 % / 25 %) or `--resize
+# remove:RANK@STEP` (15 %) with the kind, rank, step, mode and commit mode drawn per drill (drill i draws the same on every run), and checks each one: exit 0,
 # the loss detected at its step, the survivors recovered and served on with every row they
 # used at every step checked (bad_rows 0), all within a time limit (no hang). Prints a line
 # per drill and a JSON summary (last line).
@@ -18,14 +18,15 @@ trap 'rm -rf "$out"' EXIT
 failed=0
 for i in $(seq 1 "$n"); do
   RANDOM=$((i * 7919))
-  kind=kill; ((RANDOM % 10 < 3)) && kind=stop
+  kind=kill; k=$((RANDOM % 20)); ((k >= 12)) && kind=stop; ((k >= 17)) && kind=remove
   rank=$((RANDOM % 4))
   step=$((2 + RANDOM % 46))
   modes=(async async sync off); mode=${modes[$((RANDOM % 4))]}
   spare=0; ((RANDOM % 3 == 0)) && spare=6
   args="--serve --json --ranks 4 --layers 3 --experts 16 --slots-per-rank 6 --expert-bytes 64K
         --steps 50 --interval 8 --tokens 64 --top-k 4 --work-bytes 1K --deadline 2
-        --modes $mode --spare-rows $spare --inject $kind:$rank@$step"
+        --modes $mode --spare-rows $spare"
+  if [[ $kind == remove ]]; then args+=" --resize $kind:$rank@$step"; else args+=" --inject $kind:$rank@$step"; fi
   # shellcheck disable=SC2086
   timeout 120 "$cli" demo $args >"$out/$i.json" 2>"$out/$i.err"
   rc=$?

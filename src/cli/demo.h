@@ -51,6 +51,9 @@ struct DemoOptions {
   // ranks keep a host backup in backup_path (made by the coordinator's process id).
   int fault_step = -1;
   std::string backup_path;
+  // --serve --resize remove:RANK@STEP: rank RANK is drained at STEP and leaves (parsed into
+  // fault "remove", fault_rank, fault_step).
+  std::string resize;
   // Rearrange with the asynchronous pipeline (Begin, Commit back to back) instead of the
   // synchronous loop.
   bool pipeline = false;

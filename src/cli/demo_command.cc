@@ -144,40 +144,50 @@ Status ParseDemo(DemoOptions& o) {
                " MiB of weights; reduce --layers, --slots-per-rank, --spare-rows or "
                "--expert-bytes"));
   }
-  if (!o.inject.empty() && o.serve) {  // a rank lost while serving
-    const auto colon = o.inject.find(':');
-    const auto at = o.inject.find('@');
-    o.fault = o.inject.substr(0, std::min(colon, o.inject.size()));
-    if (colon == std::string::npos || at == std::string::npos || at < colon ||
-        (o.fault != "kill" && o.fault != "stop")) {
+  if (!o.resize.empty() && (!o.serve || !o.inject.empty())) {
+    return Status::InvalidArgument(
+        "--resize drills the serving demo (--serve), and not together with --inject");
+  }
+  if ((!o.inject.empty() && o.serve) || !o.resize.empty()) {  // a rank lost or removed
+    const bool inject = o.resize.empty();
+    const std::string& spec = inject ? o.inject : o.resize;
+    const std::string flag = inject ? "--inject" : "--resize";
+    const auto colon = spec.find(':');
+    const auto at = spec.find('@');
+    o.fault = spec.substr(0, std::min(colon, spec.size()));
+    const bool known = inject ? o.fault == "kill" || o.fault == "stop" : o.fault == "remove";
+    if (colon == std::string::npos || at == std::string::npos || at < colon || !known) {
       return Status::InvalidArgument(
-          StrCat("--inject '", o.inject,
-                 "': with --serve expected kill:RANK@STEP or stop:RANK@STEP (the rank is "
-                 "killed, or stopped with SIGSTOP, at the start of that step)"));
+          inject ? StrCat("--inject '", spec,
+                          "': with --serve expected kill:RANK@STEP or stop:RANK@STEP (the rank "
+                          "is killed, or stopped with SIGSTOP, at the start of that step)")
+                 : StrCat("--resize '", spec,
+                          "': expected remove:RANK@STEP (the rank is drained at that step, then "
+                          "leaves; adding a rank while serving is not built yet)"));
     }
     Result<int> rank =
-        internal::ParseInteger<int>(std::string_view(o.inject).substr(colon + 1, at - colon - 1),
-                                    StrCat("--inject ", o.inject, ": the rank"), 0, o.ranks - 1);
+        internal::ParseInteger<int>(std::string_view(spec).substr(colon + 1, at - colon - 1),
+                                    StrCat(flag, " ", spec, ": the rank"), 0, o.ranks - 1);
     if (!rank.ok()) return rank.status();
     Result<int> step =
-        internal::ParseInteger<int>(std::string_view(o.inject).substr(at + 1),
-                                    StrCat("--inject ", o.inject, ": the step"), 1, o.steps - 1);
+        internal::ParseInteger<int>(std::string_view(spec).substr(at + 1),
+                                    StrCat(flag, " ", spec, ": the step"), 1, o.steps - 1);
     if (!step.ok()) return step.status();
     o.fault_rank = *rank;
     o.fault_step = *step;
     if (o.mode_list.size() != 1) {
-      return Status::InvalidArgument(StrCat("--inject ", o.inject,
+      return Status::InvalidArgument(StrCat(flag, " ", spec,
                                             " with --serve drills one mode: pass --modes sync, "
                                             "--modes async or --modes off (not '",
                                             o.modes, "')"));
     }
     if (o.ranks < 3) {
       return Status::InvalidArgument(
-          StrCat("--inject ", o.inject, " with --serve needs at least 3 ranks (two survive)"));
+          StrCat(flag, " ", spec, " with --serve needs at least 3 ranks (two go on)"));
     }
     if (static_cast<int64_t>(o.ranks - 1) * o.slots_per_rank < o.experts) {
       return Status::InvalidArgument(
-          StrCat("--inject ", o.inject, ": the ", o.ranks - 1, " surviving ranks would have ",
+          StrCat(flag, " ", spec, ": the ", o.ranks - 1, " other ranks would have ",
                  (o.ranks - 1) * o.slots_per_rank, " slots for --experts ", o.experts,
                  "; raise --slots-per-rank or --ranks"));
     }
@@ -257,7 +267,8 @@ Status RunDemo(DemoOptions o) {
               << o.expert_bytes_value << " bytes per expert, " << o.steps << " steps of "
               << o.tokens << " tokens x top-" << o.top_k << ", rebalance every " << o.interval
               << " steps (" << o.policy << "), modes " << o.modes
-              << (o.inject.empty() ? "" : ", inject " + o.inject) << "\n";
+              << (o.inject.empty() ? "" : ", inject " + o.inject)
+              << (o.resize.empty() ? "" : ", resize " + o.resize) << "\n";
   } else if (!o.json) {
     std::cerr << "eplbx demo: " << o.ranks << " ranks, " << o.layers << " layers x " << o.experts
               << " experts, " << o.slots_per_rank << " slots per rank, " << o.tensors
@@ -635,6 +646,9 @@ void AddDemoCommand(CLI::App& app, Action& run) {
   demo->add_flag("--serve", o->serve,
                  "serving mode: forward steps of real expert work with EPLB off, synchronous "
                  "and asynchronous; prints throughput and step times");
+  demo->add_option("--resize", o->resize,
+                   "--serve: remove:RANK@STEP drains rank RANK at that step; then it leaves and "
+                   "the others serve on over the members");
   demo->add_option("--interval", o->interval, "--serve: steps between rebalances (and window)")
       ->capture_default_str()
       ->check(IntIn<int>(0, 1 << 30));

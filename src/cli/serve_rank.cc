@@ -221,21 +221,126 @@ struct DrillLog {
 // Rearranger over the members, plans over the survivors with the host backup as the source
 // of experts no survivor holds, moves among the survivors, restores the rest from the backup,
 // and rebuilds the Balancer over the members. Every survivor runs it at the same step.
-Status RecoverFromLoss(const DemoOptions& o, int step, const LoadTrace& trace, const Topology& topo,
-                       Bootstrap& boot, Mode& mode, const io::HostBackup& backup, DrillLog& log) {
-  using Clock = std::chrono::steady_clock;
-  auto since = [](Clock::time_point t) {
-    return std::chrono::duration<double>(Clock::now() - t).count();
-  };
-  auto t = Clock::now();
-  // A rebalance in flight ends at its next Commit (the member set changed under it: the
-  // layers committed so far stay).
+double SecondsSince(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+// The load of the last window up to `step`, as the Balancer would plan from it.
+Result<LoadMatrix> WindowLoad(const DemoOptions& o, const LoadTrace& trace, int step) {
+  std::vector<double> sum(static_cast<size_t>(o.layers) * o.experts, 0.0);
+  for (int k = std::max(0, step - o.interval + 1); k <= step; ++k) {
+    const std::span<const double> c = trace.step(k);
+    for (size_t i = 0; i < sum.size(); ++i) sum[i] += c[i];
+  }
+  return LoadMatrix::Create(o.layers, o.experts, sum);
+}
+
+// Ends the rebalance in flight (every rank at the same step).
+void EndRebalance(Mode& mode, DrillLog& log) {
   while (mode.balancer->progress().rebalancing) {
     BalancerCommit c = mode.balancer->Commit();
     for (const CommittedLayer& cl : c.layers)
       mode.w.SetRows(static_cast<int>(cl.layer), cl.row_of_slot);
     if (c.finished) log.interrupted = c.status.ok() ? "finished" : c.status.message();
   }
+}
+
+// After a Rearrange in swap mode: this rank's row tables in force, in the weights and layout.
+void TakeRowTables(const DemoOptions& o, Mode& mode) {
+  if (mode.w.spare == 0) return;
+  for (int l = 0; l < o.layers; ++l)
+    mode.w.SetRows(l, mode.rearranger->RowTable(static_cast<uint32_t>(l)));
+  mode.w.layout.row_of_slot = mode.w.row_of_slot;
+}
+
+// The group's member set changed: the Balancer and the Rearranger go (what the Balancer did
+// is kept for the report), and a Rearranger over the members is made (again if the member set
+// moves meanwhile). The Balancer is rebuilt by BalancerOverMembers once the placement is set.
+Status RearrangerOverMembers(const DemoOptions& o, int step, Bootstrap& boot, Mode& mode,
+                             DrillLog& log) {
+  if (mode.w.spare > 0) mode.w.layout.row_of_slot = mode.w.row_of_slot;  // the rows in force
+  for (const RebalanceRecord& x : mode.balancer->report().rebalances) mode.m.earlier.push_back(x);
+  mode.m.failed_earlier += mode.balancer->report().failed;
+  mode.m.step_offset = step + 1;  // the new Balancer's first Step is the next step
+  mode.balancer.reset();
+  mode.rearranger.reset();
+  RearrangeOptions ro;
+  ro.deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
+  Result<std::unique_ptr<Rearranger>> re = Status::Internal("not created");
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    const uint64_t epoch = boot.epoch();
+    re = Rearranger::Create(mode.agent.get(), &boot, mode.w.layout, ro);
+    if (re.ok() || boot.epoch() == epoch) break;
+  }
+  if (!re.ok()) return re.status().WithPrefix("a Rearranger over the members");
+  mode.rearranger = std::move(*re);
+  log.epoch = boot.epoch();
+  log.members.clear();
+  const std::vector<bool> live = boot.members();
+  for (size_t r = 0; r < live.size(); ++r) {
+    if (live[r]) log.members.push_back(static_cast<int>(r));
+  }
+  return Status::OK();
+}
+
+// The Balancer again, over the members, from `placement` (the other ranks' slots empty).
+Status BalancerOverMembers(Bootstrap& boot, Mode& mode, const Placement& placement) {
+  mode.options.live = boot.members();
+  Result<std::unique_ptr<Balancer>> b =
+      Balancer::Create(placement, mode.options, mode.rearranger.get());
+  if (!b.ok()) return b.status().WithPrefix("a Balancer over the members");
+  mode.balancer = std::move(*b);
+  return Status::OK();
+}
+
+// `--resize remove:RANK@STEP`, on every rank at that step: ends the rebalance in flight,
+// plans the drain of RANK (PlanResize: its experts go to the others, incremental from what
+// they hold; RANK is a source only) and runs it with the Rearranger over every member. Then
+// RANK leaves (its report sent) and the others go on over the members (RemoveRank's caller).
+Status DrainRank(const DemoOptions& o, int step, const LoadTrace& trace, const Topology& topo,
+                 Mode& mode, DrillLog& log, Placement* after) {
+  auto t = std::chrono::steady_clock::now();
+  EndRebalance(mode, log);
+  log.drain_s = SecondsSince(t);
+  t = std::chrono::steady_clock::now();
+  EPLBX_ASSIGN_OR_RETURN(LoadMatrix window, WindowLoad(o, trace, step));
+  ResizeRequest request;
+  request.remove = {o.fault_rank};
+  SurvivorOptions so;
+  so.policy = Policy::kIncremental;
+  so.migration.bytes_per_expert = o.expert_bytes_value;
+  Result<ResizePlan> plan = PlanResize(mode.balancer->placement(), window, topo, request, so);
+  if (!plan.ok()) return plan.status();
+  log.plan_s = SecondsSince(t);
+  t = std::chrono::steady_clock::now();
+  // The leaving rank's rows are only read: through the move they keep what they hold (the
+  // placement after has them empty, since nobody will serve from them).
+  std::vector<int32_t> kept = plan->placement.phy2log();
+  const int per_rank = topo.slots_per_rank();
+  for (int l = 0; l < o.layers; ++l) {
+    for (int i = 0; i < per_rank; ++i) {
+      const int slot = o.fault_rank * per_rank + i;
+      kept[static_cast<size_t>(l) * topo.slots + slot] = plan->sources.phy2log(l, slot);
+    }
+  }
+  EPLBX_ASSIGN_OR_RETURN(Placement interim,
+                         Placement::FromPhy2Log(o.layers, topo.slots, o.experts, kept));
+  RearrangeReport moved = mode.rearranger->Rearrange(plan->sources, interim, plan->migration);
+  if (!moved.status.ok()) return moved.status.WithPrefix(StrCat("draining rank ", o.fault_rank));
+  log.bytes_moved = moved.bytes_read;
+  TakeRowTables(o, mode);
+  log.move_s = SecondsSince(t);
+  *after = plan->placement;
+  return Status::OK();
+}
+
+Status RecoverFromLoss(const DemoOptions& o, int step, const LoadTrace& trace, const Topology& topo,
+                       Bootstrap& boot, Mode& mode, const io::HostBackup& backup, DrillLog& log) {
+  using Clock = std::chrono::steady_clock;
+  auto t = Clock::now();
+  // A rebalance in flight ends at its next Commit (the member set changed under it: the
+  // layers committed so far stay).
+  EndRebalance(mode, log);
   // The placement in force, each member vouching for its own slots: the lost rank may have
   // voted a layer ready to some survivors only, so one may have committed a layer another
   // did not; each rank's rows are what its own map says.
@@ -273,38 +378,13 @@ Status RecoverFromLoss(const DemoOptions& o, int step, const LoadTrace& trace, c
   }
   EPLBX_ASSIGN_OR_RETURN(const Placement in_force,
                          Placement::FromPhy2Log(o.layers, topo.slots, o.experts, flat));
-  log.drain_s = since(t);
+  log.drain_s = SecondsSince(t);
   t = Clock::now();
-  if (mode.w.spare > 0) mode.w.layout.row_of_slot = mode.w.row_of_slot;  // the rows in force
-  for (const RebalanceRecord& x : mode.balancer->report().rebalances) mode.m.earlier.push_back(x);
-  mode.m.failed_earlier += mode.balancer->report().failed;
-  mode.m.step_offset = step + 1;  // the new Balancer's first Step is the next step
-  mode.balancer.reset();
-  mode.rearranger.reset();
-  RearrangeOptions ro;
-  ro.deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
-  Result<std::unique_ptr<Rearranger>> re = Status::Internal("not created");
-  for (int attempt = 0; attempt < 4; ++attempt) {  // again if the member set moved meanwhile
-    const uint64_t epoch = boot.epoch();
-    re = Rearranger::Create(mode.agent.get(), &boot, mode.w.layout, ro);
-    if (re.ok() || boot.epoch() == epoch) break;
-  }
-  if (!re.ok()) return re.status().WithPrefix("a Rearranger over the survivors");
-  mode.rearranger = std::move(*re);
-  log.epoch = boot.epoch();
+  EPLBX_RETURN_IF_ERROR(RearrangerOverMembers(o, step, boot, mode, log));
   const std::vector<bool> live = boot.members();
-  for (size_t r = 0; r < live.size(); ++r) {
-    if (live[r]) log.members.push_back(static_cast<int>(r));
-  }
-  log.setup_s = since(t);
+  log.setup_s = SecondsSince(t);
   t = Clock::now();
-  // The load of the last window, as the Balancer would plan from it.
-  std::vector<double> sum(static_cast<size_t>(o.layers) * o.experts, 0.0);
-  for (int k = std::max(0, step - o.interval + 1); k <= step; ++k) {
-    const std::span<const double> c = trace.step(k);
-    for (size_t i = 0; i < sum.size(); ++i) sum[i] += c[i];
-  }
-  EPLBX_ASSIGN_OR_RETURN(LoadMatrix window, LoadMatrix::Create(o.layers, o.experts, sum));
+  EPLBX_ASSIGN_OR_RETURN(LoadMatrix window, WindowLoad(o, trace, step));
   SurvivorOptions so;
   so.policy = Policy::kIncremental;
   so.backup = [&backup](int l, int e) { return backup.Holds(l, e); };
@@ -312,29 +392,19 @@ Status RecoverFromLoss(const DemoOptions& o, int step, const LoadTrace& trace, c
   Result<SurvivorPlan> plan = PlanSurvivors(in_force, window, topo, live, so);
   if (!plan.ok()) return plan.status();
   log.experts_recovered = plan->experts_recovered;
-  log.plan_s = since(t);
+  log.plan_s = SecondsSince(t);
   t = Clock::now();
   RearrangeReport moved = mode.rearranger->Rearrange(plan->sources, plan->interim, plan->migration);
   if (!moved.status.ok()) return moved.status.WithPrefix("moving among the survivors");
   log.bytes_moved = moved.bytes_read;
-  if (mode.w.spare > 0) {
-    for (int l = 0; l < o.layers; ++l) {
-      mode.w.SetRows(l, mode.rearranger->RowTable(static_cast<uint32_t>(l)));
-      mode.w.layout.row_of_slot[l] = mode.w.row_of_slot[l];
-    }
-  }
-  log.move_s = since(t);
+  TakeRowTables(o, mode);
+  log.move_s = SecondsSince(t);
   t = Clock::now();
   Result<int64_t> restored = io::RecoverSlots(*plan, mode.w.layout, backup);
   if (!restored.ok()) return restored.status().WithPrefix("restoring from the host backup");
   log.rows_recovered = *restored;
-  log.restore_s = since(t);
-  mode.options.live = live;
-  Result<std::unique_ptr<Balancer>> b =
-      Balancer::Create(plan->placement, mode.options, mode.rearranger.get());
-  if (!b.ok()) return b.status().WithPrefix("a Balancer over the survivors");
-  mode.balancer = std::move(*b);
-  return Status::OK();
+  log.restore_s = SecondsSince(t);
+  return BalancerOverMembers(boot, mode, plan->placement);
 }
 
 }  // namespace
@@ -386,7 +456,7 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
     mode.w = std::move(*made);
     report["weights_created"] = true;
     for (int l = 0; l < o.layers; ++l) FillLayer(mode.w, *initial, l, rank);
-    if (mode.name != "off") {
+    if (mode.name != "off" || o.fault_step >= 0) {  // a drill moves weights in any mode
       RearrangeOptions ro;
       ro.deadline = deadline;
       Result<std::unique_ptr<Rearranger>> r =
@@ -410,8 +480,10 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
   // slots hold (together: every expert), so experts only a lost rank held can be restored.
   const bool drill = o.fault_step >= 0;
   DrillLog drill_log;
+  const bool removal = drill && o.fault == "remove";
+  bool left = false;  // this rank was drained and left the group (--resize remove)
   std::unique_ptr<io::HostBackup> backup;
-  if (drill) {
+  if (drill && !removal) {
     if (rank == 0) {
       Result<std::unique_ptr<io::HostBackup>> b =
           io::HostBackup::Create(o.backup_path, modes[0].w.layout, o.experts);
@@ -436,7 +508,7 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
   bool stopped = false;
   for (int step = 0; step < o.steps && !stopped; ++step) {
     const int64_t step_t0 = MonotonicNs();
-    if (drill && rank == o.fault_rank && step == o.fault_step) {
+    if (drill && !removal && rank == o.fault_rank && step == o.fault_step) {
       raise(o.fault == "kill" ? SIGKILL : SIGSTOP);  // as a crash or a hung host would
     }
     const std::span<const double> counts = trace->step(step);
@@ -474,7 +546,40 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
     }
     // The step's collective (an engine's all-to-all): a lost member fails it for everyone
     // with a new epoch; then the survivors recover, all at this step.
-    if (drill && !stopped) {
+    if (removal && !stopped && step == o.fault_step) {
+      // A graceful removal: every rank drains the leaving one, then it leaves and the others
+      // learn the new member set from the next round and go on over it.
+      const int64_t t0 = MonotonicNs();
+      drill_log.detected_step = step;
+      Placement after;
+      Status drained = DrainRank(o, step, *trace, topo, modes[0], drill_log, &after);
+      if (!drained.ok()) {
+        modes[0].m.error =
+            StrCat("removing rank ", o.fault_rank, " at step ", step, ": ", drained.message());
+        stopped = true;
+      } else if (rank == o.fault_rank) {
+        left = true;
+        stopped = true;
+      } else {
+        Status round = boot.Barrier(deadline);  // refused once the drained rank is gone
+        Status rebuilt = round.ok() || boot.epoch() == epoch
+                             ? Status::Internal(StrCat(
+                                   "rank ", o.fault_rank, " was drained but did not leave (",
+                                   round.ok() ? "the round completed" : round.message(), ")"))
+                             : RearrangerOverMembers(o, step, boot, modes[0], drill_log);
+        if (rebuilt.ok()) rebuilt = BalancerOverMembers(boot, modes[0], after);
+        drill_log.setup_s = static_cast<double>(MonotonicNs() - t0) * 1e-9 - drill_log.drain_s -
+                            drill_log.plan_s - drill_log.move_s;
+        epoch = boot.epoch();
+        if (!rebuilt.ok()) {
+          modes[0].m.error =
+              StrCat("going on without rank ", o.fault_rank, ": ", rebuilt.message());
+          stopped = true;
+        }
+      }
+      drill_log.recovery_s = static_cast<double>(MonotonicNs() - t0) * 1e-9;
+      drill_log.step_ns.push_back(MonotonicNs() - step_t0);
+    } else if (drill && !stopped) {
       Status alive = boot.Barrier(deadline);
       if (!alive.ok() && boot.epoch() != epoch && drill_log.detected_step < 0) {
         drill_log.detected_step = step;
@@ -523,10 +628,12 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
       report["error"] = StrCat(mode.name, ": ", m.error);
     out[mode.name] = ModeReport(mode);
   }
-  // Nobody tears its agents down while a peer may still be finishing.
-  Status done = boot.Barrier(deadline);
+  // Nobody tears its agents down while a peer may still be finishing (a rank that left is
+  // no member any more: it reports and goes).
+  Status done = left ? Status::OK() : boot.Barrier(deadline);
   if (!done.ok() && report["error"].get<std::string>().empty()) report["error"] = done.message();
   if (drill) {
+    report["left"] = left;
     if (drill_log.detected_step < 0 && report["error"].get<std::string>().empty()) {
       report["error"] = StrCat("the ", o.fault, " of rank ", o.fault_rank, " at step ",
                                o.fault_step, " was never detected");

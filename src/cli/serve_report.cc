@@ -114,6 +114,16 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
   for (int r = 0; r < o.ranks; ++r) {
     if (r != o.fault_rank) survivors.push_back(r);
   }
+  if (o.fault == "remove") {  // the drained rank reports before it leaves
+    const auto it = reports.find(o.fault_rank);
+    if (it == reports.end()) {
+      error = StrCat("rank ", o.fault_rank, " (drained) left without a report");
+    } else if (std::string e = it->second.value("error", ""); !e.empty()) {
+      error = StrCat("rank ", o.fault_rank, " (drained): ", e);
+    } else if (!it->second.value("left", false)) {
+      error = StrCat("rank ", o.fault_rank, " was to be drained and leave but did not say it left");
+    }
+  }
   auto number = [](const json& j, const char* key) {
     return j.contains(key) && j[key].is_number() ? j[key].get<double>() : -1.0;
   };
@@ -246,7 +256,15 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
   } else {
     std::printf("drill: %s rank %d at step %d (%s mode)\n", o.fault.c_str(), o.fault_rank,
                 o.fault_step, mode.c_str());
-    if (detected >= 0) {
+    if (detected >= 0 && o.fault == "remove") {
+      std::printf(
+          "  rank %d drained and gone: %.3f s from the step's end to serving over the members "
+          "%s (epoch %.0f): end the rebalance in flight %.3f, plan the drain %.3f, move its "
+          "experts to the others %.3f (%.1f MiB), Rearranger and Balancer over the members "
+          "%.3f\n",
+          o.fault_rank, recovery_s, members.dump().c_str(), epoch, drain_s, plan_s, move_s,
+          static_cast<double>(bytes_moved) / 1048576.0, setup_s);
+    } else if (detected >= 0) {
       std::printf(
           "  detected at step %.0f after %.3f s of that step; epoch %.0f, members %s\n"
           "  recovery (detection to serving with every expert present): %.3f s (target <= 1 s): "

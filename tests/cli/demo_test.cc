@@ -349,6 +349,43 @@ TEST(DemoTest, ServingGoesOnAfterARankIsKilledOrStopped) {
   }
 }
 
+// A rank removed gracefully while serving (issue 20, item 4): at the step every rank ends the
+// rebalance in flight and drains it (PlanResize: its experts to the others, it a source
+// only), then it reports and leaves; the others learn the new member set from the next round,
+// rebuild the Rearranger and the Balancer over the members and serve on, every row checked.
+TEST(DemoTest, ServingDrainsARankThatLeaves) {
+  struct Case {
+    const char* resize;
+    const char* extra;
+    int rank;
+  };
+  const Case cases[] = {{"remove:1@25", "--modes async", 1},
+                        {"remove:0@12", "--modes sync --spare-rows 6", 0},
+                        {"remove:2@7", "--modes off", 2}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.resize);
+    DemoRun r = Demo(std::string("--serve --ranks 4 --layers 3 --experts 16 --slots-per-rank 6 "
+                                 "--expert-bytes 64K --steps 50 --interval 10 --tokens 64 "
+                                 "--top-k 4 --work-bytes 1K --deadline 3 --resize ") +
+                     c.resize + " " + c.extra);
+    ASSERT_FALSE(r.report.is_discarded());
+    EXPECT_EQ(r.exit_code, 0) << r.report.dump();
+    EXPECT_TRUE(r.report["verified"].get<bool>()) << r.report.dump();
+    const auto& drill = r.report["drill"];
+    EXPECT_EQ(drill["fault"], "remove");
+    EXPECT_EQ(drill["epoch"].get<int>(), 2);
+    std::vector<int> members;
+    for (int k = 0; k < 4; ++k) {
+      if (k != c.rank) members.push_back(k);
+    }
+    EXPECT_EQ(drill["members"].get<std::vector<int>>(), members);
+    EXPECT_EQ(drill["experts_recovered"].get<int>(), 0);  // drained, nothing lost
+    EXPECT_GT(drill["bytes_moved_among_survivors"].get<uint64_t>(), 0u);
+    EXPECT_EQ(r.report["rows_checked"].get<uint64_t>(), 50u * 3 * 6 * 3);
+    EXPECT_EQ(r.report["bad_rows"].get<uint64_t>(), 0u);
+  }
+}
+
 TEST(DemoTest, BadFlagsAreRejectedBeforeAnythingStarts) {
   const std::pair<const char*, const char*> cases[] = {
       {"--inject explode:1", "--inject 'explode:1': expected KIND:RANK with KIND one of"},
@@ -386,9 +423,13 @@ TEST(DemoTest, BadFlagsAreRejectedBeforeAnythingStarts) {
        "the rank is '4': out of range (expected 0 .. 3)"},
       {"--serve --inject kill:1@30", "with --serve drills one mode: pass --modes sync"},
       {"--serve --modes async --ranks 2 --slots-per-rank 40 --inject kill:1@30",
-       "needs at least 3 ranks (two survive)"},
+       "needs at least 3 ranks (two go on)"},
       {"--serve --modes async --inject kill:1@30",
-       "the 3 surviving ranks would have 54 slots for --experts 64"},
+       "the 3 other ranks would have 54 slots for --experts 64"},
+      {"--serve --modes async --resize add:1@30", "--resize 'add:1@30': expected remove:RANK@STEP"},
+      {"--resize remove:1@2", "--resize drills the serving demo (--serve)"},
+      {"--serve --modes async --ranks 5 --resize remove:1@30 --inject kill:2@40",
+       "not together with --inject"},
   };
   // Numbers that are not numbers of the flag's kind: usage errors (exit 2), before anything.
   const std::pair<const char*, const char*> usage[] = {

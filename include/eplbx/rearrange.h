@@ -170,6 +170,16 @@ class Rearranger {
   // to a Rearranger built after this one failed.
   std::vector<uint32_t> RowTable(uint32_t layer) const;
 
+  // After the group's member set changed (a bootstrap with membership: docs/deploy.md,
+  // "After a lost rank"), or after a failure: exchanges layouts again over the bootstrap's
+  // current members (with this rank's row tables in force), keeps the connections to peers
+  // still members and the staging buffers, disconnects peers no longer members, connects
+  // new ones, and clears the failure. Cheaper than creating one anew (no new staging, no
+  // reconnection). Every member calls it at the same point; refused while an asynchronous
+  // rearrangement runs. Refused because the member set moved again meanwhile (the
+  // bootstrap's epoch moved on): call it again.
+  Status Rebuild();
+
   // After a failure the Rearranger refuses Rearrange() with this error until rebuilt.
   bool failed() const;
   // The peer id of `rank` in the agent (for tools that talk to ranks directly).

@@ -206,7 +206,8 @@ struct DrillLog {
   int detected_step = -1;
   double detect_wait_s = 0;  // from the start of that step until the loss was known here
   double recovery_s = 0;     // from then until serving again with every expert present
-  double drain_s = 0, setup_s = 0, plan_s = 0, move_s = 0, restore_s = 0;
+  double drain_s = 0, release_s = 0, setup_s = 0, plan_s = 0, move_s = 0, restore_s = 0,
+         balancer_s = 0;
   uint64_t epoch = 0;
   std::vector<int> members;
   std::string interrupted;  // how the rebalance in flight ended ("" when none was)
@@ -253,27 +254,33 @@ void TakeRowTables(const DemoOptions& o, Mode& mode) {
   mode.w.layout.row_of_slot = mode.w.row_of_slot;
 }
 
-// The group's member set changed: the Balancer and the Rearranger go (what the Balancer did
-// is kept for the report), and a Rearranger over the members is made (again if the member set
-// moves meanwhile). The Balancer is rebuilt by BalancerOverMembers once the placement is set.
+// The group's member set changed: the Balancer goes (what it did is kept for the report) and
+// the Rearranger is rebuilt over the members (connections to members and staging buffers
+// kept; again if the member set moves meanwhile). The Balancer is made again by
+// BalancerOverMembers once the placement is set.
 Status RearrangerOverMembers(const DemoOptions& o, int step, Bootstrap& boot, Mode& mode,
                              DrillLog& log) {
-  if (mode.w.spare > 0) mode.w.layout.row_of_slot = mode.w.row_of_slot;  // the rows in force
+  (void)o;
   for (const RebalanceRecord& x : mode.balancer->report().rebalances) mode.m.earlier.push_back(x);
   mode.m.failed_earlier += mode.balancer->report().failed;
   mode.m.step_offset = step + 1;  // the new Balancer's first Step is the next step
+  auto t = std::chrono::steady_clock::now();
   mode.balancer.reset();
-  mode.rearranger.reset();
-  RearrangeOptions ro;
-  ro.deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
-  Result<std::unique_ptr<Rearranger>> re = Status::Internal("not created");
+  log.release_s = SecondsSince(t);
+  t = std::chrono::steady_clock::now();
+  Status rebuilt = Status::Internal("not rebuilt");
   for (int attempt = 0; attempt < 4; ++attempt) {
     const uint64_t epoch = boot.epoch();
-    re = Rearranger::Create(mode.agent.get(), &boot, mode.w.layout, ro);
-    if (re.ok() || boot.epoch() == epoch) break;
+    rebuilt = mode.rearranger->Rebuild();
+    if (rebuilt.ok() || boot.epoch() == epoch) break;
   }
-  if (!re.ok()) return re.status().WithPrefix("a Rearranger over the members");
-  mode.rearranger = std::move(*re);
+  if (!rebuilt.ok()) return rebuilt.WithPrefix("the Rearranger over the members");
+  if (mode.w.spare > 0) {  // the row tables in force, for the recovery's writes
+    for (int l = 0; l < static_cast<int>(mode.w.row_of_slot.size()); ++l)
+      mode.w.SetRows(l, mode.rearranger->RowTable(static_cast<uint32_t>(l)));
+    mode.w.layout.row_of_slot = mode.w.row_of_slot;
+  }
+  log.setup_s = SecondsSince(t);
   log.epoch = boot.epoch();
   log.members.clear();
   const std::vector<bool> live = boot.members();
@@ -284,12 +291,14 @@ Status RearrangerOverMembers(const DemoOptions& o, int step, Bootstrap& boot, Mo
 }
 
 // The Balancer again, over the members, from `placement` (the other ranks' slots empty).
-Status BalancerOverMembers(Bootstrap& boot, Mode& mode, const Placement& placement) {
+Status BalancerOverMembers(Bootstrap& boot, Mode& mode, const Placement& placement, DrillLog& log) {
+  const auto t = std::chrono::steady_clock::now();
   mode.options.live = boot.members();
   Result<std::unique_ptr<Balancer>> b =
       Balancer::Create(placement, mode.options, mode.rearranger.get());
   if (!b.ok()) return b.status().WithPrefix("a Balancer over the members");
   mode.balancer = std::move(*b);
+  log.balancer_s = SecondsSince(t);
   return Status::OK();
 }
 
@@ -382,7 +391,6 @@ Status RecoverFromLoss(const DemoOptions& o, int step, const LoadTrace& trace, c
   t = Clock::now();
   EPLBX_RETURN_IF_ERROR(RearrangerOverMembers(o, step, boot, mode, log));
   const std::vector<bool> live = boot.members();
-  log.setup_s = SecondsSince(t);
   t = Clock::now();
   EPLBX_ASSIGN_OR_RETURN(LoadMatrix window, WindowLoad(o, trace, step));
   SurvivorOptions so;
@@ -404,7 +412,7 @@ Status RecoverFromLoss(const DemoOptions& o, int step, const LoadTrace& trace, c
   if (!restored.ok()) return restored.status().WithPrefix("restoring from the host backup");
   log.rows_recovered = *restored;
   log.restore_s = SecondsSince(t);
-  return BalancerOverMembers(boot, mode, plan->placement);
+  return BalancerOverMembers(boot, mode, plan->placement, log);
 }
 
 }  // namespace
@@ -567,9 +575,7 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
                                    "rank ", o.fault_rank, " was drained but did not leave (",
                                    round.ok() ? "the round completed" : round.message(), ")"))
                              : RearrangerOverMembers(o, step, boot, modes[0], drill_log);
-        if (rebuilt.ok()) rebuilt = BalancerOverMembers(boot, modes[0], after);
-        drill_log.setup_s = static_cast<double>(MonotonicNs() - t0) * 1e-9 - drill_log.drain_s -
-                            drill_log.plan_s - drill_log.move_s;
+        if (rebuilt.ok()) rebuilt = BalancerOverMembers(boot, modes[0], after, drill_log);
         epoch = boot.epoch();
         if (!rebuilt.ok()) {
           modes[0].m.error =
@@ -644,7 +650,9 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
                        {"detect_wait_s", drill_log.detect_wait_s},
                        {"recovery_s", drill_log.recovery_s},
                        {"drain_s", drill_log.drain_s},
+                       {"release_s", drill_log.release_s},
                        {"setup_s", drill_log.setup_s},
+                       {"balancer_s", drill_log.balancer_s},
                        {"plan_s", drill_log.plan_s},
                        {"move_s", drill_log.move_s},
                        {"restore_s", drill_log.restore_s},

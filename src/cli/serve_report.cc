@@ -128,8 +128,8 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
     return j.contains(key) && j[key].is_number() ? j[key].get<double>() : -1.0;
   };
   std::vector<double> step_s;
-  double recovery_s = 0, detect_wait_s = 0, drain_s = 0, setup_s = 0, plan_s = 0, move_s = 0,
-         restore_s = 0, backup_bytes = 0;
+  double recovery_s = 0, detect_wait_s = 0, drain_s = 0, release_s = 0, setup_s = 0, plan_s = 0,
+         move_s = 0, restore_s = 0, balancer_s = 0, backup_bytes = 0;
   double detected = -1, epoch = -1, experts_recovered = -1;
   uint64_t rows_recovered = 0, bytes_moved = 0, rows_checked = 0, bad_rows = 0;
   int rebalances_after = 0;
@@ -171,7 +171,9 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
     if (number(d, "recovery_s") >= recovery_s) {
       recovery_s = number(d, "recovery_s");
       drain_s = number(d, "drain_s");
+      release_s = number(d, "release_s");
       setup_s = number(d, "setup_s");
+      balancer_s = number(d, "balancer_s");
       plan_s = number(d, "plan_s");
       move_s = number(d, "move_s");
       restore_s = number(d, "restore_s");
@@ -230,10 +232,12 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
                 {"recovery_target_s", 1.0},
                 {"phases_s",
                  {{"end_rebalance_and_agree_maps", drain_s},
+                  {"release_old_rearranger", release_s},
                   {"rearranger_over_members", setup_s},
                   {"plan", plan_s},
                   {"move_among_survivors", move_s},
-                  {"restore_from_backup", restore_s}}},
+                  {"restore_from_backup", restore_s},
+                  {"balancer_over_members", balancer_s}}},
                 {"epoch", epoch},
                 {"members", members},
                 {"interrupted_rebalance", interrupted},
@@ -260,22 +264,22 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
       std::printf(
           "  rank %d drained and gone: %.3f s from the step's end to serving over the members "
           "%s (epoch %.0f): end the rebalance in flight %.3f, plan the drain %.3f, move its "
-          "experts to the others %.3f (%.1f MiB), Rearranger and Balancer over the members "
-          "%.3f\n",
+          "experts to the others %.3f (%.1f MiB), old Rearranger released %.3f, Rearranger over "
+          "the members %.3f, Balancer %.3f\n",
           o.fault_rank, recovery_s, members.dump().c_str(), epoch, drain_s, plan_s, move_s,
-          static_cast<double>(bytes_moved) / 1048576.0, setup_s);
+          static_cast<double>(bytes_moved) / 1048576.0, release_s, setup_s, balancer_s);
     } else if (detected >= 0) {
       std::printf(
           "  detected at step %.0f after %.3f s of that step; epoch %.0f, members %s\n"
           "  recovery (detection to serving with every expert present): %.3f s (target <= 1 s): "
-          "end the rebalance in flight and agree on the maps %.3f, Rearranger over the members "
-          "%.3f, plan %.3f, move among survivors %.3f "
+          "end the rebalance in flight and agree on the maps %.3f, old Rearranger released "
+          "%.3f, Rearranger over the members %.3f, plan %.3f, move among survivors %.3f "
           "(%.1f MiB), restore from the host backup %.3f (%llu rows of %.0f experts; backup "
-          "holds %.1f MiB)\n",
-          detected, detect_wait_s, epoch, members.dump().c_str(), recovery_s, drain_s, setup_s,
-          plan_s, move_s, static_cast<double>(bytes_moved) / 1048576.0, restore_s,
+          "holds %.1f MiB), Balancer over the members %.3f\n",
+          detected, detect_wait_s, epoch, members.dump().c_str(), recovery_s, drain_s, release_s,
+          setup_s, plan_s, move_s, static_cast<double>(bytes_moved) / 1048576.0, restore_s,
           static_cast<unsigned long long>(rows_recovered), experts_recovered,
-          backup_bytes / 1048576.0);
+          backup_bytes / 1048576.0, balancer_s);
       if (interrupted.is_string() && !interrupted.get<std::string>().empty())
         std::printf("  the rebalance in flight: %s\n", interrupted.get<std::string>().c_str());
     }

@@ -83,14 +83,19 @@ uint64_t RearrangerImpl::StagingBytes() const {
 }
 
 Status RearrangerImpl::Setup() {
+  // Our row tables in force go out with the layout (after commits in swap mode they are no
+  // longer the ones we were created with).
+  if (layout.spare_rows > 0 && tables.size() > self()) layout.row_of_slot = tables[self()];
   ByteWriter w;
   w.Str32(agent->Metadata());
   w.Str32(EncodeLayout(layout));
+  w.U64(generation);
   Result<std::vector<std::string>> gathered = boot->AllGather(w.Take(), options.deadline);
   if (!gathered.ok())
     return gathered.status().WithPrefix(StrCat("rank ", self(), ": exchanging metadata"));
   std::vector<std::string> blobs(gathered->size());
   all.resize(gathered->size());
+  uint64_t highest = generation;
   // Over a changed member set (the store's epochs, docs/deploy.md): a rank that is not a
   // member contributed nothing and is neither connected to nor read from; its layout stands
   // in as ours (its slots hold nothing a plan over the members may use), with identity row
@@ -106,16 +111,18 @@ Status RearrangerImpl::Setup() {
     }
     ByteReader in((*gathered)[r], "rank contribution");
     std::string layout_bytes;
+    uint64_t their_generation = 0;
     if (!in.Str32("agent_metadata", 16u << 20, &blobs[r]) ||
-        !in.Str32("layout", 64u << 20, &layout_bytes)) {
+        !in.Str32("layout", 64u << 20, &layout_bytes) || !in.U64("generation", &their_generation)) {
       return in.status().WithPrefix(StrCat("rank ", r));
     }
+    highest = std::max(highest, their_generation);
     Result<RankLayout> decoded = DecodeLayout(layout_bytes);
     if (!decoded.ok()) return decoded.status().WithPrefix(StrCat("rank ", r, " sent a bad layout"));
     all[r] = std::move(*decoded);
   }
   EPLBX_RETURN_IF_ERROR(ValidateLayouts(all, self()));
-  tables.resize(world());
+  tables.assign(world(), {});
   for (uint32_t r = 0; r < world(); ++r) {
     tables[r].resize(layout.layers.size());
     for (size_t l = 0; l < layout.layers.size(); ++l) {
@@ -123,19 +130,37 @@ Status RearrangerImpl::Setup() {
         tables[r][l].push_back(all[r].RowOf(l, slot));
     }
   }
-  peer_of.assign(world(), 0);
+  // Every member goes on from the highest generation any of them used, so no new layer
+  // reuses a generation a peer saw before (records of the old member set are refused by
+  // their epoch anyway).
+  generation = highest;
+  peer_of.resize(world(), 0);
+  linked.resize(world(), false);
   for (uint32_t r = 0; r < world(); ++r) {
-    if (r == self() || !member(r)) continue;
+    if (r == self()) continue;
+    if (!member(r)) {  // no longer a member: forget it
+      if (linked[r]) {
+        (void)agent->Disconnect(peer_of[r]);
+        connected.erase(std::remove(connected.begin(), connected.end(), peer_of[r]),
+                        connected.end());
+        linked[r] = false;
+      }
+      continue;
+    }
+    if (linked[r]) continue;  // a member we are still connected to
     Result<PeerId> p = agent->Connect(blobs[r]);
     if (!p.ok()) return p.status().WithPrefix(StrCat("rank ", self(), ": connecting to rank ", r));
     peer_of[r] = *p;
+    linked[r] = true;
     connected.push_back(*p);
     rank_of_name[agent->Peer(*p)->name] = r;
   }
-  Result<RegisteredRegion> s = agent->AllocateShared(StagingBytes());
-  if (!s.ok())
-    return s.status().WithPrefix(StrCat("rank ", self(), ": staging buffer of one layer"));
-  staging.push_back(std::move(*s));
+  if (staging.empty()) {
+    Result<RegisteredRegion> s = agent->AllocateShared(StagingBytes());
+    if (!s.ok())
+      return s.status().WithPrefix(StrCat("rank ", self(), ": staging buffer of one layer"));
+    staging.push_back(std::move(*s));
+  }
   // Nobody starts moving bytes before every rank is connected to every other.
   Status ready = boot->Barrier(options.deadline);
   if (!ready.ok())
@@ -513,6 +538,20 @@ Result<std::unique_ptr<Rearranger>> Rearranger::Create(Agent* agent, Bootstrap* 
   impl->env = EnvOrDefault(options.env);
   EPLBX_RETURN_IF_ERROR(impl->Setup());
   return std::unique_ptr<Rearranger>(new Rearranger(std::move(impl)));
+}
+
+Status Rearranger::Rebuild() {
+  internal::RearrangerImpl& d = *impl_;
+  if (d.Busy()) {
+    return Status::InProgress(StrCat("rank ", d.self(),
+                                     ": an asynchronous rearrangement is running; end it "
+                                     "(Commit() until it finishes) before rebuilding"));
+  }
+  d.deferred.clear();
+  EPLBX_RETURN_IF_ERROR(d.Setup());
+  d.failed = false;
+  d.failure.clear();
+  return Status::OK();
 }
 
 RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to) {

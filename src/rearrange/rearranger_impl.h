@@ -33,6 +33,7 @@ class RearrangerImpl {
   // The peers Setup connected: disconnected when this goes, so that a Rearranger made again
   // on the same agent (after the member set changed) can connect them anew.
   std::vector<PeerId> connected;
+  std::vector<bool> linked;  // by rank: connected by Setup (kept by a rebuild while a member)
   std::map<std::string, uint32_t> rank_of_name;
   // Staging buffers of one layer each: [0] for the synchronous loop, more for the pipeline.
   std::vector<RegisteredRegion> staging;
@@ -60,6 +61,9 @@ class RearrangerImpl {
   uint32_t self() const { return layout.rank; }
   uint32_t world() const { return static_cast<uint32_t>(all.size()); }
 
+  // Exchanges layouts over the members and connects to them; again after the member set
+  // changed (Rebuild): connections to members and the staging buffers are kept, peers no
+  // longer members are disconnected, generations continue from the members' highest.
   Status Setup();
   // The placements' shape against the layout; the plan against the placements.
   Status CheckShapes(const Placement& from, const Placement& to) const;

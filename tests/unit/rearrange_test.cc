@@ -1318,13 +1318,21 @@ struct RecoveryRig {
       me.setup = re.status();
       return me;
     }
+    return SurviveWith(r, now, **re);
+  }
+
+  // The same from the plan on, with a Rearranger already over the members (`re`: created
+  // anew, or rebuilt with Rebuild()).
+  Survivor SurviveWith(uint32_t r, const Placement& now, Rearranger& re) {
+    Survivor me;
+    Bootstrap* boot = store.m[r].get();
     me.epoch = boot->epoch();
     me.members = boot->members();
     SurvivorOptions so;
     so.backup = [&](int l, int e) { return backup->Holds(l, e); };
     me.plan = PlanSurvivors(now, load, topo, me.members, so);
     if (!me.plan.ok()) return me;
-    me.report = (*re)->Rearrange(me.plan->sources, me.plan->interim, me.plan->migration);
+    me.report = re.Rearrange(me.plan->sources, me.plan->interim, me.plan->migration);
     if (me.report.status.ok()) me.recovered = io::RecoverSlots(*me.plan, ranks[r]->layout, *backup);
     return me;
   }
@@ -1448,7 +1456,9 @@ TEST(RecoveryTest, SurvivorsRePlaceOverTheMembersAndRecoverTheLostRanksExperts) 
 // An asynchronous rearrangement whose member set changes under it (a rank lost: the
 // survivors learned the new epoch from a bootstrap round) ends at the survivors' next Commit,
 // at once and by name, instead of waiting for the lost rank's vote until the deadline; the
-// layers committed before stay. (The serving demo's drill runs this with real processes.)
+// layers committed before stay. Rebuild() then takes the same Rearranger over the members
+// (connections and staging kept), and the survivors recover rank 1's experts with it, every
+// row checked. (The serving demo's drill runs this with real processes.)
 TEST(RecoveryTest, AnAsynchronousRearrangementEndsAtOnceWhenTheMemberSetChanges) {
   RecoveryRig g;
   ASSERT_TRUE(g.backup != nullptr && g.store.joined());
@@ -1464,7 +1474,10 @@ TEST(RecoveryTest, AnAsynchronousRearrangementEndsAtOnceWhenTheMemberSetChanges)
   std::vector<std::unique_ptr<Rearranger>> re(kRanks);
   std::vector<CommitResult> ended(kRanks);
   std::vector<double> seconds(kRanks, 0);
-  std::vector<Status> barrier(kRanks);
+  std::vector<Status> barrier(kRanks), rebuilt(kRanks);
+  std::vector<int> committed(kRanks, 0);
+  std::vector<bool> failed_before(kRanks, false);
+  std::vector<RecoveryRig::Survivor> out(kRanks);
   std::vector<std::thread> threads;
   for (uint32_t r = 0; r < kRanks; ++r) {
     threads.emplace_back([&, r] {
@@ -1489,8 +1502,14 @@ TEST(RecoveryTest, AnAsynchronousRearrangementEndsAtOnceWhenTheMemberSetChanges)
       const auto t0 = std::chrono::steady_clock::now();
       do {
         ended[r] = re[r]->Commit();
+        committed[r] += static_cast<int>(ended[r].layers.size());
       } while (!ended[r].finished);
       seconds[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      failed_before[r] = re[r]->failed();
+      // Then the same Rearranger goes on over the members (connections and staging kept):
+      // the survivors re-place, move among themselves and restore rank 1's experts.
+      rebuilt[r] = re[r]->Rebuild();
+      if (rebuilt[r].ok()) out[r] = g.SurviveWith(r, g.in_force, *re[r]);
     });
   }
   for (std::thread& t : threads) t.join();
@@ -1506,8 +1525,12 @@ TEST(RecoveryTest, AnAsynchronousRearrangementEndsAtOnceWhenTheMemberSetChanges)
         << ended[r].status.ToString();
     // Not the 20 s deadline of the lost rank's vote (a bound far above any scheduling noise).
     EXPECT_LT(seconds[r], 10.0);
-    EXPECT_TRUE(re[r]->failed());  // rebuilt over the members next
+    EXPECT_TRUE(failed_before[r]);  // until rebuilt over the members
+    EXPECT_EQ(committed[r], 0);     // one READ a step: no layer was ready in two steps
+    ASSERT_TRUE(rebuilt[r].ok()) << rebuilt[r].ToString();
+    EXPECT_FALSE(re[r]->failed());
   }
+  g.ExpectRecovered(out, 1, g.in_force);
 }
 
 // Rank 1 is lost in the middle of a rearrangement (the survivors stop hearing it after a

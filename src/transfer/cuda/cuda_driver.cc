@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 #include <sys/prctl.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <mutex>
@@ -119,6 +120,14 @@ std::string UuidText(std::string_view uuid) {
 }
 
 void UsePreciseSleeps() { static_cast<void>(prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0)); }
+
+std::chrono::steady_clock::duration PollPacer::Next() {
+  using namespace std::chrono;
+  const auto now = steady_clock::now();
+  if (since_ == steady_clock::time_point{}) since_ = now;
+  return std::clamp<steady_clock::duration>((now - since_) / 16, microseconds(5),
+                                            microseconds(200));
+}
 
 Status UseDevice(const Driver& d, int ordinal) {
   static std::mutex mu;

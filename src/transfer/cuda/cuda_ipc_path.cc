@@ -290,6 +290,7 @@ class CudaIpcPath final : public DataPath {
     {
       std::lock_guard<std::mutex> lock(mu_);
       ops_.push_back(std::move(op));
+      posted_ = true;
     }
     cv_.notify_one();
     return Status::OK();
@@ -551,6 +552,7 @@ class CudaIpcPath final : public DataPath {
     // Post made the context current for the copies; the events are queried from here.
     static_cast<void>(cuda::UseDevice(*d_, device));
     cuda::UsePreciseSleeps();
+    cuda::PollPacer pacer;
     std::unique_lock<std::mutex> lock(mu_);
     while (true) {
       cv_.wait(lock, [&] { return stop_ || !ops_.empty(); });
@@ -584,8 +586,13 @@ class CudaIpcPath final : public DataPath {
         Finish(std::move(op));
         listener_->OnDataDone(id, std::move(status));
       }
-      if (more && done.empty()) std::this_thread::sleep_for(std::chrono::microseconds(5));
       lock.lock();
+      if (!done.empty()) {
+        pacer.Progress();
+      } else if (more) {  // wait a while before querying again, unless a new copy comes
+        posted_ = false;
+        if (cv_.wait_for(lock, pacer.Next(), [&] { return stop_ || posted_; })) pacer.Progress();
+      }
     }
   }
 
@@ -594,6 +601,7 @@ class CudaIpcPath final : public DataPath {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;
+  bool posted_ = false;        // a copy was posted since the poller last looked
   const Driver* d_ = nullptr;  // set at the first Post
   int device_ = -1;
   std::map<uint64_t, Export> exports_;

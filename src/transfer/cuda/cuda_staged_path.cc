@@ -774,6 +774,7 @@ class Staged final : public ucx::StageSink, public std::enable_shared_from_this<
 
   void Run() {
     cuda::UsePreciseSleeps();
+    cuda::PollPacer pacer;
     std::unique_lock<std::mutex> lock(mu_);
     bool device_set = false;
     while (!stop_) {
@@ -786,10 +787,15 @@ class Staged final : public ucx::StageSink, public std::enable_shared_from_this<
       std::vector<std::pair<TransferId, Status>> done;
       Pump(&done);
       const bool polling = !copies_.empty();
+      const bool progressed = work_ || !done.empty();  // a copy or a transfer completed
       lock.unlock();
       Report(done);
-      if (polling && done.empty()) std::this_thread::sleep_for(std::chrono::microseconds(5));
       lock.lock();
+      if (progressed) {
+        pacer.Progress();
+      } else if (polling) {  // wait a while before querying again, unless new work comes
+        if (cv_.wait_for(lock, pacer.Next(), [&] { return stop_ || work_; })) pacer.Progress();
+      }
     }
   }
 

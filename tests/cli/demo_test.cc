@@ -306,6 +306,23 @@ TEST(DemoTest, ServingInSwapModeChecksEveryRowThroughTheRowTables) {
 // themselves, restore the experts only the lost rank held from the host backup, rebuild the
 // Balancer over the members and serve on, every row every step used checked; the report has
 // the recovery time and tokens/s before, during and after.
+// A serving drill at small sizes: 4 ranks, 3 layers x 16 experts, 6 slots each, 50 steps.
+DemoRun ServeDrill(const std::string& flags) {
+  return Demo(
+      "--serve --ranks 4 --layers 3 --experts 16 --slots-per-rank 6 --expert-bytes 64K "
+      "--steps 50 --interval 10 --tokens 64 --top-k 4 --work-bytes 1K " +
+      flags);
+}
+
+// Ranks 0..3 but `gone`.
+std::vector<int> MembersWithout(int gone) {
+  std::vector<int> out;
+  for (int k = 0; k < 4; ++k) {
+    if (k != gone) out.push_back(k);
+  }
+  return out;
+}
+
 TEST(DemoTest, ServingGoesOnAfterARankIsKilledOrStopped) {
   struct Drill {
     const char* inject;
@@ -319,10 +336,7 @@ TEST(DemoTest, ServingGoesOnAfterARankIsKilledOrStopped) {
   };
   for (const Drill& d : drills) {
     SCOPED_TRACE(d.inject);
-    DemoRun r = Demo(std::string("--serve --ranks 4 --layers 3 --experts 16 --slots-per-rank 6 "
-                                 "--expert-bytes 64K --steps 50 --interval 10 --tokens 64 "
-                                 "--top-k 4 --work-bytes 1K --inject ") +
-                     d.inject + " " + d.extra);
+    DemoRun r = ServeDrill(std::string("--inject ") + d.inject + " " + d.extra);
     ASSERT_FALSE(r.report.is_discarded());
     EXPECT_EQ(r.exit_code, 0) << r.report.dump();
     EXPECT_TRUE(r.report["verified"].get<bool>()) << r.report.dump();
@@ -331,11 +345,7 @@ TEST(DemoTest, ServingGoesOnAfterARankIsKilledOrStopped) {
     EXPECT_EQ(drill["rank"].get<int>(), d.lost);
     EXPECT_EQ(drill["detected_step"].get<int>(), d.step) << drill.dump();
     EXPECT_EQ(drill["epoch"].get<int>(), 2);
-    std::vector<int> members;
-    for (int k = 0; k < 4; ++k) {
-      if (k != d.lost) members.push_back(k);
-    }
-    EXPECT_EQ(drill["members"].get<std::vector<int>>(), members);
+    EXPECT_EQ(drill["members"].get<std::vector<int>>(), MembersWithout(d.lost));
     // 16 experts over 24 slots: the lost rank held some experts nobody else did.
     EXPECT_GT(drill["experts_recovered"].get<int>(), 0) << drill.dump();
     EXPECT_GE(drill["rows_recovered"].get<int>(), drill["experts_recovered"].get<int>());
@@ -364,21 +374,14 @@ TEST(DemoTest, ServingDrainsARankThatLeaves) {
                         {"remove:2@7", "--modes off", 2}};
   for (const Case& c : cases) {
     SCOPED_TRACE(c.resize);
-    DemoRun r = Demo(std::string("--serve --ranks 4 --layers 3 --experts 16 --slots-per-rank 6 "
-                                 "--expert-bytes 64K --steps 50 --interval 10 --tokens 64 "
-                                 "--top-k 4 --work-bytes 1K --deadline 3 --resize ") +
-                     c.resize + " " + c.extra);
+    DemoRun r = ServeDrill(std::string("--deadline 3 --resize ") + c.resize + " " + c.extra);
     ASSERT_FALSE(r.report.is_discarded());
     EXPECT_EQ(r.exit_code, 0) << r.report.dump();
     EXPECT_TRUE(r.report["verified"].get<bool>()) << r.report.dump();
     const auto& drill = r.report["drill"];
     EXPECT_EQ(drill["fault"], "remove");
     EXPECT_EQ(drill["epoch"].get<int>(), 2);
-    std::vector<int> members;
-    for (int k = 0; k < 4; ++k) {
-      if (k != c.rank) members.push_back(k);
-    }
-    EXPECT_EQ(drill["members"].get<std::vector<int>>(), members);
+    EXPECT_EQ(drill["members"].get<std::vector<int>>(), MembersWithout(c.rank));
     EXPECT_EQ(drill["experts_recovered"].get<int>(), 0);  // drained, nothing lost
     EXPECT_GT(drill["bytes_moved_among_survivors"].get<uint64_t>(), 0u);
     EXPECT_EQ(r.report["rows_checked"].get<uint64_t>(), 50u * 3 * 6 * 3);

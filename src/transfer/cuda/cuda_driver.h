@@ -108,7 +108,8 @@ void UsePreciseSleeps();
 // The sleeps of a poller while copies are pending and none completed: 5 us at first, then
 // a sixteenth of the time waited so far, at most 200 us. A short copy is seen within
 // microseconds, a long one costs a few wakeups (at most ~6 % added to its time) instead of
-// one every 5 us, which kept a core busy (the TSan runs of the killed-peer test starved).
+// one every 5 us, which kept a core busy (a TSan run of the killed-peer test timed out with
+// it on a loaded machine).
 class PollPacer {
  public:
   void Progress() { since_ = {}; }  // something completed: the next wait starts short

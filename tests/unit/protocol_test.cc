@@ -428,7 +428,9 @@ TEST(LayerProtocolTest, RecordsOfAnotherEpochAreRefusedByName) {
   step.epoch = 2;
   LayerProtocol p(step, Clock::time_point{}, seconds(10));
   for (const Action& a : p.Start()) {
-    if (a.kind == ActionKind::kSend) EXPECT_EQ(a.record.epoch, 2u);  // what it sends carries it
+    if (a.kind == ActionKind::kSend) {
+      EXPECT_EQ(a.record.epoch, 2u);  // what it sends carries it
+    }
   }
   bool deferred = false;
   Record maps = MapsOf(1, 5, 2);

@@ -217,11 +217,6 @@ struct DrillLog {
   std::vector<int64_t> step_ns;  // wall-clock time of every step here, recovery included
 };
 
-// After the group lost a member (the step's collective failed with a new epoch): ends the
-// rebalance in flight (the layer protocol rolls back a layer the lost rank was in), builds a
-// Rearranger over the members, plans over the survivors with the host backup as the source
-// of experts no survivor holds, moves among the survivors, restores the rest from the backup,
-// and rebuilds the Balancer over the members. Every survivor runs it at the same step.
 double SecondsSince(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
@@ -258,9 +253,7 @@ void TakeRowTables(const DemoOptions& o, Mode& mode) {
 // the Rearranger is rebuilt over the members (connections to members and staging buffers
 // kept; again if the member set moves meanwhile). The Balancer is made again by
 // BalancerOverMembers once the placement is set.
-Status RearrangerOverMembers(const DemoOptions& o, int step, Bootstrap& boot, Mode& mode,
-                             DrillLog& log) {
-  (void)o;
+Status RearrangerOverMembers(int step, Bootstrap& boot, Mode& mode, DrillLog& log) {
   for (const RebalanceRecord& x : mode.balancer->report().rebalances) mode.m.earlier.push_back(x);
   mode.m.failed_earlier += mode.balancer->report().failed;
   mode.m.step_offset = step + 1;  // the new Balancer's first Step is the next step
@@ -305,7 +298,7 @@ Status BalancerOverMembers(Bootstrap& boot, Mode& mode, const Placement& placeme
 // `--resize remove:RANK@STEP`, on every rank at that step: ends the rebalance in flight,
 // plans the drain of RANK (PlanResize: its experts go to the others, incremental from what
 // they hold; RANK is a source only) and runs it with the Rearranger over every member. Then
-// RANK leaves (its report sent) and the others go on over the members (RemoveRank's caller).
+// RANK leaves (its report sent) and the others go on over the members (the serving loop).
 Status DrainRank(const DemoOptions& o, int step, const LoadTrace& trace, const Topology& topo,
                  Mode& mode, DrillLog& log, Placement* after) {
   auto t = std::chrono::steady_clock::now();
@@ -343,6 +336,12 @@ Status DrainRank(const DemoOptions& o, int step, const LoadTrace& trace, const T
   return Status::OK();
 }
 
+// After the group lost a member (the step's collective failed with a new epoch): ends the
+// rebalance in flight, assembles the placement in force from each member's own slots,
+// rebuilds the Rearranger over the members, plans over the survivors with the host backup as
+// the source of experts no survivor holds, moves among the survivors, restores the rest from
+// the backup, and rebuilds the Balancer over the members. Every survivor runs it at the same
+// step.
 Status RecoverFromLoss(const DemoOptions& o, int step, const LoadTrace& trace, const Topology& topo,
                        Bootstrap& boot, Mode& mode, const io::HostBackup& backup, DrillLog& log) {
   using Clock = std::chrono::steady_clock;
@@ -389,7 +388,7 @@ Status RecoverFromLoss(const DemoOptions& o, int step, const LoadTrace& trace, c
                          Placement::FromPhy2Log(o.layers, topo.slots, o.experts, flat));
   log.drain_s = SecondsSince(t);
   t = Clock::now();
-  EPLBX_RETURN_IF_ERROR(RearrangerOverMembers(o, step, boot, mode, log));
+  EPLBX_RETURN_IF_ERROR(RearrangerOverMembers(step, boot, mode, log));
   const std::vector<bool> live = boot.members();
   t = Clock::now();
   EPLBX_ASSIGN_OR_RETURN(LoadMatrix window, WindowLoad(o, trace, step));
@@ -574,7 +573,7 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
                              ? Status::Internal(StrCat(
                                    "rank ", o.fault_rank, " was drained but did not leave (",
                                    round.ok() ? "the round completed" : round.message(), ")"))
-                             : RearrangerOverMembers(o, step, boot, modes[0], drill_log);
+                             : RearrangerOverMembers(step, boot, modes[0], drill_log);
         if (rebuilt.ok()) rebuilt = BalancerOverMembers(boot, modes[0], after, drill_log);
         epoch = boot.epoch();
         if (!rebuilt.ok()) {

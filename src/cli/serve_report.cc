@@ -232,7 +232,7 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
                 {"recovery_target_s", 1.0},
                 {"phases_s",
                  {{"end_rebalance_and_agree_maps", drain_s},
-                  {"release_old_rearranger", release_s},
+                  {"release_old_balancer", release_s},
                   {"rearranger_over_members", setup_s},
                   {"plan", plan_s},
                   {"move_among_survivors", move_s},
@@ -264,7 +264,8 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
       std::printf(
           "  rank %d drained and gone: %.3f s from the step's end to serving over the members "
           "%s (epoch %.0f): end the rebalance in flight %.3f, plan the drain %.3f, move its "
-          "experts to the others %.3f (%.1f MiB), old Rearranger released %.3f, Rearranger over "
+          "experts to the others %.3f (%.1f MiB), old Balancer released %.3f, Rearranger rebuilt "
+          "over "
           "the members %.3f, Balancer %.3f\n",
           o.fault_rank, recovery_s, members.dump().c_str(), epoch, drain_s, plan_s, move_s,
           static_cast<double>(bytes_moved) / 1048576.0, release_s, setup_s, balancer_s);
@@ -272,8 +273,8 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
       std::printf(
           "  detected at step %.0f after %.3f s of that step; epoch %.0f, members %s\n"
           "  recovery (detection to serving with every expert present): %.3f s (target <= 1 s): "
-          "end the rebalance in flight and agree on the maps %.3f, old Rearranger released "
-          "%.3f, Rearranger over the members %.3f, plan %.3f, move among survivors %.3f "
+          "end the rebalance in flight and agree on the maps %.3f, old Balancer released "
+          "%.3f, Rearranger rebuilt over the members %.3f, plan %.3f, move among survivors %.3f "
           "(%.1f MiB), restore from the host backup %.3f (%llu rows of %.0f experts; backup "
           "holds %.1f MiB), Balancer over the members %.3f\n",
           detected, detect_wait_s, epoch, members.dump().c_str(), recovery_s, drain_s, release_s,

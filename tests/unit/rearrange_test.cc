@@ -1476,7 +1476,7 @@ TEST(RecoveryTest, AnAsynchronousRearrangementEndsAtOnceWhenTheMemberSetChanges)
   std::vector<double> seconds(kRanks, 0);
   std::vector<Status> barrier(kRanks), rebuilt(kRanks);
   std::vector<int> committed(kRanks, 0);
-  std::vector<bool> failed_before(kRanks, false);
+  std::vector<int> failed_before(kRanks, 0);  // not vector<bool>: threads write neighbours
   std::vector<RecoveryRig::Survivor> out(kRanks);
   std::vector<std::thread> threads;
   for (uint32_t r = 0; r < kRanks; ++r) {

@@ -551,55 +551,56 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
         }
       }
     }
-    // The step's collective (an engine's all-to-all): a lost member fails it for everyone
-    // with a new epoch; then the survivors recover, all at this step.
-    if (removal && !stopped && step == o.fault_step) {
-      // A graceful removal: every rank drains the leaving one, then it leaves and the others
-      // learn the new member set from the next round and go on over it.
-      const int64_t t0 = MonotonicNs();
-      drill_log.detected_step = step;
-      Placement after;
-      Status drained = DrainRank(o, step, *trace, topo, modes[0], drill_log, &after);
-      if (!drained.ok()) {
-        modes[0].m.error =
-            StrCat("removing rank ", o.fault_rank, " at step ", step, ": ", drained.message());
-        stopped = true;
-      } else if (rank == o.fault_rank) {
-        left = true;
-        stopped = true;
-      } else {
-        Status round = boot.Barrier(deadline);  // refused once the drained rank is gone
-        Status rebuilt = round.ok() || boot.epoch() == epoch
-                             ? Status::Internal(StrCat(
-                                   "rank ", o.fault_rank, " was drained but did not leave (",
-                                   round.ok() ? "the round completed" : round.message(), ")"))
-                             : RearrangerOverMembers(step, boot, modes[0], drill_log);
-        if (rebuilt.ok()) rebuilt = BalancerOverMembers(boot, modes[0], after, drill_log);
-        epoch = boot.epoch();
-        if (!rebuilt.ok()) {
-          modes[0].m.error =
-              StrCat("going on without rank ", o.fault_rank, ": ", rebuilt.message());
-          stopped = true;
-        }
-      }
-      drill_log.recovery_s = static_cast<double>(MonotonicNs() - t0) * 1e-9;
-      drill_log.step_ns.push_back(MonotonicNs() - step_t0);
-    } else if (drill && !stopped) {
-      Status alive = boot.Barrier(deadline);
-      if (!alive.ok() && boot.epoch() != epoch && drill_log.detected_step < 0) {
-        drill_log.detected_step = step;
-        drill_log.detect_wait_s = static_cast<double>(MonotonicNs() - step_t0) * 1e-9;
+    if (drill && !stopped) {
+      if (removal && step == o.fault_step) {
+        // A graceful removal: every rank drains the leaving one, then it leaves and the
+        // others learn the new member set from the next round and go on over it.
         const int64_t t0 = MonotonicNs();
-        Status rec = RecoverFromLoss(o, step, *trace, topo, boot, modes[0], *backup, drill_log);
+        drill_log.detected_step = step;
+        Placement after;
+        Status drained = DrainRank(o, step, *trace, topo, modes[0], drill_log, &after);
+        if (!drained.ok()) {
+          modes[0].m.error =
+              StrCat("removing rank ", o.fault_rank, " at step ", step, ": ", drained.message());
+          stopped = true;
+        } else if (rank == o.fault_rank) {
+          left = true;
+          stopped = true;
+        } else {
+          Status round = boot.Barrier(deadline);  // refused once the drained rank is gone
+          Status rebuilt = round.ok() || boot.epoch() == epoch
+                               ? Status::Internal(StrCat(
+                                     "rank ", o.fault_rank, " was drained but did not leave (",
+                                     round.ok() ? "the round completed" : round.message(), ")"))
+                               : RearrangerOverMembers(step, boot, modes[0], drill_log);
+          if (rebuilt.ok()) rebuilt = BalancerOverMembers(boot, modes[0], after, drill_log);
+          epoch = boot.epoch();
+          if (!rebuilt.ok()) {
+            modes[0].m.error =
+                StrCat("going on without rank ", o.fault_rank, ": ", rebuilt.message());
+            stopped = true;
+          }
+        }
         drill_log.recovery_s = static_cast<double>(MonotonicNs() - t0) * 1e-9;
-        epoch = boot.epoch();
-        if (!rec.ok()) {
-          modes[0].m.error = StrCat("recovery at step ", step, ": ", rec.message());
+      } else {
+        // The step's collective (an engine's all-to-all): a lost member fails it for every
+        // survivor with a new epoch; then the survivors recover, all at this step.
+        Status alive = boot.Barrier(deadline);
+        if (!alive.ok() && boot.epoch() != epoch && drill_log.detected_step < 0) {
+          drill_log.detected_step = step;
+          drill_log.detect_wait_s = static_cast<double>(MonotonicNs() - step_t0) * 1e-9;
+          const int64_t t0 = MonotonicNs();
+          Status rec = RecoverFromLoss(o, step, *trace, topo, boot, modes[0], *backup, drill_log);
+          drill_log.recovery_s = static_cast<double>(MonotonicNs() - t0) * 1e-9;
+          epoch = boot.epoch();
+          if (!rec.ok()) {
+            modes[0].m.error = StrCat("recovery at step ", step, ": ", rec.message());
+            stopped = true;
+          }
+        } else if (!alive.ok()) {
+          modes[0].m.error = StrCat("step ", step, ": ", alive.message());
           stopped = true;
         }
-      } else if (!alive.ok()) {
-        modes[0].m.error = StrCat("step ", step, ": ", alive.message());
-        stopped = true;
       }
       drill_log.step_ns.push_back(MonotonicNs() - step_t0);
     }

@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "eplbx/env.h"
@@ -87,12 +88,24 @@ class SocketBootstrap final : public Bootstrap {
 // member contributed; its result carries the epoch and the member set. Any frame from a rank
 // declared lost is answered "declared lost at epoch N: rejoin as a new member" and the rank is
 // not heard any more.
+//
+// Joining (membership only): a rank whose fd is -1 is no member at the start. `joins` (if
+// set, polled at least every 200 ms) hands the coordinator new connections, (rank, fd) each,
+// which it owns from then on: a process that takes the place of a rank that is no member (one
+// that never was, left or was declared lost). Its first contribution asks to join: the epoch
+// goes up by one and the rank is a member from then on; a round in progress fails for every
+// member in it ("rank 4 joined: epoch 3, members 0, 1, 2, 3, 4") and the joiner's contribution
+// is refused the same way, so the joiner and the members all learn the new set and contribute
+// again together. Until then it is not waited for (the members serve on while a new process
+// starts). A connection for a rank that is a member is refused by name and closed.
+using JoinSource = std::function<std::vector<std::pair<uint32_t, int>>()>;
 Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::milliseconds idle_timeout,
                             const std::function<void(uint32_t, std::string)>& on_message,
                             const std::function<bool()>& stop = nullptr,
                             std::chrono::milliseconds round_timeout = std::chrono::milliseconds(0),
                             const std::function<void(uint32_t)>& on_lost = nullptr,
-                            Env* env = nullptr, bool membership = false);
+                            Env* env = nullptr, bool membership = false,
+                            const JoinSource& joins = nullptr);
 
 // ---- TCP rendezvous (multi-host) -------------------------------------------------------
 //

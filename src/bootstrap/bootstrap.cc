@@ -155,6 +155,15 @@ Result<std::vector<std::string>> SocketBootstrap::AllGather(std::string_view min
   std::string frame = contribution.Take();
   frame.append(mine);
   if (!WriteFrame(fd_, kContributeAt, frame)) {
+    // The coordinator may have said why before it closed (a refused joiner).
+    uint8_t type = 0;
+    std::string why;
+    bool timed_out = false;
+    if (ReadFrame(fd_, env_->Now() + std::chrono::milliseconds(100), &type, &why, &timed_out,
+                  env_) &&
+        type == kFailed) {
+      return Status::Unavailable(why);
+    }
     return Status::Unavailable(StrCat("rank ", rank_, ": the coordinator is gone (all-gather)"));
   }
   uint8_t type = 0;
@@ -197,24 +206,71 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
                             const std::function<bool()>& stop,
                             std::chrono::milliseconds round_timeout,
                             const std::function<void(uint32_t)>& on_lost, Env* env,
-                            bool membership) {
+                            bool membership, const JoinSource& joins) {
   env = EnvOrDefault(env);
   const size_t n = fds.size();
   auto lost = [&](size_t i) {
     if (on_lost) on_lost(static_cast<uint32_t>(i));
   };
-  std::vector<bool> open(n, true);
+  std::vector<int> fd = fds;
+  // Joiners' connections are the coordinator's own: closed when it returns.
+  struct Owned {
+    std::vector<int> fds;
+    ~Owned() {
+      for (int f : fds) close(f);
+    }
+  } owned;
+  std::vector<bool> open(n);
+  size_t open_count = 0;
+  for (size_t i = 0; i < n; ++i) {
+    open[i] = fd[i] >= 0;
+    open_count += open[i] ? 1 : 0;
+  }
+  if (!membership && open_count < n) {
+    return Status::InvalidArgument(
+        "a coordinator without membership needs a connection for every rank");
+  }
   std::vector<std::optional<std::string>> round(n);
-  size_t open_count = n;
-  // Membership (when on): who is a member, since which epoch each non-member is out.
+  // Membership (when on): who is a member, since which epoch each non-member is out, which
+  // non-members have a new process that will ask to join.
   uint64_t epoch = 1;
-  std::vector<bool> member(n, true);
+  std::vector<bool> member = open;
+  std::vector<bool> joining(n, false);
   std::vector<uint64_t> lost_at(n, 0);
+  auto take_joiners = [&] {
+    if (!joins) return;
+    for (const auto& [rank, f] : joins()) {
+      std::string refusal;
+      if (!membership) {
+        refusal = "this coordinator does not track membership: no rank can join";
+      } else if (rank >= n) {
+        refusal = StrCat("rank ", rank, " cannot join a group of ", n, " ranks");
+      } else if (member[rank] || joining[rank]) {
+        refusal = StrCat("rank ", rank, " cannot join: it is ",
+                         member[rank] ? "a member" : "joining",
+                         " already (two processes for one rank?)");
+      }
+      if (!refusal.empty()) {
+        WriteFrame(f, kFailed, refusal);
+        close(f);
+        continue;
+      }
+      if (open[rank]) {  // the connection of a rank declared lost: not heard any more
+        open[rank] = false;
+        --open_count;
+      }
+      owned.fds.push_back(f);
+      fd[rank] = f;
+      open[rank] = true;
+      ++open_count;
+      joining[rank] = true;
+    }
+  };
   auto refuse = [&](size_t i, const std::string& why) {
     internal::ByteWriter w;
     WriteMembership(w, epoch, member);
     w.Str32(why);
-    WriteFrame(fds[i], kRefused, w.Take());
+    WriteFrame(fd[i], kRefused, w.Take());
   };
   auto fail_round = [&](const std::string& why) {
     for (size_t i = 0; i < n; ++i) {
@@ -222,7 +278,7 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
         if (membership)
           refuse(i, why);
         else
-          WriteFrame(fds[i], kFailed, why);
+          WriteFrame(fd[i], kFailed, why);
       }
       round[i].reset();
     }
@@ -282,19 +338,20 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
     for (auto& c : round) w.Str32(c ? *c : std::string());
     const std::string all = w.Take();
     for (size_t j = 0; j < n; ++j) {
-      if (open[j] && round[j]) WriteFrame(fds[j], membership ? kGatheredAt : kGathered, all);
+      if (open[j] && round[j]) WriteFrame(fd[j], membership ? kGatheredAt : kGathered, all);
       round[j].reset();
     }
     round_started = {};
   };
   while (open_count > 0) {
     if (stop && stop()) return Status::OK();
+    take_joiners();
     check_round();
     std::vector<pollfd> p;
     std::vector<size_t> who;
     for (size_t i = 0; i < n; ++i) {
       if (open[i]) {
-        p.push_back({fds[i], POLLIN, 0});
+        p.push_back({fd[i], POLLIN, 0});
         who.push_back(i);
       }
     }
@@ -313,9 +370,13 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
       uint8_t type = 0;
       std::string body;
       bool timed_out = false;
-      if (!ReadFrame(fds[i], env->Now() + std::chrono::seconds(5), &type, &body, &timed_out, env)) {
+      if (!ReadFrame(fd[i], env->Now() + std::chrono::seconds(5), &type, &body, &timed_out, env)) {
         open[i] = false;
         --open_count;
+        if (joining[i]) {  // went before it asked to join: it never was a member
+          joining[i] = false;
+          continue;
+        }
         if (membership) {
           declare_lost(i, StrCat("rank ", i, " left"));
           complete_round();
@@ -327,9 +388,20 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
         }
         continue;
       }
-      if (membership && !member[i]) {
+      if (joining[i] && type == kContributeAt) {
+        // Asks to join: a member from a new epoch; everyone contributes again at it.
+        joining[i] = false;
+        member[i] = true;
+        ++epoch;
+        const std::string members = MemberList(member);
+        fail_round(StrCat("rank ", i, " joined: epoch ", epoch, ", members ", members));
+        refuse(i, StrCat("rank ", i, " joined at epoch ", epoch, " (members ", members,
+                         "): contribute again at this epoch"));
+        continue;
+      }
+      if (membership && !member[i] && !joining[i]) {
         // Declared lost (it missed a round, stopped): it is not heard any more.
-        WriteFrame(fds[i], kFailed,
+        WriteFrame(fd[i], kFailed,
                    StrCat("rank ", i, " was declared lost at epoch ", lost_at[i],
                           " (the group is at epoch ", epoch, ", members ", MemberList(member),
                           "): rejoin as a new member"));

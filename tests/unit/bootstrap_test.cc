@@ -296,6 +296,123 @@ TEST(TcpStoreTest, MembershipWithEpochs) {
   EXPECT_EQ(served.Lost(), (std::set<uint32_t>{2, 3}));
 }
 
+// A rank that is no member at the start joins while the members serve; a connection for a
+// member is refused; a joined member that leaves is lost, and a new process takes its place.
+TEST(CoordinatorTest, ANewProcessJoinsUnderANewEpoch) {
+  auto pair = [] {
+    int sv[2];
+    EXPECT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    return std::pair<int, int>{sv[0], sv[1]};
+  };
+  const auto [c0, m0] = pair();
+  const auto [c1, m1] = pair();
+  std::vector<std::unique_ptr<SocketBootstrap>> m(3);
+  m[0] = std::make_unique<SocketBootstrap>(m0, 0, 3);
+  m[1] = std::make_unique<SocketBootstrap>(m1, 1, 3);
+  std::mutex mu;
+  std::vector<std::pair<uint32_t, int>> pending;  // handed to the coordinator
+  auto join = [&](uint32_t rank) {
+    const auto [c, mine] = pair();
+    std::lock_guard<std::mutex> lock(mu);
+    pending.push_back({rank, c});
+    return std::make_unique<SocketBootstrap>(mine, rank, 3);
+  };
+  std::atomic<bool> done{false};
+  std::set<uint32_t> lost;
+  Status served = Status::Internal("unset");
+  std::thread coordinator([&] {
+    served = ServeSocketBootstrap(
+        {c0, c1, -1}, milliseconds(20000), [](uint32_t, std::string) {}, [&] { return done.load(); },
+        milliseconds(0), [&](uint32_t r) { lost.insert(r); }, nullptr, /*membership=*/true, [&] {
+          std::lock_guard<std::mutex> lock(mu);
+          return std::exchange(pending, {});
+        });
+  });
+  auto gather = [&](const std::vector<uint32_t>& ranks) {
+    std::vector<Result<std::vector<std::string>>> out(3, Status::Internal("unset"));
+    std::vector<std::thread> t;
+    for (uint32_t r : ranks) {
+      t.emplace_back([&, r] { out[r] = m[r]->AllGather(std::to_string(r), milliseconds(5000)); });
+    }
+    for (std::thread& x : t) x.join();
+    return out;
+  };
+  // Epoch 1: rank 2 is no member; rounds complete without it.
+  auto g = gather({0, 1});
+  for (uint32_t r = 0; r < 2; ++r) {
+    ASSERT_TRUE(g[r].ok()) << g[r].status().ToString();
+    EXPECT_EQ(*g[r], (std::vector<std::string>{"0", "1", ""}));
+    EXPECT_EQ(m[r]->members(), (std::vector<bool>{true, true, false}));
+  }
+  // A new process for rank 2 connects; the members' next round does not wait for it until it
+  // asks to join.
+  m[2] = join(2);
+  g = gather({0, 1});
+  ASSERT_TRUE(g[0].ok()) << g[0].status().ToString();
+  // It asks while rank 0 waits in a round: rank 0 hears "joined" at epoch 2, the joiner is
+  // refused the same way; rank 1, still at epoch 1, is refused naming both epochs.
+  Result<std::vector<std::string>> g0 = Status::Internal("unset");
+  std::thread t0([&] { g0 = m[0]->AllGather("zero", milliseconds(5000)); });
+  std::this_thread::sleep_for(milliseconds(100));
+  auto g2 = m[2]->AllGather("two", milliseconds(5000));
+  t0.join();
+  EXPECT_EQ(g0.status().code(), Code::kAborted) << g0.status().ToString();
+  EXPECT_NE(g0.status().message().find("rank 2 joined: epoch 2, members 0, 1, 2"),
+            std::string::npos)
+      << g0.status().ToString();
+  EXPECT_EQ(g2.status().code(), Code::kAborted) << g2.status().ToString();
+  EXPECT_NE(g2.status().message().find(
+                "rank 2 joined at epoch 2 (members 0, 1, 2): contribute again at this epoch"),
+            std::string::npos)
+      << g2.status().ToString();
+  auto g1 = m[1]->AllGather("one", milliseconds(5000));
+  EXPECT_NE(g1.status().message().find("rank 1 contributed at epoch 1; the group is at epoch 2"),
+            std::string::npos)
+      << g1.status().ToString();
+  for (uint32_t r = 0; r < 3; ++r) {
+    EXPECT_EQ(m[r]->epoch(), 2u);
+    EXPECT_EQ(m[r]->members(), (std::vector<bool>{true, true, true}));
+  }
+  g = gather({0, 1, 2});
+  for (uint32_t r = 0; r < 3; ++r) {
+    ASSERT_TRUE(g[r].ok()) << g[r].status().ToString();
+    EXPECT_EQ(*g[r], (std::vector<std::string>{"0", "1", "2"}));
+  }
+  // A second process for rank 1, a member: refused by name, the group unchanged.
+  std::unique_ptr<SocketBootstrap> twin = join(1);
+  auto refused = twin->AllGather("twin", milliseconds(5000));
+  EXPECT_EQ(refused.status().code(), Code::kUnavailable);
+  EXPECT_NE(refused.status().message().find(
+                "rank 1 cannot join: it is a member already (two processes for one rank?)"),
+            std::string::npos)
+      << refused.status().ToString();
+  // The joined rank leaves: lost at epoch 3. A new process takes its place at epoch 4.
+  m[2].reset();
+  g = gather({0, 1});  // refused: "rank 2 left", or their epoch is old if that came first
+  for (uint32_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(g[r].status().code(), Code::kAborted) << g[r].status().ToString();
+    EXPECT_EQ(m[r]->epoch(), 3u);
+    EXPECT_EQ(m[r]->members(), (std::vector<bool>{true, true, false}));
+  }
+  m[2] = join(2);
+  g2 = m[2]->AllGather("two", milliseconds(5000));
+  EXPECT_NE(g2.status().message().find("rank 2 joined at epoch 4"), std::string::npos)
+      << g2.status().ToString();
+  g = gather({0, 1});  // refused: their epoch (3) is old; they learn epoch 4
+  EXPECT_EQ(m[0]->epoch(), 4u);
+  g = gather({0, 1, 2});
+  for (uint32_t r = 0; r < 3; ++r) {
+    ASSERT_TRUE(g[r].ok()) << g[r].status().ToString();
+    EXPECT_EQ(*g[r], (std::vector<std::string>{"0", "1", "2"}));
+  }
+  done = true;
+  coordinator.join();
+  EXPECT_TRUE(served.ok()) << served.ToString();
+  EXPECT_EQ(lost, (std::set<uint32_t>{2}));
+  close(c0);
+  close(c1);
+}
+
 TEST(RendezvousEnvTest, NamesTheMissingVariable) {
   MapEnv vars;  // the process environment is never touched
   vars.Unset("EPLBX_MASTER_ADDR");

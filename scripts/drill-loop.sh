@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Runs N serving drills with real rank processes (docs/reliability.md, "Fault matrix"):
-# `eplbx demo --serve --inject kill|stop:RANK@STEP` (60 % / 25 %) or `--resize
-# remove:RANK@STEP` (15 %) with the kind, rank, step, mode and commit mode drawn per drill (drill i draws the same on every run), and checks each one: exit 0,
-# the loss detected at its step, the survivors recovered and served on with every row they
-# used at every step checked (bad_rows 0), all within a time limit (no hang). Prints a line
-# per drill and a JSON summary (last line).
+# `eplbx demo --serve --inject kill|stop:RANK@STEP` (55 % / 20 %) or `--resize
+# remove|add:RANK@STEP` (10 % / 15 %) with the kind, rank, step, mode and commit mode drawn per
+# drill (drill i draws the same on every run), and checks each one: exit 0, the loss or removal
+# detected at its step (a new rank: joined at or after it, with steps to serve), the members
+# re-placed and served on with every row they used at every step checked (bad_rows 0), all
+# within a time limit (no hang). Prints a line per drill and a JSON summary (last line).
 #
 #   scripts/drill-loop.sh [N=50]      # EPLBX_CLI: the eplbx binary (build/bin/eplbx)
 set -uo pipefail
@@ -18,32 +19,35 @@ trap 'rm -rf "$out"' EXIT
 failed=0
 for i in $(seq 1 "$n"); do
   RANDOM=$((i * 7919))
-  kind=kill; k=$((RANDOM % 20)); ((k >= 12)) && kind=stop; ((k >= 17)) && kind=remove
+  kind=kill; k=$((RANDOM % 20)); ((k >= 11)) && kind=stop; ((k >= 15)) && kind=remove
+  ((k >= 17)) && kind=add
+  steps=50; [[ $kind == add ]] && steps=300  # the members serve on while the new rank starts
   rank=$((RANDOM % 4))
   step=$((2 + RANDOM % 46))
   modes=(async async sync off); mode=${modes[$((RANDOM % 4))]}
   spare=0; ((RANDOM % 3 == 0)) && spare=6
   args="--serve --json --ranks 4 --layers 3 --experts 16 --slots-per-rank 6 --expert-bytes 64K
-        --steps 50 --interval 8 --tokens 64 --top-k 4 --work-bytes 1K --deadline 2
+        --steps $steps --interval 8 --tokens 64 --top-k 4 --work-bytes 1K --deadline 2
         --modes $mode --spare-rows $spare"
-  if [[ $kind == remove ]]; then args+=" --resize $kind:$rank@$step"; else args+=" --inject $kind:$rank@$step"; fi
+  if [[ $kind == remove || $kind == add ]]; then args+=" --resize $kind:$rank@$step"; else args+=" --inject $kind:$rank@$step"; fi
   # shellcheck disable=SC2086
   timeout 120 "$cli" demo $args >"$out/$i.json" 2>"$out/$i.err"
   rc=$?
-  line=$("$py" - "$out/$i.json" "$rc" "$step" <<'EOF'
+  line=$("$py" - "$out/$i.json" "$rc" "$step" "$kind" "$steps" <<'EOF'
 import json, sys
-path, rc, step = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+path, rc, step, kind, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 try:
     j = json.load(open(path))
 except Exception:
     print(f"FAIL rc {rc}: no report"); sys.exit(0)
 d = j.get("drill", {})
-ok = (rc == 0 and j.get("verified") and j.get("bad_rows") == 0 and
-      d.get("detected_step") == step and "error" not in j)
+at = d.get("detected_step", -1)
+on_time = step <= at < steps - 1 if kind == "add" else at == step
+ok = rc == 0 and j.get("verified") and j.get("bad_rows") == 0 and on_time and "error" not in j
 when = "mid-rebalance" if d.get("interrupted_rebalance") else "between rebalances"
 print(("ok" if ok else f"FAIL rc {rc}") +
       f" recovery {d.get('recovery_s', -1):.3f} s, {when}, {d.get('experts_recovered')} experts"
-      f" restored, rows checked {j.get('rows_checked')}, bad {j.get('bad_rows')}" +
+      f" restored, at step {at}, rows checked {j.get('rows_checked')}, bad {j.get('bad_rows')}" +
       ("" if ok else f": {j.get('error', '')[:300]}"))
 EOF
 )

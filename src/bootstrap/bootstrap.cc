@@ -205,8 +205,8 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
                             const std::function<void(uint32_t, std::string)>& on_message,
                             const std::function<bool()>& stop,
                             std::chrono::milliseconds round_timeout,
-                            const std::function<void(uint32_t)>& on_lost, Env* env,
-                            bool membership, const JoinSource& joins) {
+                            const std::function<void(uint32_t)>& on_lost, Env* env, bool membership,
+                            const JoinSource& joins) {
   env = EnvOrDefault(env);
   const size_t n = fds.size();
   auto lost = [&](size_t i) {
@@ -246,9 +246,9 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
       } else if (rank >= n) {
         refusal = StrCat("rank ", rank, " cannot join a group of ", n, " ranks");
       } else if (member[rank] || joining[rank]) {
-        refusal = StrCat("rank ", rank, " cannot join: it is ",
-                         member[rank] ? "a member" : "joining",
-                         " already (two processes for one rank?)");
+        refusal =
+            StrCat("rank ", rank, " cannot join: it is ", member[rank] ? "a member" : "joining",
+                   " already (two processes for one rank?)");
       }
       if (!refusal.empty()) {
         WriteFrame(f, kFailed, refusal);

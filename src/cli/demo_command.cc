@@ -15,6 +15,7 @@
 #include <map>
 #include <optional>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -155,7 +156,8 @@ Status ParseDemo(DemoOptions& o) {
     const auto colon = spec.find(':');
     const auto at = spec.find('@');
     o.fault = spec.substr(0, std::min(colon, spec.size()));
-    const bool known = inject ? o.fault == "kill" || o.fault == "stop" : o.fault == "remove";
+    const bool known =
+        inject ? o.fault == "kill" || o.fault == "stop" : o.fault == "remove" || o.fault == "add";
     if (colon == std::string::npos || at == std::string::npos || at < colon || !known) {
       return Status::InvalidArgument(
           inject ? StrCat("--inject '", spec,
@@ -163,7 +165,8 @@ Status ParseDemo(DemoOptions& o) {
                           "is killed, or stopped with SIGSTOP, at the start of that step)")
                  : StrCat("--resize '", spec,
                           "': expected remove:RANK@STEP (the rank is drained at that step, then "
-                          "leaves; adding a rank while serving is not built yet)"));
+                          "leaves) or add:RANK@STEP (the rank serves from that step on: a new "
+                          "process joins and takes its share of experts)"));
     }
     Result<int> rank =
         internal::ParseInteger<int>(std::string_view(spec).substr(colon + 1, at - colon - 1),
@@ -183,7 +186,8 @@ Status ParseDemo(DemoOptions& o) {
     }
     if (o.ranks < 3) {
       return Status::InvalidArgument(
-          StrCat(flag, " ", spec, " with --serve needs at least 3 ranks (two go on)"));
+          StrCat(flag, " ", spec, " with --serve needs at least 3 ranks (two ",
+                 o.fault == "add" ? "serve before it joins)" : "go on)"));
     }
     if (static_cast<int64_t>(o.ranks - 1) * o.slots_per_rank < o.experts) {
       return Status::InvalidArgument(
@@ -244,9 +248,10 @@ Status RunDemo(DemoOptions o) {
     const std::string dir = Env::Default()->GetVar("EPLBX_BACKUP_DIR").value_or("/dev/shm");
     o.backup_path = StrCat(dir, "/eplbx-demo-backup-", getpid());
   }
-  std::cout.flush();
-  std::cerr.flush();
-  for (int r = 0; r < o.ranks; ++r) {
+  // Starts rank r's process; returns the coordinator's end of its socket.
+  auto start = [&](int r) -> Result<int> {
+    std::cout.flush();
+    std::cerr.flush();
     int sv[2];
     if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
       return Status::Unavailable(StrCat("socketpair: ", std::strerror(errno)));
@@ -254,12 +259,28 @@ Status RunDemo(DemoOptions o) {
     pids[r] = fork();
     if (pids[r] == 0) {
       close(sv[0]);
-      for (int k = 0; k < r; ++k) close(fds[k]);
+      for (int k = 0; k < o.ranks; ++k) {
+        if (k != r && fds[k] >= 0) close(fds[k]);
+      }
       SocketBootstrap boot(sv[1], static_cast<uint32_t>(r), static_cast<uint32_t>(o.ranks));
       _exit(o.serve ? RunServeRank(o, r, boot) : RunDemoRank(o, r, boot));
     }
     close(sv[1]);
-    fds[r] = sv[0];
+    if (pids[r] < 0) {
+      close(sv[0]);
+      return Status::Unavailable(StrCat("fork: ", std::strerror(errno)));
+    }
+    return sv[0];
+  };
+  // `--resize add:RANK@STEP`: RANK's process starts when a member asks (at STEP), and joins.
+  const int late = o.fault == "add" ? o.fault_rank : -1;
+  std::vector<std::pair<uint32_t, int>> joining;
+  std::string start_error;
+  for (int r = 0; r < o.ranks; ++r) {
+    fds[r] = -1;
+    pids[r] = -1;
+    if (r == late) continue;
+    EPLBX_ASSIGN_OR_RETURN(fds[r], start(r));
   }
   if (!o.json && o.serve) {
     std::cerr << "eplbx demo --serve: " << o.ranks << " ranks, " << o.layers << " layers x "
@@ -281,11 +302,26 @@ Status RunDemo(DemoOptions o) {
   std::vector<bool> gone(o.ranks, false), reaped(o.ranks, false), closed(o.ranks, false);
   Status served = ServeSocketBootstrap(
       fds, std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000) + 10000),
-      [&](uint32_t rank, std::string bytes) { collector.OnMessage(rank, bytes); },
+      [&](uint32_t rank, std::string bytes) {
+        if (late >= 0 && pids[late] < 0 && bytes.find("\"spawn\"") != std::string::npos) {
+          const nlohmann::json ask = nlohmann::json::parse(bytes, nullptr, false);
+          if (ask.is_object() && ask.value("spawn", -1) == late) {
+            Result<int> fd = start(late);
+            if (fd.ok()) {
+              joining.push_back({static_cast<uint32_t>(late), *fd});
+            } else {
+              start_error = fd.status().message();
+            }
+            return;
+          }
+        }
+        collector.OnMessage(rank, bytes);
+      },
       [&] {
         // A rank that exited or is stopped never reports (a stopped one never will).
         return collector.Settled([&](int r) {
           if (gone[r]) return true;
+          if (pids[r] < 0) return !start_error.empty();  // not started (yet)
           // An exited rank counts once its socket is drained to the end: a report it sent
           // just before exiting is still read (issue 17, item 14).
           int st = 0;
@@ -301,11 +337,23 @@ Status RunDemo(DemoOptions o) {
       // is missing.
       std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 800)),
       [&](uint32_t rank) { closed[rank] = true; }, nullptr,
-      /*membership=*/o.fault_step >= 0);
+      /*membership=*/o.fault_step >= 0, [&] { return std::exchange(joining, {}); });
   if (!o.backup_path.empty()) unlink(o.backup_path.c_str());
   // Every rank has reported or left; a stopped one is removed now.
   for (int r = 0; r < o.ranks; ++r) {
-    close(fds[r]);
+    if (fds[r] >= 0) close(fds[r]);
+    if (pids[r] < 0) {
+      if (!collector.Reported(r)) {
+        collector.Add(r, {{"error", start_error.empty()
+                                        ? StrCat("rank ", r,
+                                                 " was never started (no member "
+                                                 "asked for it)")
+                                        : StrCat("rank ", r, " could not start: ", start_error)},
+                          {"verified", false},
+                          {"weights_created", false}});
+      }
+      continue;
+    }
     if (!collector.Reported(r) && !reaped[r]) {
       kill(pids[r], SIGKILL);
       kill(pids[r], SIGCONT);

@@ -336,38 +336,33 @@ Status DrainRank(const DemoOptions& o, int step, const LoadTrace& trace, const T
   return Status::OK();
 }
 
-// After the group lost a member (the step's collective failed with a new epoch): ends the
-// rebalance in flight, assembles the placement in force from each member's own slots,
-// rebuilds the Rearranger over the members, plans over the survivors with the host backup as
-// the source of experts no survivor holds, moves among the survivors, restores the rest from
-// the backup, and rebuilds the Balancer over the members. Every survivor runs it at the same
-// step.
-Status RecoverFromLoss(const DemoOptions& o, int step, const LoadTrace& trace, const Topology& topo,
-                       Bootstrap& boot, Mode& mode, const io::HostBackup& backup, DrillLog& log) {
-  using Clock = std::chrono::steady_clock;
-  auto t = Clock::now();
-  // A rebalance in flight ends at its next Commit (the member set changed under it: the
-  // layers committed so far stay).
-  EndRebalance(mode, log);
-  // The placement in force, each member vouching for its own slots: the lost rank may have
-  // voted a layer ready to some survivors only, so one may have committed a layer another
-  // did not; each rank's rows are what its own map says.
-  const Placement& mine = mode.balancer->placement();
-  const int rows = mode.w.rows;
+// The placement in force after a member-set change, each member vouching for its own slots:
+// a lost rank may have voted a layer ready to some survivors only, so one may have committed
+// a layer another did not; each rank's rows are what its own map says. `mine` is null on a
+// rank that joins (its slots hold nothing yet). Every contribution carries the step its rank
+// is at (a joiner: -1); *step is the members' (they are in step: the step's collective).
+Result<Placement> GatherMaps(const DemoOptions& o, const Topology& topo, Bootstrap& boot,
+                             const Placement* mine, int* step) {
+  const int rows = o.slots_per_rank;
   std::string own;
+  const int32_t at = *step;
+  own.append(reinterpret_cast<const char*>(&at), sizeof(at));
   for (int l = 0; l < o.layers; ++l) {
     for (int row = 0; row < rows; ++row) {
-      const int32_t e = mine.phy2log(l, static_cast<int>(boot.rank()) * rows + row);
+      const int32_t e =
+          mine == nullptr ? -1 : mine->phy2log(l, static_cast<int>(boot.rank()) * rows + row);
       own.append(reinterpret_cast<const char*>(&e), sizeof(e));
     }
   }
   Result<std::vector<std::string>> all = Status::Internal("not gathered");
-  for (int attempt = 0; attempt < 4; ++attempt) {  // again if the member set moved meanwhile
+  // Again while the member set moves (a joiner's first contribution is refused: it learns the
+  // epoch and member set, then contributes with the members).
+  for (int attempt = 0; attempt < 4; ++attempt) {
     const uint64_t epoch = boot.epoch();
     all = boot.AllGather(own, std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000)));
     if (all.ok() || boot.epoch() == epoch) break;
   }
-  if (!all.ok()) return all.status().WithPrefix("gathering the survivors' maps");
+  if (!all.ok()) return all.status().WithPrefix("gathering the members' maps");
   std::vector<int32_t> flat(static_cast<size_t>(o.layers) * topo.slots, -1);
   for (size_t r = 0; r < all->size(); ++r) {
     const std::string& b = (*all)[r];
@@ -376,25 +371,35 @@ Status RecoverFromLoss(const DemoOptions& o, int step, const LoadTrace& trace, c
       return Status::Internal(
           StrCat("rank ", r, " sent a map of ", b.size(), " bytes, ", own.size(), " expected"));
     }
+    int32_t their_step;
+    std::memcpy(&their_step, b.data(), sizeof(their_step));
+    *step = std::max(*step, their_step);
     for (int l = 0; l < o.layers; ++l) {
       for (int row = 0; row < rows; ++row) {
         int32_t e;
-        std::memcpy(&e, b.data() + (static_cast<size_t>(l) * rows + row) * sizeof(e), sizeof(e));
+        std::memcpy(&e, b.data() + sizeof(at) + (static_cast<size_t>(l) * rows + row) * sizeof(e),
+                    sizeof(e));
         flat[static_cast<size_t>(l) * topo.slots + r * rows + row] = e;
       }
     }
   }
-  EPLBX_ASSIGN_OR_RETURN(const Placement in_force,
-                         Placement::FromPhy2Log(o.layers, topo.slots, o.experts, flat));
-  log.drain_s = SecondsSince(t);
-  t = Clock::now();
-  EPLBX_RETURN_IF_ERROR(RearrangerOverMembers(step, boot, mode, log));
+  return Placement::FromPhy2Log(o.layers, topo.slots, o.experts, flat);
+}
+
+// Plans over the members from the placement in force and moves there: among the members
+// (a joiner's empty slots filled from the others), then the experts no member holds from the
+// host backup (`backup` null: there must be none), then the Balancer over the members. Every
+// member runs it at the same step, a joiner included.
+Status PlaceOverMembers(const DemoOptions& o, int step, const LoadTrace& trace,
+                        const Topology& topo, const Placement& in_force, Bootstrap& boot,
+                        Mode& mode, const io::HostBackup* backup, DrillLog& log) {
+  using Clock = std::chrono::steady_clock;
   const std::vector<bool> live = boot.members();
-  t = Clock::now();
+  auto t = Clock::now();
   EPLBX_ASSIGN_OR_RETURN(LoadMatrix window, WindowLoad(o, trace, step));
   SurvivorOptions so;
   so.policy = Policy::kIncremental;
-  so.backup = [&backup](int l, int e) { return backup.Holds(l, e); };
+  if (backup != nullptr) so.backup = [backup](int l, int e) { return backup->Holds(l, e); };
   so.migration.bytes_per_expert = o.expert_bytes_value;
   Result<SurvivorPlan> plan = PlanSurvivors(in_force, window, topo, live, so);
   if (!plan.ok()) return plan.status();
@@ -402,16 +407,75 @@ Status RecoverFromLoss(const DemoOptions& o, int step, const LoadTrace& trace, c
   log.plan_s = SecondsSince(t);
   t = Clock::now();
   RearrangeReport moved = mode.rearranger->Rearrange(plan->sources, plan->interim, plan->migration);
-  if (!moved.status.ok()) return moved.status.WithPrefix("moving among the survivors");
+  if (!moved.status.ok()) return moved.status.WithPrefix("moving among the members");
   log.bytes_moved = moved.bytes_read;
   TakeRowTables(o, mode);
   log.move_s = SecondsSince(t);
   t = Clock::now();
-  Result<int64_t> restored = io::RecoverSlots(*plan, mode.w.layout, backup);
-  if (!restored.ok()) return restored.status().WithPrefix("restoring from the host backup");
-  log.rows_recovered = *restored;
+  if (!plan->recovered.empty()) {
+    if (backup == nullptr) {
+      return Status::Internal(StrCat(plan->recovered.size(),
+                                     " slots need an expert no member holds and there is no "
+                                     "backup"));
+    }
+    Result<int64_t> restored = io::RecoverSlots(*plan, mode.w.layout, *backup);
+    if (!restored.ok()) return restored.status().WithPrefix("restoring from the host backup");
+    log.rows_recovered = *restored;
+  }
   log.restore_s = SecondsSince(t);
   return BalancerOverMembers(boot, mode, plan->placement, log);
+}
+
+// After the group's member set changed (the step's collective failed with a new epoch: a
+// member was lost, or a new one joined): ends the rebalance in flight, agrees on the placement
+// in force, rebuilds the Rearranger over the members and places over them. Every member runs
+// it at the same step.
+Status ChangeMembers(const DemoOptions& o, int step, const LoadTrace& trace, const Topology& topo,
+                     Bootstrap& boot, Mode& mode, const io::HostBackup* backup, DrillLog& log) {
+  auto t = std::chrono::steady_clock::now();
+  // A rebalance in flight ends at its next Commit (the member set changed under it: the
+  // layers committed so far stay).
+  EndRebalance(mode, log);
+  int at = step;
+  EPLBX_ASSIGN_OR_RETURN(const Placement in_force,
+                         GatherMaps(o, topo, boot, &mode.balancer->placement(), &at));
+  if (at != step) {
+    return Status::Internal(
+        StrCat("the members are at different steps (", step, " here, ", at, " elsewhere)"));
+  }
+  log.drain_s = SecondsSince(t);
+  EPLBX_RETURN_IF_ERROR(RearrangerOverMembers(step, boot, mode, log));
+  return PlaceOverMembers(o, step, trace, topo, in_force, boot, mode, backup, log);
+}
+
+// `--resize add:RANK@STEP` on the new rank, a process started when the members reached STEP:
+// asks to join (its first contribution), learns the step the members are at from their maps,
+// creates its Rearranger with them (they rebuild theirs), takes its share of experts and
+// makes its Balancer. Returns the step it serves from.
+Result<int> JoinServing(const DemoOptions& o, const LoadTrace& trace, const Topology& topo,
+                        Bootstrap& boot, Mode& mode, DrillLog& log) {
+  auto t = std::chrono::steady_clock::now();
+  int step = -1;
+  EPLBX_ASSIGN_OR_RETURN(const Placement in_force, GatherMaps(o, topo, boot, nullptr, &step));
+  if (step < 0) return Status::Internal("no member said which step it is at");
+  log.drain_s = SecondsSince(t);
+  t = std::chrono::steady_clock::now();
+  RearrangeOptions ro;
+  ro.deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
+  Result<std::unique_ptr<Rearranger>> r =
+      Rearranger::Create(mode.agent.get(), &boot, mode.w.layout, ro);
+  if (!r.ok()) return r.status().WithPrefix("a Rearranger with the members");
+  mode.rearranger = std::move(*r);
+  log.setup_s = SecondsSince(t);
+  log.detected_step = step;
+  log.epoch = boot.epoch();
+  const std::vector<bool> live = boot.members();
+  for (size_t k = 0; k < live.size(); ++k) {
+    if (live[k]) log.members.push_back(static_cast<int>(k));
+  }
+  mode.m.step_offset = step + 1;
+  EPLBX_RETURN_IF_ERROR(PlaceOverMembers(o, step, trace, topo, in_force, boot, mode, nullptr, log));
+  return step + 1;
 }
 
 }  // namespace
@@ -445,7 +509,19 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
   const Topology topo{o.ranks, 1, o.ranks * o.slots_per_rank, 1};
   const LoadMatrix uniform = *LoadMatrix::Create(
       o.layers, o.experts, std::vector<double>(static_cast<size_t>(o.layers) * o.experts, 1.0));
-  Result<Placement> initial = Plan(uniform, topo, {.policy = Policy::kBalanced});
+  // `--resize add:RANK@STEP`: RANK is no member until it joins (its slots empty); its process
+  // starts when the members reach STEP.
+  const bool drill = o.fault_step >= 0;
+  const bool adding = drill && o.fault == "add";
+  const bool joiner = adding && rank == o.fault_rank;
+  std::vector<bool> live(o.ranks, true);
+  if (adding) live[o.fault_rank] = false;
+  Result<Placement> initial = Status::Internal("not planned");
+  {
+    Result<Placement> compact =
+        Plan(uniform, MembersTopology(topo, live), {.policy = Policy::kBalanced});
+    initial = compact.ok() ? SpreadOverMembers(*compact, topo, live) : compact.status();
+  }
   if (!initial.ok()) return fail(initial.status().message());
   Result<Policy> policy = ParsePolicy(o.policy);
   if (!policy.ok()) return fail(policy.status().message());
@@ -462,7 +538,18 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
     if (!made.ok()) return fail(made.status().message());
     mode.w = std::move(*made);
     report["weights_created"] = true;
-    for (int l = 0; l < o.layers; ++l) FillLayer(mode.w, *initial, l, rank);
+    // (A joiner's slots hold nothing until it joins: nothing to write.)
+    for (int l = 0; l < o.layers && !joiner; ++l) FillLayer(mode.w, *initial, l, rank);
+    BalancerOptions bo;
+    bo.topology = topo;
+    bo.policy = *policy;
+    bo.window = o.interval;
+    bo.trigger.interval = mode.name == "off" ? o.steps + 1 : o.interval;
+    bo.mode = mode.name == "sync" ? BalancerMode::kSynchronous : BalancerMode::kAsynchronous;
+    bo.bytes_per_expert = o.expert_bytes_value;
+    if (adding) bo.live = live;
+    mode.options = bo;
+    if (joiner) continue;  // its Rearranger and Balancer come when it joins
     if (mode.name != "off" || o.fault_step >= 0) {  // a drill moves weights in any mode
       RearrangeOptions ro;
       ro.deadline = deadline;
@@ -471,26 +558,19 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
       if (!r.ok()) return fail(StrCat(mode.name, ": ", r.status().message()));
       mode.rearranger = std::move(*r);
     }
-    BalancerOptions bo;
-    bo.topology = topo;
-    bo.policy = *policy;
-    bo.window = o.interval;
-    bo.trigger.interval = mode.name == "off" ? o.steps + 1 : o.interval;
-    bo.mode = mode.name == "sync" ? BalancerMode::kSynchronous : BalancerMode::kAsynchronous;
-    bo.bytes_per_expert = o.expert_bytes_value;
-    mode.options = bo;
     Result<std::unique_ptr<Balancer>> b = Balancer::Create(*initial, bo, mode.rearranger.get());
     if (!b.ok()) return fail(StrCat(mode.name, ": ", b.status().message()));
     mode.balancer = std::move(*b);
   }
-  // The drill's host backup: rank 0 creates the file, every rank copies in the experts its
-  // slots hold (together: every expert), so experts only a lost rank held can be restored.
-  const bool drill = o.fault_step >= 0;
+  // The drill's host backup (a loss only): rank 0 creates the file, every rank copies in the
+  // experts its slots hold (together: every expert), so experts only a lost rank held can be
+  // restored.
   DrillLog drill_log;
   const bool removal = drill && o.fault == "remove";
+  const bool loss = drill && !removal && !adding;
   bool left = false;  // this rank was drained and left the group (--resize remove)
   std::unique_ptr<io::HostBackup> backup;
-  if (drill && !removal) {
+  if (loss) {
     if (rank == 0) {
       Result<std::unique_ptr<io::HostBackup>> b =
           io::HostBackup::Create(o.backup_path, modes[0].w.layout, o.experts);
@@ -505,18 +585,45 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
     }
     if (Status c = backup->Capture(*initial, modes[0].w.layout); !c.ok()) return fail(c.message());
   }
-  Status ready = boot.Barrier(deadline);
-  if (!ready.ok()) return fail(ready.message());
+  // The joiner joins the members where they are; the members start together.
+  int first_step = 0;
+  if (joiner) {
+    const int64_t t0 = MonotonicNs();
+    Result<int> from = JoinServing(o, *trace, topo, boot, modes[0], drill_log);
+    drill_log.recovery_s = static_cast<double>(MonotonicNs() - t0) * 1e-9;
+    if (!from.ok())
+      return fail(StrCat("joining at step ", o.fault_step, ": ", from.status().message()));
+    first_step = *from;
+    drill_log.step_ns.assign(static_cast<size_t>(first_step), 0);  // steps before it joined
+  } else {
+    Status ready = boot.Barrier(deadline);
+    if (!ready.ok()) return fail(ready.message());
+  }
   uint64_t epoch = boot.epoch();
+  // The member that asks for the new rank (`--resize add`): the lowest initial member.
+  const int asker = adding && o.fault_rank == 0 ? 1 : 0;
+  int64_t add_requested_ns = 0;
   const uint64_t row0 = modes[0].w.bytes[0];
   const uint64_t work = std::max<uint64_t>(8, std::min<uint64_t>(o.work_bytes_value, row0) & ~7ull);
   const uint64_t segments = std::max<uint64_t>(1, row0 / work);
   auto* turn = static_cast<sem_t*>(o.work_turn);
   bool stopped = false;
-  for (int step = 0; step < o.steps && !stopped; ++step) {
+  for (int step = first_step; step < o.steps && !stopped; ++step) {
     const int64_t step_t0 = MonotonicNs();
-    if (drill && !removal && rank == o.fault_rank && step == o.fault_step) {
+    if (loss && rank == o.fault_rank && step == o.fault_step) {
       raise(o.fault == "kill" ? SIGKILL : SIGSTOP);  // as a crash or a hung host would
+    }
+    if (adding && step == o.fault_step && !joiner) {
+      // The operator scales up: the coordinator starts the new rank's process; the members
+      // serve on until it asks to join.
+      add_requested_ns = step_t0;
+      if (rank == asker) {
+        if (Status asked = boot.SendMessage(nlohmann::json{{"spawn", o.fault_rank}}.dump());
+            !asked.ok()) {
+          modes[0].m.error = StrCat("asking for rank ", o.fault_rank, ": ", asked.message());
+          break;
+        }
+      }
     }
     const std::span<const double> counts = trace->step(step);
     for (Mode& mode : modes) {
@@ -543,8 +650,9 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
       m.committed.push_back(static_cast<int>(c.layers.size()));
       if (c.finished && !c.status.ok()) {
         // In a drill the rebalance the lost rank was in fails (its layers roll back); the
-        // step's collective below says why.
-        if (drill) {
+        // step's collective below says why. One that fails once the members re-placed is an
+        // error.
+        if (drill && drill_log.detected_step < 0) {
           drill_log.interrupted = c.status.message();
         } else if (m.error.empty()) {
           m.error = c.status.message();
@@ -584,17 +692,22 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
         drill_log.recovery_s = static_cast<double>(MonotonicNs() - t0) * 1e-9;
       } else {
         // The step's collective (an engine's all-to-all): a lost member fails it for every
-        // survivor with a new epoch; then the survivors recover, all at this step.
+        // survivor with a new epoch, as a new member's asking to join does; then every member
+        // re-places over the new set, all at this step. A join is timed from the request.
         Status alive = boot.Barrier(deadline);
         if (!alive.ok() && boot.epoch() != epoch && drill_log.detected_step < 0) {
           drill_log.detected_step = step;
-          drill_log.detect_wait_s = static_cast<double>(MonotonicNs() - step_t0) * 1e-9;
+          drill_log.detect_wait_s =
+              static_cast<double>(MonotonicNs() - (adding ? add_requested_ns : step_t0)) * 1e-9;
           const int64_t t0 = MonotonicNs();
-          Status rec = RecoverFromLoss(o, step, *trace, topo, boot, modes[0], *backup, drill_log);
+          Status rec =
+              ChangeMembers(o, step, *trace, topo, boot, modes[0], backup.get(), drill_log);
           drill_log.recovery_s = static_cast<double>(MonotonicNs() - t0) * 1e-9;
           epoch = boot.epoch();
           if (!rec.ok()) {
-            modes[0].m.error = StrCat("recovery at step ", step, ": ", rec.message());
+            modes[0].m.error = adding ? StrCat("taking in rank ", o.fault_rank, " at step ", step,
+                                               ": ", rec.message())
+                                      : StrCat("recovery at step ", step, ": ", rec.message());
             stopped = true;
           }
         } else if (!alive.ok()) {

@@ -111,8 +111,9 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
   std::string error;
   const std::string& mode = o.mode_list[0];
   std::vector<int> survivors;
+  const bool add = o.fault == "add";  // every rank serves at the end, the new one too
   for (int r = 0; r < o.ranks; ++r) {
-    if (r != o.fault_rank) survivors.push_back(r);
+    if (r != o.fault_rank || add) survivors.push_back(r);
   }
   if (o.fault == "remove") {  // the drained rank reports before it leaves
     const auto it = reports.find(o.fault_rank);
@@ -137,7 +138,7 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
   for (int r : survivors) {
     if (!error.empty()) break;
     if (reports.count(r) == 0) {
-      error = StrCat("rank ", r, " (a survivor) exited without a report");
+      error = StrCat("rank ", r, " (a member) exited without a report");
       break;
     }
     const json& rep = reports.at(r);
@@ -167,8 +168,10 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
                      r, " at step ", det, " (epoch ", ep, ", ", rec, ")");
       break;
     }
-    // The phases of the survivor that took longest (the others waited for it).
-    if (number(d, "recovery_s") >= recovery_s) {
+    // The phases of the survivor that took longest (the others waited for it). A joining
+    // rank's own time runs from its start (it waits for the members to reach the step's
+    // collective): the members' time is the one reported.
+    if (number(d, "recovery_s") >= recovery_s && !(add && r == o.fault_rank)) {
       recovery_s = number(d, "recovery_s");
       drain_s = number(d, "drain_s");
       release_s = number(d, "release_s");
@@ -260,7 +263,17 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
   } else {
     std::printf("drill: %s rank %d at step %d (%s mode)\n", o.fault.c_str(), o.fault_rank,
                 o.fault_step, mode.c_str());
-    if (detected >= 0 && o.fault == "remove") {
+    if (detected >= 0 && add) {
+      std::printf(
+          "  rank %d asked for at step %d, a member from step %.0f: %.3f s from the request to "
+          "the members learning it joined (the new process starting and asking), then %.3f s to "
+          "serving with it holding its share (target <= 1 s in all: %.3f s): agree on the maps "
+          "%.3f, old Balancer released %.3f, Rearranger over the members %.3f, plan %.3f, move "
+          "its experts onto it %.3f (%.1f MiB), Balancer %.3f; epoch %.0f, members %s\n",
+          o.fault_rank, o.fault_step, detected, detect_wait_s, recovery_s,
+          detect_wait_s + recovery_s, drain_s, release_s, setup_s, plan_s, move_s,
+          static_cast<double>(bytes_moved) / 1048576.0, balancer_s, epoch, members.dump().c_str());
+    } else if (detected >= 0 && o.fault == "remove") {
       std::printf(
           "  rank %d drained and gone: %.3f s from the step's end to serving over the members "
           "%s (epoch %.0f): end the rebalance in flight %.3f, plan the drain %.3f, move its "

@@ -126,7 +126,8 @@ Status RearrangerImpl::Begin(const Placement& from, const Placement& to, const M
   EPLBX_RETURN_IF_ERROR(CheckShapes(from, to));
   EPLBX_RETURN_IF_ERROR(CheckPlan(from, to, plan));
   auto p = std::make_unique<Pipeline>();
-  p->id = pipe ? pipe->id + 1 : 1;
+  p->id = std::max(pipeline_id, pipe ? pipe->id : 0) + 1;
+  pipeline_id = p->id;
   p->epoch = boot->epoch();
   if (pipe) {
     for (auto& [key, v] : pipe->votes) {

@@ -90,12 +90,13 @@ Status RearrangerImpl::Setup() {
   w.Str32(agent->Metadata());
   w.Str32(EncodeLayout(layout));
   w.U64(generation);
+  w.U64(pipeline_id);
   Result<std::vector<std::string>> gathered = boot->AllGather(w.Take(), options.deadline);
   if (!gathered.ok())
     return gathered.status().WithPrefix(StrCat("rank ", self(), ": exchanging metadata"));
   std::vector<std::string> blobs(gathered->size());
   all.resize(gathered->size());
-  uint64_t highest = generation;
+  uint64_t highest = generation, highest_pipeline = pipeline_id;
   // Over a changed member set (the store's epochs, docs/deploy.md): a rank that is not a
   // member contributed nothing and is neither connected to nor read from; its layout stands
   // in as ours (its slots hold nothing a plan over the members may use), with identity row
@@ -111,12 +112,14 @@ Status RearrangerImpl::Setup() {
     }
     ByteReader in((*gathered)[r], "rank contribution");
     std::string layout_bytes;
-    uint64_t their_generation = 0;
+    uint64_t their_generation = 0, their_pipeline = 0;
     if (!in.Str32("agent_metadata", 16u << 20, &blobs[r]) ||
-        !in.Str32("layout", 64u << 20, &layout_bytes) || !in.U64("generation", &their_generation)) {
+        !in.Str32("layout", 64u << 20, &layout_bytes) || !in.U64("generation", &their_generation) ||
+        !in.U64("pipeline_id", &their_pipeline)) {
       return in.status().WithPrefix(StrCat("rank ", r));
     }
     highest = std::max(highest, their_generation);
+    highest_pipeline = std::max(highest_pipeline, their_pipeline);
     Result<RankLayout> decoded = DecodeLayout(layout_bytes);
     if (!decoded.ok()) return decoded.status().WithPrefix(StrCat("rank ", r, " sent a bad layout"));
     all[r] = std::move(*decoded);
@@ -134,6 +137,7 @@ Status RearrangerImpl::Setup() {
   // reuses a generation a peer saw before (records of the old member set are refused by
   // their epoch anyway).
   generation = highest;
+  pipeline_id = highest_pipeline;
   peer_of.resize(world(), 0);
   linked.resize(world(), false);
   for (uint32_t r = 0; r < world(); ++r) {

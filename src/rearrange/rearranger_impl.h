@@ -40,6 +40,10 @@ class RearrangerImpl {
   bool failed = false;
   std::string failure;
   uint64_t generation = 0;
+  // The id of the last asynchronous rearrangement begun (ids 1, 2, ...; its VOTEs carry it):
+  // Setup goes on from the members' highest, so a rank that joins later votes with the same
+  // id as the others.
+  uint64_t pipeline_id = 0;
   std::deque<std::pair<uint32_t, protocol::Record>> deferred;
   // Every rank's row tables in force, [rank][layer][slot] -> row (from the layouts; they
   // change only when a layer commits, the same way on every rank).
@@ -63,7 +67,8 @@ class RearrangerImpl {
 
   // Exchanges layouts over the members and connects to them; again after the member set
   // changed (Rebuild): connections to members and the staging buffers are kept, peers no
-  // longer members are disconnected, generations continue from the members' highest.
+  // longer members are disconnected, generations and pipeline ids continue from the members'
+  // highest.
   Status Setup();
   // The placements' shape against the layout; the plan against the placements.
   Status CheckShapes(const Placement& from, const Placement& to) const;

@@ -307,11 +307,11 @@ TEST(DemoTest, ServingInSwapModeChecksEveryRowThroughTheRowTables) {
 // Balancer over the members and serve on, every row every step used checked; the report has
 // the recovery time and tokens/s before, during and after.
 // A serving drill at small sizes: 4 ranks, 3 layers x 16 experts, 6 slots each, 50 steps.
-DemoRun ServeDrill(const std::string& flags) {
+DemoRun ServeDrill(const std::string& flags, int steps = 50) {
   return Demo(
       "--serve --ranks 4 --layers 3 --experts 16 --slots-per-rank 6 --expert-bytes 64K "
-      "--steps 50 --interval 10 --tokens 64 --top-k 4 --work-bytes 1K " +
-      flags);
+      "--steps " +
+      std::to_string(steps) + " --interval 10 --tokens 64 --top-k 4 --work-bytes 1K " + flags);
 }
 
 // Ranks 0..3 but `gone`.
@@ -389,6 +389,51 @@ TEST(DemoTest, ServingDrainsARankThatLeaves) {
   }
 }
 
+// `--resize add:RANK@STEP`: RANK serves from the start of nothing; at STEP a member asks for
+// it, its process starts and joins while the others serve on; then every member re-places
+// over the four and the new rank serves its share, every row it uses checked.
+TEST(DemoTest, ServingTakesInARankThatJoins) {
+  struct Case {
+    const char* resize;
+    const char* extra;
+    int rank, step;
+  };
+  const Case cases[] = {{"add:3@5", "--modes async", 3, 5},
+                        {"add:0@8", "--modes sync --spare-rows 6", 0, 8},
+                        {"add:2@4", "--modes off", 2, 4}};
+  constexpr int kSteps = 300;  // the members serve on while the new process starts
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.resize);
+    DemoRun r =
+        ServeDrill(std::string("--deadline 3 --resize ") + c.resize + " " + c.extra, kSteps);
+    ASSERT_FALSE(r.report.is_discarded());
+    EXPECT_EQ(r.exit_code, 0) << r.report.dump();
+    EXPECT_TRUE(r.report["verified"].get<bool>()) << r.report.dump();
+    EXPECT_FALSE(r.report.contains("error")) << r.report.dump();
+    const auto& drill = r.report["drill"];
+    EXPECT_EQ(drill["fault"], "add");
+    EXPECT_EQ(drill["rank"].get<int>(), c.rank);
+    EXPECT_EQ(drill["epoch"].get<int>(), 2);
+    EXPECT_EQ(drill["members"].get<std::vector<int>>(), (std::vector<int>{0, 1, 2, 3}));
+    EXPECT_EQ(drill["experts_recovered"].get<int>(), 0);  // nothing lost: no backup used
+    EXPECT_EQ(drill["backup_bytes"].get<double>(), 0);
+    // Its share: its 3 layers x 6 slots filled from the others.
+    EXPECT_GE(drill["bytes_moved_among_survivors"].get<uint64_t>(), 3u * 6 * (64u << 10));
+    const int joined = drill["detected_step"].get<int>();
+    EXPECT_GE(joined, c.step);
+    ASSERT_LT(joined, kSteps - 1) << "the new rank never served";
+    // The three members every step, the new rank from the step after it joined: every row.
+    EXPECT_EQ(r.report["rows_checked"].get<uint64_t>(),
+              3u * kSteps * 3 * 6 + static_cast<uint64_t>(kSteps - joined - 1) * 3 * 6);
+    EXPECT_EQ(r.report["bad_rows"].get<uint64_t>(), 0u);
+    // Rebalancing goes on with the new rank in it (its asynchronous rearrangements' ids
+    // continue from the members').
+    if (std::string(c.extra).find("off") == std::string::npos) {
+      EXPECT_GT(drill["rebalances_after"].get<int>(), 0) << drill.dump();
+    }
+  }
+}
+
 TEST(DemoTest, BadFlagsAreRejectedBeforeAnythingStarts) {
   const std::pair<const char*, const char*> cases[] = {
       {"--inject explode:1", "--inject 'explode:1': expected KIND:RANK with KIND one of"},
@@ -429,7 +474,11 @@ TEST(DemoTest, BadFlagsAreRejectedBeforeAnythingStarts) {
        "needs at least 3 ranks (two go on)"},
       {"--serve --modes async --inject kill:1@30",
        "the 3 other ranks would have 54 slots for --experts 64"},
-      {"--serve --modes async --resize add:1@30", "--resize 'add:1@30': expected remove:RANK@STEP"},
+      {"--serve --modes async --resize grow:1@30",
+       "--resize 'grow:1@30': expected remove:RANK@STEP (the rank is drained at that step, then "
+       "leaves) or add:RANK@STEP"},
+      {"--serve --modes async --ranks 3 --experts 40 --resize add:1@30",
+       "--resize add:1@30: the 2 other ranks would have 36 slots for --experts 40"},
       {"--resize remove:1@2", "--resize drills the serving demo (--serve)"},
       {"--serve --modes async --ranks 5 --resize remove:1@30 --inject kill:2@40",
        "not together with --inject"},

@@ -322,8 +322,10 @@ TEST(CoordinatorTest, ANewProcessJoinsUnderANewEpoch) {
   Status served = Status::Internal("unset");
   std::thread coordinator([&] {
     served = ServeSocketBootstrap(
-        {c0, c1, -1}, milliseconds(20000), [](uint32_t, std::string) {}, [&] { return done.load(); },
-        milliseconds(0), [&](uint32_t r) { lost.insert(r); }, nullptr, /*membership=*/true, [&] {
+        {c0, c1, -1}, milliseconds(20000), [](uint32_t, std::string) {},
+        [&] { return done.load(); }, milliseconds(0), [&](uint32_t r) { lost.insert(r); }, nullptr,
+        /*membership=*/true,
+        [&] {
           std::lock_guard<std::mutex> lock(mu);
           return std::exchange(pending, {});
         });

@@ -139,7 +139,9 @@ class TcpStore {
   TcpStore& operator=(const TcpStore&) = delete;
 
   // Waits up to `join_timeout` for every rank to join (kTimeout naming the missing ranks),
-  // then serves like ServeSocketBootstrap. With a round timeout, members' sockets get TCP
+  // then serves like ServeSocketBootstrap. With membership it keeps listening: a process
+  // that joins (JoinTcpStore) for a rank that is no member any more becomes a member under a
+  // new epoch (ServeSocketBootstrap's `joins`). With a round timeout, members' sockets get TCP
   // keepalive and a user timeout of about that long, so a member whose host or link died
   // is lost (closed, `on_lost`) within it even while nothing is sent.
   Status Serve(std::chrono::milliseconds join_timeout, std::chrono::milliseconds idle_timeout,
@@ -155,6 +157,8 @@ class TcpStore {
   TcpStore() = default;
   // Checks a hello; on success `fd` becomes the member's socket, else it is closed.
   bool Admit(int fd, const std::string& hello);
+  // The refusal of a hello ("" when token, world size and rank are right); sets *rank.
+  std::string CheckHello(const std::string& hello, uint32_t* rank) const;
   int listen_fd_ = -1;
   std::string token_;
   uint32_t world_ = 0;

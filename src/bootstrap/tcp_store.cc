@@ -100,26 +100,30 @@ constexpr auto kHelloDeadline = std::chrono::seconds(2);     // from accept to a
 constexpr auto kFrameWait = std::chrono::milliseconds(500);  // for the rest of a started frame
 }  // namespace
 
-bool TcpStore::Admit(int fd, const std::string& body) {
+std::string TcpStore::CheckHello(const std::string& body, uint32_t* rank) const {
   internal::ByteReader r(body, "hello");
-  uint32_t rank = 0, world = 0;
+  uint32_t world = 0;
   std::string token;
-  if (!r.U32("rank", &rank) || !r.U32("world", &world) ||
+  if (!r.U32("rank", rank) || !r.U32("world", &world) ||
       !r.Str16("token", kMaxTokenBytes, &token)) {
-    internal::WriteFrame(fd, internal::kFailed, r.status().message());
-    close(fd);
-    return false;
+    return r.status().message();
   }
-  std::string refusal;
   if (!ConstantTimeEqual(token, token_)) {
-    refusal = StrCat("rank ", rank,
-                     " presented a wrong rendezvous token (EPLBX_TOKEN differs across ranks)");
-  } else if (world != world_) {
-    refusal = StrCat("world size mismatch: rank ", rank, " says ", world, ", the store expects ",
-                     world_, " (EPLBX_WORLD_SIZE differs across ranks)");
-  } else if (rank >= world_) {
-    refusal = StrCat("rank ", rank, " is out of range for world size ", world_);
-  } else if (members_[rank] >= 0) {
+    return StrCat("rank ", *rank,
+                  " presented a wrong rendezvous token (EPLBX_TOKEN differs across ranks)");
+  }
+  if (world != world_) {
+    return StrCat("world size mismatch: rank ", *rank, " says ", world, ", the store expects ",
+                  world_, " (EPLBX_WORLD_SIZE differs across ranks)");
+  }
+  if (*rank >= world_) return StrCat("rank ", *rank, " is out of range for world size ", world_);
+  return "";
+}
+
+bool TcpStore::Admit(int fd, const std::string& body) {
+  uint32_t rank = 0;
+  std::string refusal = CheckHello(body, &rank);
+  if (refusal.empty() && members_[rank] >= 0) {
     refusal = StrCat("rank ", rank, " joined twice (two processes with the same EPLBX_RANK)");
   }
   if (!refusal.empty()) {
@@ -212,11 +216,72 @@ Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
     }
   }
   for (const Pending& c : pending) close(c.fd);
+  pending.clear();
   if (round_timeout.count() > 0) {
     for (int fd : members_) KeepAlive(fd, round_timeout);
   }
-  return ServeSocketBootstrap(members_, idle_timeout, on_message, stop, round_timeout, on_lost,
-                              env_, membership_);
+  // With membership, the store keeps listening: a process that says hello for a rank that is
+  // no member any more (it left or was declared lost) joins as a new member (the coordinator
+  // decides; a hello for a member is refused there). Nothing here blocks the rounds: accepts
+  // and hellos are read only when ready.
+  JoinSource joins = [&]() {
+    std::vector<std::pair<uint32_t, int>> out;
+    std::vector<pollfd> p{{listen_fd_, POLLIN, 0}};
+    for (const Pending& c : pending) p.push_back({c.fd, POLLIN, 0});
+    if (poll(p.data(), p.size(), 0) <= 0) return out;
+    std::vector<Pending> still;
+    for (size_t k = 1; k < p.size(); ++k) {
+      const Pending& c = pending[k - 1];
+      if ((p[k].revents & (POLLIN | POLLHUP | POLLERR)) == 0) {
+        if (env_->Now() - c.since < kHelloDeadline) {
+          still.push_back(c);
+        } else {
+          close(c.fd);
+        }
+        continue;
+      }
+      uint8_t type = 0;
+      std::string body;
+      bool timed_out = false;
+      uint32_t rank = 0;
+      if (!internal::ReadFrame(c.fd, env_->Now() + kFrameWait, &type, &body, &timed_out, env_) ||
+          type != internal::kHello) {
+        close(c.fd);
+        continue;
+      }
+      if (std::string refusal = CheckHello(body, &rank); !refusal.empty()) {
+        internal::WriteFrame(c.fd, internal::kFailed, refusal);
+        close(c.fd);
+        refusals_.push_back(refusal);
+        continue;
+      }
+      if (!internal::WriteFrame(c.fd, internal::kWelcome, {})) {
+        close(c.fd);
+        continue;
+      }
+      if (round_timeout.count() > 0) KeepAlive(c.fd, round_timeout);
+      out.push_back({rank, c.fd});
+    }
+    pending.swap(still);
+    if ((p[0].revents & POLLIN) != 0) {
+      int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd >= 0) {
+        int one = 1;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        if (pending.size() >= kMaxPending) {
+          close(pending.front().fd);
+          pending.erase(pending.begin());
+        }
+        pending.push_back({fd, env_->Now()});
+      }
+    }
+    return out;
+  };
+  Status served =
+      ServeSocketBootstrap(members_, idle_timeout, on_message, stop, round_timeout, on_lost, env_,
+                           membership_, membership_ ? joins : JoinSource());
+  for (const Pending& c : pending) close(c.fd);
+  return served;
 }
 
 Result<std::unique_ptr<SocketBootstrap>> JoinTcpStore(const std::string& addr, uint16_t port,

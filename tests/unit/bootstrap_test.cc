@@ -294,6 +294,31 @@ TEST(TcpStoreTest, MembershipWithEpochs) {
             std::string::npos)
       << g3.status().ToString();
   EXPECT_EQ(served.Lost(), (std::set<uint32_t>{2, 3}));
+  // It comes back as a new process: it joins the store again and is a member at epoch 4.
+  auto again = JoinTcpStore("127.0.0.1", served.port, "t", 3, 4, milliseconds(5000));
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  m[3] = std::move(*again);
+  g3 = m[3]->AllGather("three", milliseconds(5000));
+  EXPECT_NE(g3.status().message().find("rank 3 joined at epoch 4 (members 0, 1, 3)"),
+            std::string::npos)
+      << g3.status().ToString();
+  g = gather({0, 1});  // their epoch (3) is old: refused, they learn epoch 4
+  EXPECT_EQ(m[0]->epoch(), 4u);
+  g = gather({0, 1, 3});
+  for (uint32_t r : {0u, 1u, 3u}) {
+    ASSERT_TRUE(g[r].ok()) << g[r].status().ToString();
+    EXPECT_EQ(*g[r], (std::vector<std::string>{"0", "1", "", "3"}));
+  }
+  // A second process for a member is refused at its first contribution, the group unchanged.
+  auto twin = JoinTcpStore("127.0.0.1", served.port, "t", 1, 4, milliseconds(5000));
+  ASSERT_TRUE(twin.ok()) << twin.status().ToString();
+  auto refused = (*twin)->AllGather("twin", milliseconds(5000));
+  EXPECT_NE(refused.status().message().find("rank 1 cannot join: it is a member already"),
+            std::string::npos)
+      << refused.status().ToString();
+  g = gather({0, 1, 3});
+  ASSERT_TRUE(g[0].ok()) << g[0].status().ToString();
+  EXPECT_EQ(m[0]->epoch(), 4u);
 }
 
 // A rank that is no member at the start joins while the members serve; a connection for a

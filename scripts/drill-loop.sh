@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Runs N serving drills with real rank processes (docs/reliability.md, "Fault matrix"):
-# `eplbx demo --serve --inject kill|stop:RANK@STEP` (55 % / 20 %) or `--resize
-# remove|add:RANK@STEP` (10 % / 15 %) with the kind, rank, step, mode and commit mode drawn per
-# drill (drill i draws the same on every run), and checks each one: exit 0, the loss or removal
-# detected at its step (a new rank: joined at or after it, with steps to serve), the members
-# re-placed and served on with every row they used at every step checked (bad_rows 0), all
-# within a time limit (no hang). Prints a line per drill and a JSON summary (last line).
+# `eplbx demo --serve --inject kill|stop:RANK@STEP` (45 % / 20 %), the same with a second rank
+# killed or stopped during the recovery (`--inject ...,kill|stop:RANK2@recovery`, 5 ranks;
+# 10 %) or `--resize remove|add:RANK@STEP` (10 % / 15 %) with the kind, rank, step, mode and
+# commit mode drawn per drill (drill i draws the same on every run), and checks each one: exit
+# 0, the loss or removal detected at its step (a new rank: joined at or after it, with steps
+# to serve), the members re-placed and served on with every row they used at every step
+# checked (bad_rows 0), all within a time limit (no hang). Prints a line per drill and a JSON
+# summary (last line).
 #
 #   scripts/drill-loop.sh [N=50]      # EPLBX_CLI: the eplbx binary (build/bin/eplbx)
 set -uo pipefail
@@ -19,17 +21,26 @@ trap 'rm -rf "$out"' EXIT
 failed=0
 for i in $(seq 1 "$n"); do
   RANDOM=$((i * 7919))
-  kind=kill; k=$((RANDOM % 20)); ((k >= 11)) && kind=stop; ((k >= 15)) && kind=remove
-  ((k >= 17)) && kind=add
+  kind=kill; k=$((RANDOM % 20)); ((k >= 9)) && kind=stop; ((k >= 13)) && kind=twice
+  ((k >= 15)) && kind=remove; ((k >= 17)) && kind=add
   steps=50; [[ $kind == add ]] && steps=300  # the members serve on while the new rank starts
-  rank=$((RANDOM % 4))
+  rank=$((RANDOM % 4)); ranks=4
   step=$((2 + RANDOM % 46))
   modes=(async async sync off); mode=${modes[$((RANDOM % 4))]}
   spare=0; ((RANDOM % 3 == 0)) && spare=6
-  args="--serve --json --ranks 4 --layers 3 --experts 16 --slots-per-rank 6 --expert-bytes 64K
+  if [[ $kind == twice ]]; then
+    # A second rank (another one of 5) killed or stopped as the survivors' move begins.
+    ranks=5; second=$(((rank + 1 + RANDOM % 4) % 5)); kinds=(kill stop)
+    first=${kinds[$((RANDOM % 2))]}; again=${kinds[$((RANDOM % 2))]}
+  fi
+  args="--serve --json --ranks $ranks --layers 3 --experts 16 --slots-per-rank 6 --expert-bytes 64K
         --steps $steps --interval 8 --tokens 64 --top-k 4 --work-bytes 1K --deadline 2
         --modes $mode --spare-rows $spare"
-  if [[ $kind == remove || $kind == add ]]; then args+=" --resize $kind:$rank@$step"; else args+=" --inject $kind:$rank@$step"; fi
+  case $kind in
+    remove | add) args+=" --resize $kind:$rank@$step" ;;
+    twice) args+=" --inject $first:$rank@$step,$again:$second@recovery"; kind="$first:$rank@$step,$again:$second@recovery" ;;
+    *) args+=" --inject $kind:$rank@$step" ;;
+  esac
   # shellcheck disable=SC2086
   timeout 120 "$cli" demo $args >"$out/$i.json" 2>"$out/$i.err"
   rc=$?
@@ -43,7 +54,10 @@ except Exception:
 d = j.get("drill", {})
 at = d.get("detected_step", -1)
 on_time = step <= at < steps - 1 if kind == "add" else at == step
-ok = rc == 0 and j.get("verified") and j.get("bad_rows") == 0 and on_time and "error" not in j
+# A second loss during the recovery: the survivors placed twice.
+again = d.get("placements") == 2 if "recovery" in kind else True
+ok = (rc == 0 and j.get("verified") and j.get("bad_rows") == 0 and on_time and again and
+      "error" not in j)
 when = "mid-rebalance" if d.get("interrupted_rebalance") else "between rebalances"
 print(("ok" if ok else f"FAIL rc {rc}") +
       f" recovery {d.get('recovery_s', -1):.3f} s, {when}, {d.get('experts_recovered')} experts"
@@ -51,7 +65,8 @@ print(("ok" if ok else f"FAIL rc {rc}") +
       ("" if ok else f": {j.get('error', '')[:300]}"))
 EOF
 )
-  echo "drill $i: $kind:$rank@$step --modes $mode --spare-rows $spare: $line"
+  [[ $kind == *recovery ]] || kind="$kind:$rank@$step"
+  echo "drill $i: $kind --modes $mode --spare-rows $spare: $line"
   [[ $line == ok* ]] || failed=$((failed + 1))
 done
 "$py" - "$out" "$n" "$failed" <<'EOF'

@@ -51,6 +51,11 @@ struct DemoOptions {
   // ranks keep a host backup in backup_path (made by the coordinator's process id).
   int fault_step = -1;
   std::string backup_path;
+  // `--inject KIND:RANK@STEP,KIND2:RANK2@recovery`: rank fault2_rank is killed or stopped
+  // (fault2 "kill" or "stop") during the recovery from the first loss, as the move among the
+  // survivors begins; "" / -1: no second fault.
+  std::string fault2;
+  int fault2_rank = -1;
   // --serve --resize remove:RANK@STEP: rank RANK is drained at STEP and leaves (parsed into
   // fault "remove", fault_rank, fault_step).
   std::string resize;

@@ -151,7 +151,9 @@ Status ParseDemo(DemoOptions& o) {
   }
   if ((!o.inject.empty() && o.serve) || !o.resize.empty()) {  // a rank lost or removed
     const bool inject = o.resize.empty();
-    const std::string& spec = inject ? o.inject : o.resize;
+    // `--inject FIRST,SECOND`: a second loss during the recovery from the first.
+    const size_t comma = inject ? o.inject.find(',') : std::string::npos;
+    const std::string spec = inject ? o.inject.substr(0, comma) : o.resize;
     const std::string flag = inject ? "--inject" : "--resize";
     const auto colon = spec.find(':');
     const auto at = spec.find('@');
@@ -194,6 +196,38 @@ Status ParseDemo(DemoOptions& o) {
           StrCat(flag, " ", spec, ": the ", o.ranks - 1, " other ranks would have ",
                  (o.ranks - 1) * o.slots_per_rank, " slots for --experts ", o.experts,
                  "; raise --slots-per-rank or --ranks"));
+    }
+    if (comma != std::string::npos) {
+      const std::string second = o.inject.substr(comma + 1);
+      const auto c2 = second.find(':');
+      const auto a2 = second.find('@');
+      o.fault2 = second.substr(0, std::min(c2, second.size()));
+      if (c2 == std::string::npos || a2 == std::string::npos || a2 < c2 ||
+          (o.fault2 != "kill" && o.fault2 != "stop") || second.substr(a2 + 1) != "recovery") {
+        return Status::InvalidArgument(
+            StrCat("--inject ", o.inject,
+                   ": the second fault must be kill:RANK@recovery or "
+                   "stop:RANK@recovery (the rank is lost during the recovery from the first, as "
+                   "the move among the survivors begins)"));
+      }
+      Result<int> rank2 = internal::ParseInteger<int>(
+          std::string_view(second).substr(c2 + 1, a2 - c2 - 1),
+          StrCat("--inject ", o.inject, ": the second rank"), 0, o.ranks - 1);
+      if (!rank2.ok()) return rank2.status();
+      if (*rank2 == o.fault_rank) {
+        return Status::InvalidArgument(StrCat("--inject ", o.inject,
+                                              ": the second fault must strike another rank than ",
+                                              o.fault_rank));
+      }
+      o.fault2_rank = *rank2;
+      if (o.ranks < 4 || static_cast<int64_t>(o.ranks - 2) * o.slots_per_rank < o.experts) {
+        return Status::InvalidArgument(StrCat("--inject ", o.inject, ": the ", o.ranks - 2,
+                                              " ranks left after two losses "
+                                              "would have ",
+                                              std::max(0, o.ranks - 2) * o.slots_per_rank,
+                                              " slots for --experts ", o.experts,
+                                              "; raise --ranks or --slots-per-rank"));
+      }
     }
   } else if (!o.inject.empty()) {
     const auto colon = o.inject.find(':');

@@ -24,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/demo.h"
+#include "common/bytes.h"
 #include "common/strings.h"
 #include "eplbx/balancer.h"
 #include "eplbx/rearrange.h"
@@ -213,8 +214,10 @@ struct DrillLog {
   std::string interrupted;  // how the rebalance in flight ended ("" when none was)
   int64_t experts_recovered = 0, rows_recovered = 0;
   uint64_t bytes_moved = 0;
-  uint64_t backup_bytes = 0;     // the host backup's memory cost (rows held)
-  std::vector<int64_t> step_ns;  // wall-clock time of every step here, recovery included
+  uint64_t backup_bytes = 0;          // the host backup's memory cost (rows held)
+  int attempts = 0;                   // placements over the members tried
+  std::vector<std::string> restarts;  // why each placement after the first was needed
+  std::vector<int64_t> step_ns;       // wall-clock time of every step here, recovery included
 };
 
 double SecondsSince(std::chrono::steady_clock::time_point t) {
@@ -254,12 +257,14 @@ void TakeRowTables(const DemoOptions& o, Mode& mode) {
 // kept; again if the member set moves meanwhile). The Balancer is made again by
 // BalancerOverMembers once the placement is set.
 Status RearrangerOverMembers(int step, Bootstrap& boot, Mode& mode, DrillLog& log) {
-  for (const RebalanceRecord& x : mode.balancer->report().rebalances) mode.m.earlier.push_back(x);
-  mode.m.failed_earlier += mode.balancer->report().failed;
   mode.m.step_offset = step + 1;  // the new Balancer's first Step is the next step
   auto t = std::chrono::steady_clock::now();
-  mode.balancer.reset();
-  log.release_s = SecondsSince(t);
+  if (mode.balancer != nullptr) {  // (gone already when a placement is tried again)
+    for (const RebalanceRecord& x : mode.balancer->report().rebalances) mode.m.earlier.push_back(x);
+    mode.m.failed_earlier += mode.balancer->report().failed;
+    mode.balancer.reset();
+  }
+  log.release_s += SecondsSince(t);
   t = std::chrono::steady_clock::now();
   Status rebuilt = Status::Internal("not rebuilt");
   for (int attempt = 0; attempt < 4; ++attempt) {
@@ -273,7 +278,7 @@ Status RearrangerOverMembers(int step, Bootstrap& boot, Mode& mode, DrillLog& lo
       mode.w.SetRows(l, mode.rearranger->RowTable(static_cast<uint32_t>(l)));
     mode.w.layout.row_of_slot = mode.w.row_of_slot;
   }
-  log.setup_s = SecondsSince(t);
+  log.setup_s += SecondsSince(t);
   log.epoch = boot.epoch();
   log.members.clear();
   const std::vector<bool> live = boot.members();
@@ -336,65 +341,93 @@ Status DrainRank(const DemoOptions& o, int step, const LoadTrace& trace, const T
   return Status::OK();
 }
 
-// The placement in force after a member-set change, each member vouching for its own slots:
-// a lost rank may have voted a layer ready to some survivors only, so one may have committed
-// a layer another did not; each rank's rows are what its own map says. `mine` is null on a
-// rank that joins (its slots hold nothing yet). Every contribution carries the step its rank
-// is at (a joiner: -1); *step is the members' (they are in step: the step's collective).
-Result<Placement> GatherMaps(const DemoOptions& o, const Topology& topo, Bootstrap& boot,
-                             const Placement* mine, int* step) {
-  const int rows = o.slots_per_rank;
-  std::string own;
-  const int32_t at = *step;
-  own.append(reinterpret_cast<const char*>(&at), sizeof(at));
-  for (int l = 0; l < o.layers; ++l) {
-    for (int row = 0; row < rows; ++row) {
-      const int32_t e =
-          mine == nullptr ? -1 : mine->phy2log(l, static_cast<int>(boot.rank()) * rows + row);
-      own.append(reinterpret_cast<const char*>(&e), sizeof(e));
-    }
+// This rank's own slots, layers x slots per rank, as `p` has them.
+std::vector<int32_t> OwnSlots(const Placement& p, int rank, int rows) {
+  std::vector<int32_t> out;
+  for (int l = 0; l < p.layers(); ++l) {
+    for (int row = 0; row < rows; ++row) out.push_back(p.phy2log(l, rank * rows + row));
   }
+  return out;
+}
+
+// One round of settling the members after a member-set change: each member sends the step it
+// is at (a joiner: -1), whether its last placement over the members succeeded and at which
+// epoch (0: none yet), and what its own slots hold (a lost rank may have voted a layer ready
+// to some survivors only, or a move may have stopped half way: each member vouches for its
+// own slots).
+struct MembersRound {
+  Placement in_force;  // assembled from every member's own slots
+  int step = -1;       // the members' (they are in step: the step's collective)
+  bool all_placed = true;
+  uint64_t placed_at = 0;  // the epoch they all placed at (when all_placed)
+  std::string not_placed;  // "rank 2" of those that did not
+};
+Result<MembersRound> GatherMaps(const DemoOptions& o, const Topology& topo, Bootstrap& boot,
+                                int step, uint64_t placed_at, const std::vector<int32_t>& own) {
+  const int rows = o.slots_per_rank;
+  internal::ByteWriter w;
+  w.U32(static_cast<uint32_t>(step + 1));  // a joiner: 0
+  w.U64(placed_at);
+  for (int32_t e : own) w.U32(static_cast<uint32_t>(e));
+  const std::string mine = w.Take();
   Result<std::vector<std::string>> all = Status::Internal("not gathered");
   // Again while the member set moves (a joiner's first contribution is refused: it learns the
   // epoch and member set, then contributes with the members).
-  for (int attempt = 0; attempt < 4; ++attempt) {
+  for (int attempt = 0; attempt < 6; ++attempt) {
     const uint64_t epoch = boot.epoch();
-    all = boot.AllGather(own, std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000)));
+    all =
+        boot.AllGather(mine, std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000)));
     if (all.ok() || boot.epoch() == epoch) break;
   }
   if (!all.ok()) return all.status().WithPrefix("gathering the members' maps");
+  MembersRound out;
   std::vector<int32_t> flat(static_cast<size_t>(o.layers) * topo.slots, -1);
+  bool first = true;
   for (size_t r = 0; r < all->size(); ++r) {
     const std::string& b = (*all)[r];
     if (b.empty()) continue;  // not a member
-    if (b.size() != own.size()) {
+    const std::string what = StrCat("rank ", r, "'s map");
+    internal::ByteReader in(b, what);
+    uint32_t at = 0;
+    uint64_t placed = 0;
+    std::vector<uint32_t> slots(static_cast<size_t>(o.layers) * rows);
+    bool ok = in.U32("step", &at) && in.U64("placed_at", &placed);
+    for (size_t i = 0; ok && i < slots.size(); ++i) ok = in.U32("slot", &slots[i]);
+    if (!ok || b.size() != mine.size()) {
       return Status::Internal(
-          StrCat("rank ", r, " sent a map of ", b.size(), " bytes, ", own.size(), " expected"));
+          StrCat("rank ", r, " sent a map of ", b.size(), " bytes, ", mine.size(), " expected"));
     }
-    int32_t their_step;
-    std::memcpy(&their_step, b.data(), sizeof(their_step));
-    *step = std::max(*step, their_step);
+    out.step = std::max(out.step, static_cast<int>(at) - 1);
+    if (placed == 0 || (!first && placed != out.placed_at)) {
+      out.all_placed = false;
+      out.not_placed += StrCat(out.not_placed.empty() ? "rank " : ", ", r);
+    }
+    if (first) out.placed_at = placed;
+    first = false;
     for (int l = 0; l < o.layers; ++l) {
       for (int row = 0; row < rows; ++row) {
-        int32_t e;
-        std::memcpy(&e, b.data() + sizeof(at) + (static_cast<size_t>(l) * rows + row) * sizeof(e),
-                    sizeof(e));
-        flat[static_cast<size_t>(l) * topo.slots + r * rows + row] = e;
+        flat[static_cast<size_t>(l) * topo.slots + r * rows + row] =
+            static_cast<int32_t>(slots[static_cast<size_t>(l) * rows + row]);
       }
     }
   }
-  return Placement::FromPhy2Log(o.layers, topo.slots, o.experts, flat);
+  EPLBX_ASSIGN_OR_RETURN(out.in_force,
+                         Placement::FromPhy2Log(o.layers, topo.slots, o.experts, flat));
+  return out;
 }
 
 // Plans over the members from the placement in force and moves there: among the members
 // (a joiner's empty slots filled from the others), then the experts no member holds from the
-// host backup (`backup` null: there must be none), then the Balancer over the members. Every
-// member runs it at the same step, a joiner included.
+// host backup (`backup` null: there must be none). `own` follows what this rank's slots hold
+// as layers commit (a move that fails half way leaves the layers before it committed). A
+// drill's second fault (`--inject ...,KIND:RANK@recovery`) strikes here, as the move begins.
 Status PlaceOverMembers(const DemoOptions& o, int step, const LoadTrace& trace,
                         const Topology& topo, const Placement& in_force, Bootstrap& boot,
-                        Mode& mode, const io::HostBackup* backup, DrillLog& log) {
+                        Mode& mode, const io::HostBackup* backup, DrillLog& log,
+                        std::vector<int32_t>* own, Placement* placed) {
   using Clock = std::chrono::steady_clock;
   const std::vector<bool> live = boot.members();
+  const int rank = static_cast<int>(boot.rank()), rows = o.slots_per_rank;
   auto t = Clock::now();
   EPLBX_ASSIGN_OR_RETURN(LoadMatrix window, WindowLoad(o, trace, step));
   SurvivorOptions so;
@@ -403,14 +436,25 @@ Status PlaceOverMembers(const DemoOptions& o, int step, const LoadTrace& trace,
   so.migration.bytes_per_expert = o.expert_bytes_value;
   Result<SurvivorPlan> plan = PlanSurvivors(in_force, window, topo, live, so);
   if (!plan.ok()) return plan.status();
-  log.experts_recovered = plan->experts_recovered;
-  log.plan_s = SecondsSince(t);
+  log.experts_recovered = plan->experts_recovered;  // the last plan's
+  log.plan_s += SecondsSince(t);
   t = Clock::now();
+  if (rank == o.fault2_rank && log.attempts == 1) {
+    raise(o.fault2 == "kill" ? SIGKILL : SIGSTOP);
+  }
   RearrangeReport moved = mode.rearranger->Rearrange(plan->sources, plan->interim, plan->migration);
-  if (!moved.status.ok()) return moved.status.WithPrefix("moving among the members");
-  log.bytes_moved = moved.bytes_read;
+  log.bytes_moved += moved.bytes_read;
   TakeRowTables(o, mode);
-  log.move_s = SecondsSince(t);
+  const std::vector<int32_t> interim = OwnSlots(plan->interim, rank, rows);
+  for (const LayerOutcome& lo : moved.layers) {
+    if (!lo.committed) continue;
+    for (int row = 0; row < rows; ++row) {
+      const size_t i = static_cast<size_t>(lo.layer) * rows + row;
+      (*own)[i] = interim[i];
+    }
+  }
+  log.move_s += SecondsSince(t);
+  if (!moved.status.ok()) return moved.status.WithPrefix("moving among the members");
   t = Clock::now();
   if (!plan->recovered.empty()) {
     if (backup == nullptr) {
@@ -420,62 +464,85 @@ Status PlaceOverMembers(const DemoOptions& o, int step, const LoadTrace& trace,
     }
     Result<int64_t> restored = io::RecoverSlots(*plan, mode.w.layout, *backup);
     if (!restored.ok()) return restored.status().WithPrefix("restoring from the host backup");
-    log.rows_recovered = *restored;
+    log.rows_recovered += *restored;
   }
-  log.restore_s = SecondsSince(t);
-  return BalancerOverMembers(boot, mode, plan->placement, log);
+  *own = OwnSlots(plan->placement, rank, rows);
+  log.restore_s += SecondsSince(t);
+  *placed = plan->placement;
+  return Status::OK();
 }
 
 // After the group's member set changed (the step's collective failed with a new epoch: a
-// member was lost, or a new one joined): ends the rebalance in flight, agrees on the placement
-// in force, rebuilds the Rearranger over the members and places over them. Every member runs
-// it at the same step.
-Status ChangeMembers(const DemoOptions& o, int step, const LoadTrace& trace, const Topology& topo,
-                     Bootstrap& boot, Mode& mode, const io::HostBackup* backup, DrillLog& log) {
-  auto t = std::chrono::steady_clock::now();
-  // A rebalance in flight ends at its next Commit (the member set changed under it: the
-  // layers committed so far stay).
-  EndRebalance(mode, log);
-  int at = step;
-  EPLBX_ASSIGN_OR_RETURN(const Placement in_force,
-                         GatherMaps(o, topo, boot, &mode.balancer->placement(), &at));
-  if (at != step) {
-    return Status::Internal(
-        StrCat("the members are at different steps (", step, " here, ", at, " elsewhere)"));
+// member was lost, or a new one joined), every member at the same step, a joiner included
+// (`joiner`: its Rearranger is created here and it learns the step; `own`: what this rank's
+// slots hold, once the rebalance in flight ended; a joiner's are empty): rounds of (agree on
+// the maps, Rearranger over the members, place over them) until a round finds every member
+// placed at the epoch it is at (a member lost during the placement moves the epoch: the next
+// round goes again from what each member's slots hold then); then the Balancer over the
+// members. Returns the step.
+Result<int> SettleMembers(const DemoOptions& o, int step, const LoadTrace& trace,
+                          const Topology& topo, Bootstrap& boot, Mode& mode,
+                          const io::HostBackup* backup, DrillLog& log, std::vector<int32_t> own,
+                          bool joiner) {
+  using Clock = std::chrono::steady_clock;
+  auto t = Clock::now();
+  uint64_t placed_at = 0, tried_at = 0;
+  Placement placed;
+  Status last = Status::OK();
+  for (log.attempts = 0;;) {
+    t = Clock::now();
+    EPLBX_ASSIGN_OR_RETURN(MembersRound round, GatherMaps(o, topo, boot, step, placed_at, own));
+    log.drain_s += SecondsSince(t);
+    if (round.step < 0) return Status::Internal("no member said which step it is at");
+    if (step >= 0 && round.step != step) {
+      return Status::Internal(StrCat("the members are at different steps (", step, " here, ",
+                                     round.step, " elsewhere)"));
+    }
+    step = round.step;
+    if (round.all_placed && round.placed_at == boot.epoch()) break;  // settled
+    if (log.attempts > 0 && boot.epoch() == tried_at) {
+      // Nobody was lost, yet a placement failed: going again would not help.
+      return Status::Internal(StrCat("placing over the members failed on ", round.not_placed,
+                                     " with no member lost",
+                                     last.ok() ? "" : StrCat(" (here: ", last.message(), ")")));
+    }
+    if (log.attempts == 4) {
+      return Status::Aborted(StrCat("the member set changed during each of ", log.attempts,
+                                    " placements over the members (now epoch ", boot.epoch(), ")"));
+    }
+    if (log.attempts > 0) {
+      log.restarts.push_back(
+          StrCat("epoch ", tried_at, " -> ", boot.epoch(), ": ",
+                 last.ok() ? std::string("placed here, not everywhere") : last.message()));
+    }
+    ++log.attempts;
+    if (joiner && mode.rearranger == nullptr) {
+      t = Clock::now();
+      RearrangeOptions ro;
+      ro.deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
+      Result<std::unique_ptr<Rearranger>> r =
+          Rearranger::Create(mode.agent.get(), &boot, mode.w.layout, ro);
+      if (!r.ok()) return r.status().WithPrefix("a Rearranger with the members");
+      mode.rearranger = std::move(*r);
+      log.setup_s += SecondsSince(t);
+      mode.m.step_offset = step + 1;
+    } else {
+      EPLBX_RETURN_IF_ERROR(RearrangerOverMembers(step, boot, mode, log));
+    }
+    placed_at = 0;
+    tried_at = boot.epoch();
+    last = PlaceOverMembers(o, step, trace, topo, round.in_force, boot, mode, backup, log, &own,
+                            &placed);
+    if (last.ok()) placed_at = tried_at;
   }
-  log.drain_s = SecondsSince(t);
-  EPLBX_RETURN_IF_ERROR(RearrangerOverMembers(step, boot, mode, log));
-  return PlaceOverMembers(o, step, trace, topo, in_force, boot, mode, backup, log);
-}
-
-// `--resize add:RANK@STEP` on the new rank, a process started when the members reached STEP:
-// asks to join (its first contribution), learns the step the members are at from their maps,
-// creates its Rearranger with them (they rebuild theirs), takes its share of experts and
-// makes its Balancer. Returns the step it serves from.
-Result<int> JoinServing(const DemoOptions& o, const LoadTrace& trace, const Topology& topo,
-                        Bootstrap& boot, Mode& mode, DrillLog& log) {
-  auto t = std::chrono::steady_clock::now();
-  int step = -1;
-  EPLBX_ASSIGN_OR_RETURN(const Placement in_force, GatherMaps(o, topo, boot, nullptr, &step));
-  if (step < 0) return Status::Internal("no member said which step it is at");
-  log.drain_s = SecondsSince(t);
-  t = std::chrono::steady_clock::now();
-  RearrangeOptions ro;
-  ro.deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
-  Result<std::unique_ptr<Rearranger>> r =
-      Rearranger::Create(mode.agent.get(), &boot, mode.w.layout, ro);
-  if (!r.ok()) return r.status().WithPrefix("a Rearranger with the members");
-  mode.rearranger = std::move(*r);
-  log.setup_s = SecondsSince(t);
-  log.detected_step = step;
   log.epoch = boot.epoch();
+  log.members.clear();
   const std::vector<bool> live = boot.members();
   for (size_t k = 0; k < live.size(); ++k) {
     if (live[k]) log.members.push_back(static_cast<int>(k));
   }
-  mode.m.step_offset = step + 1;
-  EPLBX_RETURN_IF_ERROR(PlaceOverMembers(o, step, trace, topo, in_force, boot, mode, nullptr, log));
-  return step + 1;
+  EPLBX_RETURN_IF_ERROR(BalancerOverMembers(boot, mode, placed, log));
+  return step;
 }
 
 }  // namespace
@@ -589,11 +656,14 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
   int first_step = 0;
   if (joiner) {
     const int64_t t0 = MonotonicNs();
-    Result<int> from = JoinServing(o, *trace, topo, boot, modes[0], drill_log);
+    Result<int> at = SettleMembers(
+        o, -1, *trace, topo, boot, modes[0], nullptr, drill_log,
+        std::vector<int32_t>(static_cast<size_t>(o.layers) * o.slots_per_rank, -1), true);
     drill_log.recovery_s = static_cast<double>(MonotonicNs() - t0) * 1e-9;
-    if (!from.ok())
-      return fail(StrCat("joining at step ", o.fault_step, ": ", from.status().message()));
-    first_step = *from;
+    if (!at.ok())
+      return fail(StrCat("joining at step ", o.fault_step, ": ", at.status().message()));
+    drill_log.detected_step = *at;
+    first_step = *at + 1;
     drill_log.step_ns.assign(static_cast<size_t>(first_step), 0);  // steps before it joined
   } else {
     Status ready = boot.Barrier(deadline);
@@ -700,8 +770,13 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
           drill_log.detect_wait_s =
               static_cast<double>(MonotonicNs() - (adding ? add_requested_ns : step_t0)) * 1e-9;
           const int64_t t0 = MonotonicNs();
+          // A rebalance in flight ends at its next Commit (the member set changed under it:
+          // the layers committed so far stay); then the members settle over the new set.
+          EndRebalance(modes[0], drill_log);
           Status rec =
-              ChangeMembers(o, step, *trace, topo, boot, modes[0], backup.get(), drill_log);
+              SettleMembers(o, step, *trace, topo, boot, modes[0], backup.get(), drill_log,
+                            OwnSlots(modes[0].balancer->placement(), rank, o.slots_per_rank), false)
+                  .status();
           drill_log.recovery_s = static_cast<double>(MonotonicNs() - t0) * 1e-9;
           epoch = boot.epoch();
           if (!rec.ok()) {
@@ -776,6 +851,8 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
                        {"rows_recovered", drill_log.rows_recovered},
                        {"bytes_moved", drill_log.bytes_moved},
                        {"backup_bytes", drill_log.backup_bytes},
+                       {"placements", drill_log.attempts},
+                       {"restarts", drill_log.restarts},
                        {"step_ns", drill_log.step_ns}};
   }
   report["modes"] = std::move(out);

@@ -113,7 +113,7 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
   std::vector<int> survivors;
   const bool add = o.fault == "add";  // every rank serves at the end, the new one too
   for (int r = 0; r < o.ranks; ++r) {
-    if (r != o.fault_rank || add) survivors.push_back(r);
+    if ((r != o.fault_rank || add) && r != o.fault2_rank) survivors.push_back(r);
   }
   if (o.fault == "remove") {  // the drained rank reports before it leaves
     const auto it = reports.find(o.fault_rank);
@@ -131,7 +131,8 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
   std::vector<double> step_s;
   double recovery_s = 0, detect_wait_s = 0, drain_s = 0, release_s = 0, setup_s = 0, plan_s = 0,
          move_s = 0, restore_s = 0, balancer_s = 0, backup_bytes = 0;
-  double detected = -1, epoch = -1, experts_recovered = -1;
+  double detected = -1, epoch = -1, experts_recovered = -1, placements = 0;
+  json restarts = json::array();
   uint64_t rows_recovered = 0, bytes_moved = 0, rows_checked = 0, bad_rows = 0;
   int rebalances_after = 0;
   json members, interrupted = "";
@@ -161,6 +162,8 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
       experts_recovered = rec;
       members = d.value("members", json::array());
       interrupted = d.value("interrupted", json(""));
+      placements = number(d, "placements");
+      restarts = d.value("restarts", json::array());
     } else if (det != detected || ep != epoch || rec != experts_recovered ||
                d.value("members", json::array()) != members) {
       error = StrCat("the survivors disagree: rank ", survivors[0], " recovered at step ", detected,
@@ -219,44 +222,53 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
   double during_s = 0;
   for (size_t i = fault; i < back && i < step_s.size(); ++i) during_s += step_s[i];
   const bool verified = error.empty() && bad_rows == 0 && rows_checked > 0;
-  json out = {{"ranks", o.ranks},
-              {"steps", o.steps},
-              {"mode", mode},
-              {"tokens_per_step", o.tokens},
-              {"expert_bytes", o.expert_bytes_value},
-              {"wall_seconds", wall},
-              {"drill",
-               {{"fault", o.fault},
-                {"rank", o.fault_rank},
-                {"step", o.fault_step},
-                {"detected_step", detected},
-                {"detect_wait_s", detect_wait_s},
-                {"recovery_s", recovery_s},
-                {"recovery_target_s", 1.0},
-                {"phases_s",
-                 {{"end_rebalance_and_agree_maps", drain_s},
-                  {"release_old_balancer", release_s},
-                  {"rearranger_over_members", setup_s},
-                  {"plan", plan_s},
-                  {"move_among_survivors", move_s},
-                  {"restore_from_backup", restore_s},
-                  {"balancer_over_members", balancer_s}}},
-                {"epoch", epoch},
-                {"members", members},
-                {"interrupted_rebalance", interrupted},
-                {"experts_recovered", experts_recovered},
-                {"rows_recovered", rows_recovered},
-                {"bytes_moved_among_survivors", bytes_moved},
-                {"backup_bytes", backup_bytes},
-                {"rebalances_after", rebalances_after}}},
-              {"tokens_per_s", {{"before", before}, {"during", during}, {"after", after}}},
-              {"seconds_from_fault_to_serving", during_s},
-              {"step_time_model",
-               "wall-clock time of each step on the slowest survivor (work, Balancer, the step's "
-               "collective, recovery)"},
-              {"rows_checked", rows_checked},
-              {"bad_rows", bad_rows},
-              {"verified", verified}};
+  json out = {
+      {"ranks", o.ranks},
+      {"steps", o.steps},
+      {"mode", mode},
+      {"tokens_per_step", o.tokens},
+      {"expert_bytes", o.expert_bytes_value},
+      {"wall_seconds", wall},
+      {"drill",
+       {{"fault", o.fault},
+        {"rank", o.fault_rank},
+        {"step", o.fault_step},
+        {"detected_step", detected},
+        {"detect_wait_s", detect_wait_s},
+        {"recovery_s", recovery_s},
+        {"recovery_target_s", 1.0},
+        {"phases_s",
+         {{"end_rebalance_and_agree_maps", drain_s},
+          {"release_old_balancer", release_s},
+          {"rearranger_over_members", setup_s},
+          {"plan", plan_s},
+          {"move_among_survivors", move_s},
+          {"restore_from_backup", restore_s},
+          {"balancer_over_members", balancer_s}}},
+        {"epoch", epoch},
+        {"members", members},
+        {"interrupted_rebalance", interrupted},
+        {"experts_recovered", experts_recovered},
+        {"rows_recovered", rows_recovered},
+        {"bytes_moved_among_survivors", bytes_moved},
+        {"backup_bytes", backup_bytes},
+        {"rebalances_after", rebalances_after},
+        {"placements", placements},
+        {"restarts", restarts},
+        {"second_fault", o.fault2.empty() ? json(nullptr)
+                                          : json{{"fault", o.fault2},
+                                                 {"rank", o.fault2_rank},
+                                                 {"when",
+                                                  "recovery, as the move among the survivors "
+                                                  "begins"}}}}},
+      {"tokens_per_s", {{"before", before}, {"during", during}, {"after", after}}},
+      {"seconds_from_fault_to_serving", during_s},
+      {"step_time_model",
+       "wall-clock time of each step on the slowest survivor (work, Balancer, the step's "
+       "collective, recovery)"},
+      {"rows_checked", rows_checked},
+      {"bad_rows", bad_rows},
+      {"verified", verified}};
   if (!error.empty()) out["error"] = error;
   if (o.json) {
     std::cout << out.dump(1) << "\n";
@@ -296,6 +308,15 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
           backup_bytes / 1048576.0, balancer_s);
       if (interrupted.is_string() && !interrupted.get<std::string>().empty())
         std::printf("  the rebalance in flight: %s\n", interrupted.get<std::string>().c_str());
+      if (!o.fault2.empty()) {
+        std::printf(
+            "  second fault: %s rank %d during the recovery; %.0f placements over the "
+            "members:\n",
+            o.fault2.c_str(), o.fault2_rank, placements);
+        for (const json& why : restarts) {
+          if (why.is_string()) std::printf("    again after %s\n", why.get<std::string>().c_str());
+        }
+      }
     }
     std::printf(
         "  tokens/s before %.0f, from the fault to serving again %.0f (%.3f s), after %.0f; "

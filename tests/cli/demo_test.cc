@@ -363,6 +363,43 @@ TEST(DemoTest, ServingGoesOnAfterARankIsKilledOrStopped) {
 // rebalance in flight and drains it (PlanResize: its experts to the others, it a source
 // only), then it reports and leaves; the others learn the new member set from the next round,
 // rebuild the Rearranger and the Balancer over the members and serve on, every row checked.
+// A second rank lost while the survivors recover from the first (as their move begins): the
+// move ends by name, the next round says who is left, and the survivors place again from what
+// each one's slots hold, restoring both ranks' only experts from the host backup.
+TEST(DemoTest, ServingSurvivesASecondLossDuringRecovery) {
+  struct Drill {
+    const char* inject;
+    const char* extra;
+    std::vector<int> members;
+  };
+  const Drill drills[] = {
+      {"kill:1@20,kill:3@recovery", "--modes async", {0, 2, 4}},
+      {"kill:0@15,stop:2@recovery", "--modes sync --spare-rows 6", {1, 3, 4}},
+  };
+  for (const Drill& d : drills) {
+    SCOPED_TRACE(d.inject);
+    DemoRun r = Demo(std::string("--serve --ranks 5 --layers 3 --experts 16 --slots-per-rank 6 "
+                                 "--expert-bytes 64K --steps 50 --interval 10 --tokens 64 "
+                                 "--top-k 4 --work-bytes 1K --deadline 3 --inject ") +
+                     d.inject + " " + d.extra);
+    ASSERT_FALSE(r.report.is_discarded());
+    EXPECT_EQ(r.exit_code, 0) << r.report.dump();
+    EXPECT_TRUE(r.report["verified"].get<bool>()) << r.report.dump();
+    EXPECT_FALSE(r.report.contains("error")) << r.report.dump();
+    const auto& drill = r.report["drill"];
+    EXPECT_EQ(drill["epoch"].get<int>(), 3);
+    EXPECT_EQ(drill["members"].get<std::vector<int>>(), d.members);
+    EXPECT_EQ(drill["placements"].get<int>(), 2) << drill.dump();
+    ASSERT_EQ(drill["restarts"].size(), 1u) << drill.dump();
+    EXPECT_NE(drill["restarts"][0].get<std::string>().find("epoch 2 -> 3"), std::string::npos)
+        << drill.dump();
+    EXPECT_GT(drill["experts_recovered"].get<int>(), 0);
+    // Every row of the three survivors at every step, none wrong.
+    EXPECT_EQ(r.report["rows_checked"].get<uint64_t>(), 50u * 3 * 6 * 3);
+    EXPECT_EQ(r.report["bad_rows"].get<uint64_t>(), 0u);
+  }
+}
+
 TEST(DemoTest, ServingDrainsARankThatLeaves) {
   struct Case {
     const char* resize;
@@ -474,6 +511,12 @@ TEST(DemoTest, BadFlagsAreRejectedBeforeAnythingStarts) {
        "needs at least 3 ranks (two go on)"},
       {"--serve --modes async --inject kill:1@30",
        "the 3 other ranks would have 54 slots for --experts 64"},
+      {"--serve --modes async --ranks 5 --inject kill:1@30,kill:1@recovery",
+       "the second fault must strike another rank than 1"},
+      {"--serve --modes async --ranks 5 --inject kill:1@30,kill:2@31",
+       "the second fault must be kill:RANK@recovery or stop:RANK@recovery"},
+      {"--serve --modes async --ranks 5 --inject kill:1@30,kill:2@recovery --slots-per-rank 18",
+       "the 3 ranks left after two losses would have 54 slots for --experts 64"},
       {"--serve --modes async --resize grow:1@30",
        "--resize 'grow:1@30': expected remove:RANK@STEP (the rank is drained at that step, then "
        "leaves) or add:RANK@STEP"},

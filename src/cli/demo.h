@@ -56,6 +56,10 @@ struct DemoOptions {
   // survivors begins; "" / -1: no second fault.
   std::string fault2;
   int fault2_rank = -1;
+  // `eplbx worker --serve`: any lost rank is survived as in the drills (membership, the
+  // step's collective, recovery), with a backup of every expert on each node (at
+  // backup_path-NODE, made by the node's lowest rank); nothing needs to be injected.
+  bool survive = false;
   // --serve --resize remove:RANK@STEP: rank RANK is drained at STEP and leaves (parsed into
   // fault "remove", fault_rank, fault_step).
   std::string resize;
@@ -104,6 +108,8 @@ Result<std::unique_ptr<Agent>> MakeDemoAgent(const DemoOptions& o, int rank, boo
 uint64_t PatternKey(uint32_t layer, uint32_t expert, uint32_t tensor);
 uint64_t Mix(uint64_t x);
 inline uint64_t PatternWord(uint64_t key, uint64_t offset) { return Mix(key + offset); }
+// The demo's bytes of (layer, expert, tensor), n of them: word i is PatternWord(key, 8 i).
+void Pattern(uint8_t* out, uint64_t n, uint32_t layer, uint32_t expert, uint32_t tensor);
 void FillLayer(Weights& w, const Placement& map, int layer, int rank);
 // Checks every row of `layer` against `map`; returns the first wrong (row, tensor) or "".
 std::string VerifyLayer(const Weights& w, const Placement& map, int layer, int rank);

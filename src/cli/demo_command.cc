@@ -710,8 +710,34 @@ void AddDemoFlags(CLI::App& cmd, DemoOptions& o) {
   cmd.add_option("--inject", o.inject,
                  "fault drill KIND:RANK[@exchange|transfer|commit], KIND one of stride-mismatch, "
                  "missing-tensor, kill, stall, bad-notify; with --serve kill:RANK@STEP or "
-                 "stop:RANK@STEP (a rank lost while serving; the others recover)");
+                 "stop:RANK@STEP (a rank lost while serving; the others recover), optionally "
+                 "followed by ,kill:RANK2@recovery or ,stop:RANK2@recovery (a second loss "
+                 "during the recovery)");
   cmd.add_flag("--json", o.json, "print one JSON report on stdout (worker: rank 0)");
+  cmd.add_flag("--serve", o.serve,
+               "serving mode: forward steps of real expert work with EPLB off, synchronous "
+               "and asynchronous; prints throughput and step times");
+  cmd.add_option("--resize", o.resize,
+                 "--serve: remove:RANK@STEP drains rank RANK at that step, then it leaves and "
+                 "the others serve on over the members; add:RANK@STEP (demo): a new process "
+                 "for rank RANK joins at that step");
+  cmd.add_option("--interval", o.interval, "--serve: steps between rebalances (and window)")
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 1 << 30));
+  cmd.add_option("--tokens", o.tokens, "--serve: tokens per forward step")
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 1 << 24));
+  cmd.add_option("--top-k", o.top_k, "--serve: experts per token")
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 1 << 20));
+  cmd.add_option("--work-bytes", o.work_bytes,
+                 "--serve: bytes of an expert's row one routed token works over (K, M)")
+      ->capture_default_str();
+  cmd.add_option("--modes", o.modes, "--serve: modes to run, of off, sync, async")
+      ->capture_default_str();
+  cmd.add_option("--policy", o.policy, "--serve: deepseek, balanced or incremental")
+      ->capture_default_str();
+  cmd.add_option("--plot", o.plot, "--serve: write an SVG of step time over steps");
 }
 
 void AddDemoCommand(CLI::App& app, Action& run) {
@@ -725,29 +751,6 @@ void AddDemoCommand(CLI::App& app, Action& run) {
   demo->add_flag("--pipeline", o->pipeline,
                  "rearrange with the asynchronous pipeline (Begin, then Commit back to back: "
                  "layers in flight together, no budget) instead of layer after layer");
-  demo->add_flag("--serve", o->serve,
-                 "serving mode: forward steps of real expert work with EPLB off, synchronous "
-                 "and asynchronous; prints throughput and step times");
-  demo->add_option("--resize", o->resize,
-                   "--serve: remove:RANK@STEP drains rank RANK at that step; then it leaves and "
-                   "the others serve on over the members");
-  demo->add_option("--interval", o->interval, "--serve: steps between rebalances (and window)")
-      ->capture_default_str()
-      ->check(IntIn<int>(0, 1 << 30));
-  demo->add_option("--tokens", o->tokens, "--serve: tokens per forward step")
-      ->capture_default_str()
-      ->check(IntIn<int>(0, 1 << 24));
-  demo->add_option("--top-k", o->top_k, "--serve: experts per token")
-      ->capture_default_str()
-      ->check(IntIn<int>(0, 1 << 20));
-  demo->add_option("--work-bytes", o->work_bytes,
-                   "--serve: bytes of an expert's row one routed token works over (K, M)")
-      ->capture_default_str();
-  demo->add_option("--modes", o->modes, "--serve: modes to run, of off, sync, async")
-      ->capture_default_str();
-  demo->add_option("--policy", o->policy, "--serve: deepseek, balanced or incremental")
-      ->capture_default_str();
-  demo->add_option("--plot", o->plot, "--serve: write an SVG of step time over steps");
   demo->callback([&run, o] { run = [o] { return RunDemo(*o); }; });
 }
 

@@ -43,8 +43,6 @@ uint64_t PatternKey(uint32_t layer, uint32_t expert, uint32_t tensor) {
   return Mix((static_cast<uint64_t>(layer) << 42) ^ (static_cast<uint64_t>(expert) << 21) ^ tensor);
 }
 
-namespace {
-
 // The bytes of (layer, expert, tensor): word i is PatternWord(key, 8 i).
 void Pattern(uint8_t* out, uint64_t n, uint32_t layer, uint32_t expert, uint32_t tensor) {
   const uint64_t key = PatternKey(layer, expert, tensor);
@@ -56,6 +54,8 @@ void Pattern(uint8_t* out, uint64_t n, uint32_t layer, uint32_t expert, uint32_t
   const uint64_t tail = Mix(key + i);
   if (i < n) std::memcpy(out + i, &tail, n - i);
 }
+
+namespace {
 
 // Load per layer: Zipf-like over a random permutation of experts.
 std::vector<double> InitialLoad(const DemoOptions& o, std::mt19937_64& rng) {

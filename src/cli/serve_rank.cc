@@ -16,8 +16,10 @@
 #include <semaphore.h>
 #include <signal.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstring>
 
@@ -578,7 +580,7 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
       o.layers, o.experts, std::vector<double>(static_cast<size_t>(o.layers) * o.experts, 1.0));
   // `--resize add:RANK@STEP`: RANK is no member until it joins (its slots empty); its process
   // starts when the members reach STEP.
-  const bool drill = o.fault_step >= 0;
+  const bool drill = o.fault_step >= 0 || o.survive;
   const bool adding = drill && o.fault == "add";
   const bool joiner = adding && rank == o.fault_rank;
   std::vector<bool> live(o.ranks, true);
@@ -616,8 +618,8 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
     bo.bytes_per_expert = o.expert_bytes_value;
     if (adding) bo.live = live;
     mode.options = bo;
-    if (joiner) continue;  // its Rearranger and Balancer come when it joins
-    if (mode.name != "off" || o.fault_step >= 0) {  // a drill moves weights in any mode
+    if (joiner) continue;               // its Rearranger and Balancer come when it joins
+    if (mode.name != "off" || drill) {  // a drill moves weights in any mode
       RearrangeOptions ro;
       ro.deadline = deadline;
       Result<std::unique_ptr<Rearranger>> r =
@@ -637,7 +639,50 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
   const bool loss = drill && !removal && !adding;
   bool left = false;  // this rank was drained and left the group (--resize remove)
   std::unique_ptr<io::HostBackup> backup;
-  if (loss) {
+  std::string made_backup;  // the node's backup this rank made (removed at the end)
+  if (loss && o.survive) {
+    // `eplbx worker --serve`: every node keeps its own backup of every expert, loaded as from
+    // the checkpoint (the demo's weights are a function of layer, expert and tensor) by the
+    // node's lowest rank; the node's other ranks map it. A lost node's experts are then in
+    // every other node's backup.
+    const std::string node = NodeName();
+    Result<std::vector<std::string>> nodes = boot.AllGather(node, deadline);
+    if (!nodes.ok()) return fail(nodes.status().message());
+    int first = rank;
+    for (int r = 0; r < rank; ++r) {
+      if ((*nodes)[r] == node) {
+        first = r;
+        break;
+      }
+    }
+    std::string path = StrCat(o.backup_path, "-");
+    for (char ch : node) path += std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
+    if (rank == first) {
+      Result<std::unique_ptr<io::HostBackup>> b =
+          io::HostBackup::Create(path, modes[0].w.layout, o.experts);
+      if (!b.ok()) return fail(b.status().message());
+      backup = std::move(*b);
+      made_backup = path;
+      for (int l = 0; l < o.layers; ++l) {
+        const std::vector<TensorSpec>& tensors = modes[0].w.layout.layers[l];
+        for (int e = 0; e < o.experts; ++e) {
+          Status loaded =
+              backup->Load(l, e, [&](const std::string& name, uint8_t* dst, uint64_t n) {
+                uint32_t t = 0;
+                while (t + 1 < tensors.size() && tensors[t].name != name) ++t;
+                Pattern(dst, n, static_cast<uint32_t>(l), static_cast<uint32_t>(e), t);
+              });
+          if (!loaded.ok()) return fail(loaded.message());
+        }
+      }
+    }
+    if (Status made = boot.Barrier(deadline); !made.ok()) return fail(made.message());
+    if (rank != first) {
+      Result<std::unique_ptr<io::HostBackup>> b = io::HostBackup::Open(path);
+      if (!b.ok()) return fail(b.status().message());
+      backup = std::move(*b);
+    }
+  } else if (loss) {
     if (rank == 0) {
       Result<std::unique_ptr<io::HostBackup>> b =
           io::HostBackup::Create(o.backup_path, modes[0].w.layout, o.experts);
@@ -825,10 +870,12 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
   // Nobody tears its agents down while a peer may still be finishing (a rank that left is
   // no member any more: it reports and goes).
   Status done = left ? Status::OK() : boot.Barrier(deadline);
+  if (!made_backup.empty()) unlink(made_backup.c_str());  // mapped where still in use
   if (!done.ok() && report["error"].get<std::string>().empty()) report["error"] = done.message();
   if (drill) {
     report["left"] = left;
-    if (drill_log.detected_step < 0 && report["error"].get<std::string>().empty()) {
+    if (drill_log.detected_step < 0 && o.fault_step >= 0 &&
+        report["error"].get<std::string>().empty()) {
       report["error"] = StrCat("the ", o.fault, " of rank ", o.fault_rank, " at step ",
                                o.fault_step, " was never detected");
       all_ok = false;

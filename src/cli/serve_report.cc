@@ -112,8 +112,31 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
   const std::string& mode = o.mode_list[0];
   std::vector<int> survivors;
   const bool add = o.fault == "add";  // every rank serves at the end, the new one too
-  for (int r = 0; r < o.ranks; ++r) {
-    if ((r != o.fault_rank || add) && r != o.fault2_rank) survivors.push_back(r);
+  // `eplbx worker --serve` with nothing injected: who was lost is found at run time, from
+  // the members a survivor reports (nobody lost: every rank).
+  const bool found = o.survive && o.fault_step < 0;
+  std::vector<int> lost;
+  if (found) {
+    for (const auto& [r, rep] : reports) {
+      if (rep.contains("drill") && rep["drill"].is_object() &&
+          rep["drill"].value("detected_step", -1) >= 0 && rep["drill"].contains("members") &&
+          rep["drill"]["members"].is_array() && rep.value("error", "").empty()) {
+        for (const json& m : rep["drill"]["members"]) {
+          if (m.is_number_integer()) survivors.push_back(m.get<int>());
+        }
+        break;
+      }
+    }
+    if (survivors.empty()) {
+      for (int r = 0; r < o.ranks; ++r) survivors.push_back(r);
+    }
+    for (int r = 0; r < o.ranks; ++r) {
+      if (std::find(survivors.begin(), survivors.end(), r) == survivors.end()) lost.push_back(r);
+    }
+  } else {
+    for (int r = 0; r < o.ranks; ++r) {
+      if ((r != o.fault_rank || add) && r != o.fault2_rank) survivors.push_back(r);
+    }
   }
   if (o.fault == "remove") {  // the drained rank reports before it leaves
     const auto it = reports.find(o.fault_rank);
@@ -205,7 +228,7 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
       }
     }
   }
-  if (error.empty() && detected < 0) error = "no survivor detected the loss";
+  if (error.empty() && detected < 0 && !found) error = "no survivor detected the loss";
   if (!served.ok())
     error = error.empty() ? served.message() : StrCat(served.message(), "; ", error);
   // Tokens per second before the fault, from it until serving again, and after.
@@ -215,7 +238,9 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
     const size_t n = std::min(to, step_s.size()) > from ? std::min(to, step_s.size()) - from : 0;
     return t > 0 ? static_cast<double>(o.tokens) * static_cast<double>(n) / t : 0.0;
   };
-  const size_t fault = static_cast<size_t>(o.fault_step);
+  const size_t fault = o.fault_step >= 0 ? static_cast<size_t>(o.fault_step)
+                       : detected >= 0   ? static_cast<size_t>(detected)
+                                         : step_s.size();
   const size_t back = detected >= 0 ? static_cast<size_t>(detected) + 1 : fault;
   const double before = rate(0, fault), during = rate(fault, back),
                after = rate(back, step_s.size());
@@ -230,8 +255,9 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
       {"expert_bytes", o.expert_bytes_value},
       {"wall_seconds", wall},
       {"drill",
-       {{"fault", o.fault},
-        {"rank", o.fault_rank},
+       {{"fault", found ? (lost.empty() ? "none" : "lost") : o.fault},
+        {"rank", found ? (lost.empty() ? -1 : lost[0]) : o.fault_rank},
+        {"lost_ranks", lost},
         {"step", o.fault_step},
         {"detected_step", detected},
         {"detect_wait_s", detect_wait_s},
@@ -273,8 +299,15 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
   if (o.json) {
     std::cout << out.dump(1) << "\n";
   } else {
-    std::printf("drill: %s rank %d at step %d (%s mode)\n", o.fault.c_str(), o.fault_rank,
-                o.fault_step, mode.c_str());
+    if (found) {
+      const std::string what = lost.empty() ? "no rank was lost"
+                                            : StrCat("lost ", json(lost).dump(), " at step ",
+                                                     detected, ", the others went on");
+      std::printf("serving on %d ranks (%s mode): %s\n", o.ranks, mode.c_str(), what.c_str());
+    } else {
+      std::printf("drill: %s rank %d at step %d (%s mode)\n", o.fault.c_str(), o.fault_rank,
+                  o.fault_step, mode.c_str());
+    }
     if (detected >= 0 && add) {
       std::printf(
           "  rank %d asked for at step %d, a member from step %.0f: %.3f s from the request to "
@@ -318,10 +351,14 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
         }
       }
     }
-    std::printf(
-        "  tokens/s before %.0f, from the fault to serving again %.0f (%.3f s), after %.0f; "
-        "rebalances after: %d\n",
-        before, during, during_s, after, rebalances_after);
+    if (found && lost.empty()) {
+      std::printf("  tokens/s %.0f; rebalances: %d\n", before, rebalances_after);
+    } else {
+      std::printf(
+          "  tokens/s before %.0f, from the fault to serving again %.0f (%.3f s), after %.0f; "
+          "rebalances after: %d\n",
+          before, during, during_s, after, rebalances_after);
+    }
     std::printf("  every row a step used checked against its map: %s (%llu rows); wall %.1f s\n",
                 bad_rows == 0 && rows_checked > 0 ? "yes" : "NO",
                 static_cast<unsigned long long>(rows_checked), wall);
@@ -335,7 +372,7 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
 
 Status ReportServing(const DemoOptions& o, const std::map<int, json>& reports, double wall,
                      const Status& served) {
-  if (o.fault_step >= 0) return ReportServingDrill(o, reports, wall, served);
+  if (o.fault_step >= 0 || o.survive) return ReportServingDrill(o, reports, wall, served);
   std::string error;
   for (int r = 0; r < o.ranks && error.empty(); ++r) {
     if (reports.count(r) == 0) {

@@ -70,6 +70,31 @@ Status RunWorker(DemoOptions o, bool ranks_given) {
   }
   o.ranks = static_cast<int>(env->world);
   EPLBX_RETURN_IF_ERROR(ParseDemo(o));
+  if (o.serve) {
+    // Serving over several hosts survives a lost rank (docs/deploy.md, "Serving on several
+    // hosts"): membership on the store, the step's collective, a backup of every expert on
+    // each node.
+    if (o.mode_list.size() != 1) {
+      return Status::InvalidArgument(
+          StrCat("eplbx worker --serve runs one mode (it goes on over the survivors of a lost "
+                 "rank): pass --modes async, --modes sync or --modes off (not '",
+                 o.modes, "')"));
+    }
+    if (o.fault == "add") {
+      return Status::InvalidArgument(
+          StrCat("eplbx worker --serve --resize ", o.resize,
+                 ": a new rank is the serving demo's drill (its coordinator starts the process); "
+                 "workers all join at the start"));
+    }
+    if (o.fault_step >= 0 && (o.fault_rank == 0 || o.fault2_rank == 0)) {
+      return Status::InvalidArgument(
+          StrCat("eplbx worker --serve: rank 0 serves the rendezvous store, so it cannot be the "
+                 "rank lost or removed; pick another rank"));
+    }
+    o.survive = true;
+    const std::string dir = Env::Default()->GetVar("EPLBX_BACKUP_DIR").value_or("/dev/shm");
+    o.backup_path = StrCat(dir, "/eplbx-worker-backup-", env->port);
+  }
   const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
   const double memcpy_gbps = env->rank == 0 ? internal::MeasureMemcpyGbps() : 0.0;
   std::unique_ptr<StoreThread> store;
@@ -77,6 +102,7 @@ Status RunWorker(DemoOptions o, bool ranks_given) {
     Result<std::unique_ptr<TcpStore>> s =
         TcpStore::Listen(env->addr, env->port, env->token, env->world);
     if (!s.ok()) return s.status();
+    (*s)->set_membership(o.serve);
     store = std::make_unique<StoreThread>(std::move(*s), o, !o.json);
   }
   const auto t0 = Env::Default()->Now();
@@ -85,7 +111,8 @@ Status RunWorker(DemoOptions o, bool ranks_given) {
   int code = 1;
   nlohmann::json mine;
   if (boot.ok()) {
-    code = RunDemoRank(o, static_cast<int>(env->rank), **boot, &mine);
+    code = o.serve ? RunServeRank(o, static_cast<int>(env->rank), **boot)
+                   : RunDemoRank(o, static_cast<int>(env->rank), **boot, &mine);
     boot->reset();  // closes the socket: the store sees this rank leave
   }
   if (env->rank != 0) {
@@ -103,6 +130,7 @@ Status RunWorker(DemoOptions o, bool ranks_given) {
   std::map<int, nlohmann::json> reports = store->Finish(&served);
   if (!boot.ok() && served.ok()) served = boot.status();
   const double wall = std::chrono::duration<double>(Env::Default()->Now() - t0).count();
+  if (o.serve) return ReportServing(o, reports, wall, served);
   return ReportDemo(o, reports, memcpy_gbps, wall, served);
 }
 

@@ -298,6 +298,18 @@ Status HostBackup::Capture(const Placement& placement, const RankLayout& layout)
   return Status::OK();
 }
 
+Status HostBackup::Load(int layer, int expert,
+                        const std::function<void(const std::string&, uint8_t*, uint64_t)>& read) {
+  if (layer < 0 || layer >= static_cast<int>(layers_.size()) || expert < 0 || expert >= experts_) {
+    return Status::OutOfRange(StrCat(Describe(), ": expert ", expert, " of layer ", layer,
+                                     " is outside its ", layers_.size(), " layers x ", experts_,
+                                     " experts"));
+  }
+  for (const Tensor& t : layers_[layer]) read(t.name, Row(layer, expert, t), t.bytes);
+  map_[held_offset_ + static_cast<uint64_t>(layer) * experts_ + static_cast<uint64_t>(expert)] = 1;
+  return Status::OK();
+}
+
 Status HostBackup::ReadRow(int layer, int expert, const TensorSpec& spec, uint8_t* dst) const {
   const Tensor* t = Find(layer, spec.name);
   if (t == nullptr) {

@@ -14,6 +14,7 @@
 #define EPLBX_SRC_IO_BACKUP_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -56,6 +57,11 @@ class HostBackup final : public BackupSource {
   // match the backup's tensors (names, dtypes, shapes, bytes): else a named error, nothing
   // copied.
   Status Capture(const Placement& placement, const RankLayout& layout);
+  // Loads expert `expert` of `layer` from elsewhere (the checkpoint, say: a node's backup of
+  // every expert): `read(tensor_name, dst, bytes)` writes each of the layer's tensors' row;
+  // then the expert is held. A layer or expert out of range is a named error.
+  Status Load(int layer, int expert,
+              const std::function<void(const std::string&, uint8_t*, uint64_t)>& read);
 
   std::string Describe() const override;
   bool Holds(int layer, int expert) const override;

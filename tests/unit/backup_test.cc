@@ -142,6 +142,40 @@ TEST(HostBackupTest, ExpertsOfALostRankComeBackFromTheBackupItsProcessWrote) {
   unlink(path.c_str());
 }
 
+// A node's own backup loaded with every expert (from the checkpoint, say) restores a lost
+// rank's experts without any rank having captured them; out of range is named.
+TEST(HostBackupTest, ABackupLoadedWithEveryExpertRestoresALostRank) {
+  Cluster c;
+  const std::string path = TempPath("eplbx-backup-loaded");
+  auto backup = HostBackup::Create(path, c.layouts[0], kExperts);
+  ASSERT_TRUE(backup.ok()) << backup.status().ToString();
+  for (int l = 0; l < kLayers; ++l) {
+    for (int e = 0; e < kExperts; ++e) {
+      Status loaded = (*backup)->Load(l, e, [&](const std::string& name, uint8_t* dst, uint64_t n) {
+        int t = 0;
+        while (kTensors[t].name != name) ++t;
+        for (uint64_t i = 0; i < n; ++i) dst[i] = Pattern(l, e, t, i);
+      });
+      ASSERT_TRUE(loaded.ok()) << loaded.ToString();
+    }
+  }
+  EXPECT_EQ((*backup)->experts_held(), kLayers * kExperts);
+  Status out = (*backup)->Load(kLayers, 0, [](const std::string&, uint8_t*, uint64_t) {});
+  EXPECT_EQ(out.code(), Code::kOutOfRange);
+  EXPECT_NE(out.message().find("expert 0 of layer " + std::to_string(kLayers) + " is outside"),
+            std::string::npos)
+      << out.ToString();
+  Result<SurvivorPlan> plan = c.LoseRank1(**backup);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  ASSERT_FALSE(plan->recovered.empty());
+  for (int r : {0, 2, 3}) ASSERT_TRUE(RecoverSlots(*plan, c.layouts[r], **backup).ok());
+  for (const RecoveredSlot& rec : plan->recovered) {
+    EXPECT_TRUE(c.RowIs(rec.slot / kPerRank, rec.layer, rec.slot % kPerRank, rec.expert))
+        << "layer " << rec.layer << " slot " << rec.slot << " expert " << rec.expert;
+  }
+  unlink(path.c_str());
+}
+
 TEST(HostBackupTest, AnExpertTheBackupLacksFailsTheRecoveryAndWritesNothing) {
   Cluster c;
   const std::string full_path = TempPath("eplbx-backup-full"),

@@ -571,6 +571,70 @@ TEST(DemoTest, ABadTransportVariableIsOneErrorBeforeAnyRankStarts) {
   }
 }
 
+// `eplbx worker --serve`: three worker processes meet through rank 0's store; rank 2 is
+// killed while they serve; ranks 0 and 1 go on over themselves with rank 2's only experts
+// from their nodes' backups (each worker a node of its own), every row checked.
+TEST(DemoTest, WorkersServingGoOnAfterAWorkerIsKilled) {
+  const int port = 33000 + getpid() % 1000;
+  const std::string flags =
+      " worker --serve --modes async --layers 3 --experts 16 --slots-per-rank 8 --expert-bytes 64K "
+      "--steps 60 --interval 10 --tokens 64 --top-k 4 --work-bytes 1K --deadline 3 "
+      "--inject kill:2@25 --json";
+  auto env = [&](int rank) {
+    return "EPLBX_MASTER_ADDR=127.0.0.1 EPLBX_MASTER_PORT=" + std::to_string(port) +
+           " EPLBX_RANK=" + std::to_string(rank) +
+           " EPLBX_WORLD_SIZE=3 EPLBX_TOKEN=t EPLBX_NODE=n" + std::to_string(rank) +
+           " EPLBX_BACKUP_DIR=" + testing::TempDir() + " ";
+  };
+  std::vector<std::thread> others;
+  std::vector<int> codes(3, -1);
+  for (int r : {1, 2}) {
+    others.emplace_back(
+        [&, r] { codes[r] = RunShell(env(r) + EPLBX_CLI + flags + " >/dev/null 2>&1").exit_code; });
+  }
+  Shell zero = RunShell(env(0) + EPLBX_CLI + flags + " 2>/dev/null");
+  for (std::thread& t : others) t.join();
+  for (int r : {2}) {  // the killed worker's node backup outlives it
+    unlink((testing::TempDir() + "/eplbx-worker-backup-" + std::to_string(port) + "-n" +
+            std::to_string(r))
+               .c_str());
+  }
+  EXPECT_EQ(zero.exit_code, 0) << zero.out;
+  EXPECT_EQ(codes[1], 0);
+  EXPECT_NE(codes[2], 0);  // killed
+  const nlohmann::json report = nlohmann::json::parse(zero.out, nullptr, false);
+  ASSERT_FALSE(report.is_discarded()) << zero.out;
+  EXPECT_TRUE(report["verified"].get<bool>()) << report.dump();
+  const auto& drill = report["drill"];
+  EXPECT_EQ(drill["detected_step"].get<int>(), 25);
+  EXPECT_EQ(drill["members"].get<std::vector<int>>(), (std::vector<int>{0, 1}));
+  EXPECT_GT(drill["experts_recovered"].get<int>(), 0) << drill.dump();
+  // Each node's backup holds every expert: 3 layers x 16 experts x 64 KiB.
+  EXPECT_EQ(drill["backup_bytes"].get<double>(), 3.0 * 16 * 65536);
+  EXPECT_EQ(report["rows_checked"].get<uint64_t>(), 2u * 60 * 3 * 8);
+  EXPECT_EQ(report["bad_rows"].get<uint64_t>(), 0u);
+}
+
+// Flags `eplbx worker --serve` refuses before anything starts.
+TEST(DemoTest, WorkerServingRefusesWhatItCannotDo) {
+  const std::string env =
+      "EPLBX_MASTER_ADDR=127.0.0.1 EPLBX_MASTER_PORT=1 EPLBX_RANK=1 EPLBX_WORLD_SIZE=3 "
+      "EPLBX_TOKEN=t ";
+  const std::pair<const char*, const char*> cases[] = {
+      {"--serve", "eplbx worker --serve runs one mode"},
+      {"--serve --modes async --resize add:2@5",
+       "a new rank is the serving demo's drill (its coordinator starts the process)"},
+      {"--serve --modes async --inject kill:0@5",
+       "rank 0 serves the rendezvous store, so it cannot be the rank lost or removed"},
+  };
+  for (const auto& [flags, want] : cases) {
+    Shell r = RunShell(env + EPLBX_CLI + " worker --layers 3 --experts 16 --slots-per-rank 8 " +
+                       flags + " 2>&1");
+    EXPECT_EQ(r.exit_code, 1) << flags << ": " << r.out;
+    EXPECT_NE(r.out.find(want), std::string::npos) << flags << ": " << r.out;
+  }
+}
+
 // A member that sends malformed messages ({"progress": 5}, a report whose fields have the
 // wrong types) to rank 0's embedded store. Before: rank 0 aborted (std::terminate, exit 134;
 // issue 17, item 9). Now every field from a peer is type-checked: rank 0 ends with a

@@ -98,6 +98,60 @@ constexpr size_t kMaxTokenBytes = 4096;
 constexpr size_t kMaxPending = 64;                           // connections without a hello yet
 constexpr auto kHelloDeadline = std::chrono::seconds(2);     // from accept to a whole hello
 constexpr auto kFrameWait = std::chrono::milliseconds(500);  // for the rest of a started frame
+
+// A connection that has not said hello yet.
+struct Pending {
+  int fd;
+  Env::Clock::time_point since;
+};
+
+// Waits up to `wait_ms` for connections and hellos. Hellos are read from every connection at
+// once, each within a short deadline, and at most kMaxPending connections wait for theirs:
+// silent connections cannot hold up a member (issue 17, item 5). A hello goes to `on_hello`
+// with its socket (which it then owns); a connection that says something else, or nothing
+// within kHelloDeadline, is closed; one new connection is accepted per call.
+void TakeHellos(int listen_fd, std::vector<Pending>& pending, int wait_ms, Env* env,
+                const std::function<void(int, const std::string&)>& on_hello) {
+  std::vector<pollfd> p{{listen_fd, POLLIN, 0}};
+  for (const Pending& c : pending) p.push_back({c.fd, POLLIN, 0});
+  if (poll(p.data(), p.size(), wait_ms) < 0) return;
+  std::vector<Pending> still;
+  for (size_t k = 1; k < p.size(); ++k) {
+    const Pending& c = pending[k - 1];
+    if ((p[k].revents & (POLLIN | POLLHUP | POLLERR)) == 0) {
+      if (env->Now() - c.since < kHelloDeadline) {
+        still.push_back(c);
+      } else {
+        close(c.fd);  // said nothing in time: not a member
+      }
+      continue;
+    }
+    uint8_t type = 0;
+    std::string body;
+    bool timed_out = false;
+    if (!internal::ReadFrame(c.fd, std::min(c.since + kHelloDeadline, env->Now() + kFrameWait),
+                             &type, &body, &timed_out, env) ||
+        type != internal::kHello) {
+      close(c.fd);  // not a member (or too slow to say hello)
+      continue;
+    }
+    on_hello(c.fd, body);
+  }
+  pending.swap(still);
+  if ((p[0].revents & POLLIN) != 0) {
+    int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd >= 0) {
+      int one = 1;
+      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      if (pending.size() >= kMaxPending) {  // the oldest silent one makes room
+        close(pending.front().fd);
+        pending.erase(pending.begin());
+      }
+      pending.push_back({fd, env->Now()});
+    }
+  }
+}
+
 }  // namespace
 
 std::string TcpStore::CheckHello(const std::string& body, uint32_t* rank) const {
@@ -155,10 +209,6 @@ Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
   members_.assign(world_, -1);
   uint32_t joined = 0;
   const auto deadline = env_->Now() + join_timeout;
-  struct Pending {
-    int fd;
-    Env::Clock::time_point since;
-  };
   std::vector<Pending> pending;
   while (joined < world_) {
     const auto left =
@@ -173,47 +223,8 @@ Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
           StrCat("rendezvous: ranks ", missing, " did not join within ", join_timeout.count(),
                  " ms (check EPLBX_MASTER_ADDR/PORT and that every rank started)"));
     }
-    // Hellos are read from every connection at once, each within a short deadline, and at
-    // most kMaxPending connections wait for theirs: silent connections cannot hold up a
-    // member (issue 17, item 5).
-    std::vector<pollfd> p{{listen_fd_, POLLIN, 0}};
-    for (const Pending& c : pending) p.push_back({c.fd, POLLIN, 0});
-    if (poll(p.data(), p.size(), static_cast<int>(std::min<long long>(left, 100))) < 0) continue;
-    std::vector<Pending> still;
-    for (size_t k = 1; k < p.size(); ++k) {
-      const Pending& c = pending[k - 1];
-      if ((p[k].revents & (POLLIN | POLLHUP | POLLERR)) == 0) {
-        if (env_->Now() - c.since < kHelloDeadline) {
-          still.push_back(c);
-        } else {
-          close(c.fd);  // said nothing in time: not a member
-        }
-        continue;
-      }
-      uint8_t type = 0;
-      std::string body;
-      bool timed_out = false;
-      if (!internal::ReadFrame(c.fd, std::min(c.since + kHelloDeadline, env_->Now() + kFrameWait),
-                               &type, &body, &timed_out, env_) ||
-          type != internal::kHello) {
-        close(c.fd);  // not a member (or too slow to say hello)
-        continue;
-      }
-      joined += Admit(c.fd, body) ? 1 : 0;
-    }
-    pending.swap(still);
-    if ((p[0].revents & POLLIN) != 0) {
-      int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd >= 0) {
-        int one = 1;
-        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-        if (pending.size() >= kMaxPending) {  // the oldest silent one makes room
-          close(pending.front().fd);
-          pending.erase(pending.begin());
-        }
-        pending.push_back({fd, env_->Now()});
-      }
-    }
+    TakeHellos(listen_fd_, pending, static_cast<int>(std::min<long long>(left, 100)), env_,
+               [&](int fd, const std::string& hello) { joined += Admit(fd, hello) ? 1 : 0; });
   }
   for (const Pending& c : pending) close(c.fd);
   pending.clear();
@@ -226,55 +237,21 @@ Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
   // and hellos are read only when ready.
   JoinSource joins = [&]() {
     std::vector<std::pair<uint32_t, int>> out;
-    std::vector<pollfd> p{{listen_fd_, POLLIN, 0}};
-    for (const Pending& c : pending) p.push_back({c.fd, POLLIN, 0});
-    if (poll(p.data(), p.size(), 0) <= 0) return out;
-    std::vector<Pending> still;
-    for (size_t k = 1; k < p.size(); ++k) {
-      const Pending& c = pending[k - 1];
-      if ((p[k].revents & (POLLIN | POLLHUP | POLLERR)) == 0) {
-        if (env_->Now() - c.since < kHelloDeadline) {
-          still.push_back(c);
-        } else {
-          close(c.fd);
-        }
-        continue;
-      }
-      uint8_t type = 0;
-      std::string body;
-      bool timed_out = false;
+    TakeHellos(listen_fd_, pending, 0, env_, [&](int fd, const std::string& hello) {
       uint32_t rank = 0;
-      if (!internal::ReadFrame(c.fd, env_->Now() + kFrameWait, &type, &body, &timed_out, env_) ||
-          type != internal::kHello) {
-        close(c.fd);
-        continue;
-      }
-      if (std::string refusal = CheckHello(body, &rank); !refusal.empty()) {
-        internal::WriteFrame(c.fd, internal::kFailed, refusal);
-        close(c.fd);
+      if (std::string refusal = CheckHello(hello, &rank); !refusal.empty()) {
+        internal::WriteFrame(fd, internal::kFailed, refusal);
+        close(fd);
         refusals_.push_back(refusal);
-        continue;
+        return;
       }
-      if (!internal::WriteFrame(c.fd, internal::kWelcome, {})) {
-        close(c.fd);
-        continue;
+      if (!internal::WriteFrame(fd, internal::kWelcome, {})) {
+        close(fd);
+        return;
       }
-      if (round_timeout.count() > 0) KeepAlive(c.fd, round_timeout);
-      out.push_back({rank, c.fd});
-    }
-    pending.swap(still);
-    if ((p[0].revents & POLLIN) != 0) {
-      int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd >= 0) {
-        int one = 1;
-        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-        if (pending.size() >= kMaxPending) {
-          close(pending.front().fd);
-          pending.erase(pending.begin());
-        }
-        pending.push_back({fd, env_->Now()});
-      }
-    }
+      if (round_timeout.count() > 0) KeepAlive(fd, round_timeout);
+      out.push_back({rank, fd});
+    });
     return out;
   };
   Status served =

@@ -152,6 +152,12 @@ class TcpStore {
   const std::vector<std::string>& refusals() const { return refusals_; }
   // Serve with membership and epochs (see ServeSocketBootstrap). Call before Serve.
   void set_membership(bool on) { membership_ = on; }
+  // With membership: the ranks the start waits for (late[r]: rank r joins later, a non-member
+  // until then; empty: every rank), and when a joining process may become a member: one that
+  // connected for rank r is welcomed and then held (connected, not yet a member) until
+  // admit(r) says yes (null: at once). Both checked on the serving thread. Call before Serve.
+  void set_late_ranks(std::vector<bool> late) { late_ = std::move(late); }
+  void set_admit(std::function<bool(uint32_t)> admit) { admit_ = std::move(admit); }
 
  private:
   TcpStore() = default;
@@ -166,6 +172,8 @@ class TcpStore {
   std::vector<int> members_;
   std::vector<std::string> refusals_;
   bool membership_ = false;
+  std::vector<bool> late_;
+  std::function<bool(uint32_t)> admit_;
 };
 
 // Joins the store at addr:port (retrying until it listens, up to `timeout`).

@@ -207,24 +207,52 @@ Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
                        const std::function<bool()>& stop, std::chrono::milliseconds round_timeout,
                        const std::function<void(uint32_t)>& on_lost) {
   members_.assign(world_, -1);
-  uint32_t joined = 0;
+  uint32_t joined = 0, expected = world_;
+  auto late = [&](uint32_t r) { return membership_ && r < late_.size() && late_[r]; };
+  for (uint32_t r = 0; r < world_; ++r) expected -= late(r) ? 1 : 0;
+  // Processes that joined for a rank that is no member: welcomed, waiting for admit_.
+  std::vector<std::pair<uint32_t, int>> waiting;
+  auto hold = [&](int fd, const std::string& hello) {
+    uint32_t rank = 0;
+    if (std::string refusal = CheckHello(hello, &rank); !refusal.empty()) {
+      internal::WriteFrame(fd, internal::kFailed, refusal);
+      close(fd);
+      refusals_.push_back(refusal);
+      return;
+    }
+    if (!internal::WriteFrame(fd, internal::kWelcome, {})) {
+      close(fd);
+      return;
+    }
+    if (round_timeout.count() > 0) KeepAlive(fd, round_timeout);
+    waiting.push_back({rank, fd});
+  };
   const auto deadline = env_->Now() + join_timeout;
   std::vector<Pending> pending;
-  while (joined < world_) {
+  while (joined < expected) {
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - env_->Now()).count();
     if (left <= 0) {
       std::string missing;
       for (uint32_t r = 0; r < world_; ++r) {
-        if (members_[r] < 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        if (members_[r] < 0 && !late(r))
+          missing += (missing.empty() ? "" : ", ") + std::to_string(r);
       }
       for (const Pending& c : pending) close(c.fd);
+      for (const auto& w : waiting) close(w.second);
       return Status::Timeout(
           StrCat("rendezvous: ranks ", missing, " did not join within ", join_timeout.count(),
                  " ms (check EPLBX_MASTER_ADDR/PORT and that every rank started)"));
     }
     TakeHellos(listen_fd_, pending, static_cast<int>(std::min<long long>(left, 100)), env_,
-               [&](int fd, const std::string& hello) { joined += Admit(fd, hello) ? 1 : 0; });
+               [&](int fd, const std::string& hello) {
+                 uint32_t rank = 0;
+                 if (CheckHello(hello, &rank).empty() && late(rank)) {
+                   hold(fd, hello);  // joins later
+                 } else {
+                   joined += Admit(fd, hello) ? 1 : 0;
+                 }
+               });
   }
   for (const Pending& c : pending) close(c.fd);
   pending.clear();
@@ -236,28 +264,17 @@ Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
   // decides; a hello for a member is refused there). Nothing here blocks the rounds: accepts
   // and hellos are read only when ready.
   JoinSource joins = [&]() {
-    std::vector<std::pair<uint32_t, int>> out;
-    TakeHellos(listen_fd_, pending, 0, env_, [&](int fd, const std::string& hello) {
-      uint32_t rank = 0;
-      if (std::string refusal = CheckHello(hello, &rank); !refusal.empty()) {
-        internal::WriteFrame(fd, internal::kFailed, refusal);
-        close(fd);
-        refusals_.push_back(refusal);
-        return;
-      }
-      if (!internal::WriteFrame(fd, internal::kWelcome, {})) {
-        close(fd);
-        return;
-      }
-      if (round_timeout.count() > 0) KeepAlive(fd, round_timeout);
-      out.push_back({rank, fd});
-    });
+    TakeHellos(listen_fd_, pending, 0, env_, hold);
+    std::vector<std::pair<uint32_t, int>> out, still;
+    for (const auto& w : waiting) (!admit_ || admit_(w.first) ? out : still).push_back(w);
+    waiting.swap(still);
     return out;
   };
   Status served =
       ServeSocketBootstrap(members_, idle_timeout, on_message, stop, round_timeout, on_lost, env_,
                            membership_, membership_ ? joins : JoinSource());
   for (const Pending& c : pending) close(c.fd);
+  for (const auto& w : waiting) close(w.second);
   return served;
 }
 

@@ -365,7 +365,8 @@ struct MembersRound {
   std::string not_placed;  // "rank 2" of those that did not
 };
 Result<MembersRound> GatherMaps(const DemoOptions& o, const Topology& topo, Bootstrap& boot,
-                                int step, uint64_t placed_at, const std::vector<int32_t>& own) {
+                                int step, uint64_t placed_at, const std::vector<int32_t>& own,
+                                std::chrono::milliseconds first_wait) {
   const int rows = o.slots_per_rank;
   internal::ByteWriter w;
   w.U32(static_cast<uint32_t>(step + 1));  // a joiner: 0
@@ -377,8 +378,9 @@ Result<MembersRound> GatherMaps(const DemoOptions& o, const Topology& topo, Boot
   // epoch and member set, then contributes with the members).
   for (int attempt = 0; attempt < 6; ++attempt) {
     const uint64_t epoch = boot.epoch();
-    all =
-        boot.AllGather(mine, std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000)));
+    all = boot.AllGather(
+        mine, attempt == 0 ? first_wait
+                           : std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000)));
     if (all.ok() || boot.epoch() == epoch) break;
   }
   if (!all.ok()) return all.status().WithPrefix("gathering the members' maps");
@@ -493,7 +495,12 @@ Result<int> SettleMembers(const DemoOptions& o, int step, const LoadTrace& trace
   Status last = Status::OK();
   for (log.attempts = 0;;) {
     t = Clock::now();
-    EPLBX_ASSIGN_OR_RETURN(MembersRound round, GatherMaps(o, topo, boot, step, placed_at, own));
+    // A joiner's first contribution asks to join and waits to be taken in: up to 10 x the
+    // deadline (`eplbx worker`: a standby started before the members ask for it).
+    const auto wait = std::chrono::milliseconds(static_cast<int64_t>(
+        o.deadline_s * 1000 * (joiner && log.attempts == 0 && step < 0 ? 10 : 1)));
+    EPLBX_ASSIGN_OR_RETURN(MembersRound round,
+                           GatherMaps(o, topo, boot, step, placed_at, own, wait));
     log.drain_s += SecondsSince(t);
     if (round.step < 0) return Status::Internal("no member said which step it is at");
     if (step >= 0 && round.step != step) {

@@ -311,7 +311,8 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
     if (detected >= 0 && add) {
       std::printf(
           "  rank %d asked for at step %d, a member from step %.0f: %.3f s from the request to "
-          "the members learning it joined (the new process starting and asking), then %.3f s to "
+          "the members learning it joined (the new process starting, or a standby let in, and "
+          "asking), then %.3f s to "
           "serving with it holding its share (target <= 1 s in all: %.3f s): agree on the maps "
           "%.3f, old Balancer released %.3f, Rearranger over the members %.3f, plan %.3f, move "
           "its experts onto it %.3f (%.1f MiB), Balancer %.3f; epoch %.0f, members %s\n",

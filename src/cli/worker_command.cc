@@ -27,10 +27,27 @@ class StoreThread {
   StoreThread(std::unique_ptr<TcpStore> store, const DemoOptions& o, bool print_progress)
       : store_(std::move(store)), collector_(o, print_progress) {
     const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
+    if (o.serve && o.fault == "add") {
+      // `--resize add:RANK@STEP`: the start does not wait for RANK; its worker (started any
+      // time, a standby or later) is held until a member asks for it at STEP.
+      std::vector<bool> late(static_cast<size_t>(o.ranks), false);
+      late[static_cast<size_t>(o.fault_rank)] = true;
+      store_->set_late_ranks(std::move(late));
+      store_->set_admit([this](uint32_t rank) { return asked_.count(rank) != 0; });
+    }
     thread_ = std::thread([this, deadline] {
       status_ = store_->Serve(
           deadline, deadline + std::chrono::seconds(10),
-          [&](uint32_t rank, std::string bytes) { collector_.OnMessage(rank, bytes); },
+          [&](uint32_t rank, std::string bytes) {
+            if (bytes.find("\"spawn\"") != std::string::npos) {  // a member asks for a rank
+              const nlohmann::json ask = nlohmann::json::parse(bytes, nullptr, false);
+              if (ask.is_object() && ask.contains("spawn") && ask["spawn"].is_number_integer()) {
+                asked_.insert(ask["spawn"].get<uint32_t>());
+                return;
+              }
+            }
+            collector_.OnMessage(rank, bytes);
+          },
           [&] {
             // A rank that left, missed a round, or whose link died never reports.
             std::lock_guard<std::mutex> lock(mu_);
@@ -57,7 +74,8 @@ class StoreThread {
   ReportCollector collector_;
   std::thread thread_;
   std::mutex mu_;
-  std::set<int> lost_;  // ranks that will not report
+  std::set<int> lost_;        // ranks that will not report
+  std::set<uint32_t> asked_;  // ranks a member asked for (`--resize add`; the store's thread)
   Status status_;
 };
 
@@ -79,12 +97,6 @@ Status RunWorker(DemoOptions o, bool ranks_given) {
           StrCat("eplbx worker --serve runs one mode (it goes on over the survivors of a lost "
                  "rank): pass --modes async, --modes sync or --modes off (not '",
                  o.modes, "')"));
-    }
-    if (o.fault == "add") {
-      return Status::InvalidArgument(
-          StrCat("eplbx worker --serve --resize ", o.resize,
-                 ": a new rank is the serving demo's drill (its coordinator starts the process); "
-                 "workers all join at the start"));
     }
     if (o.fault_step >= 0 && (o.fault_rank == 0 || o.fault2_rank == 0)) {
       return Status::InvalidArgument(

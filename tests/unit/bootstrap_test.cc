@@ -321,6 +321,68 @@ TEST(TcpStoreTest, MembershipWithEpochs) {
   EXPECT_EQ(m[0]->epoch(), 4u);
 }
 
+// A rank the start does not wait for (`set_late_ranks`): its process, joining early, is
+// welcomed and held until `set_admit` lets it in; the members' rounds go on without it until
+// then; once let in, its first contribution makes it a member at epoch 2.
+TEST(TcpStoreTest, ALateRankIsHeldUntilAdmitted) {
+  const uint16_t port = Port();
+  auto listening = TcpStore::Listen("127.0.0.1", port, "t", 3);
+  ASSERT_TRUE(listening.ok()) << listening.status().ToString();
+  std::unique_ptr<TcpStore> store = std::move(*listening);
+  store->set_membership(true);
+  store->set_late_ranks({false, false, true});
+  std::atomic<bool> let_in{false}, done{false};
+  store->set_admit([&](uint32_t rank) { return rank == 2 && let_in.load(); });
+  std::thread serving([&] {
+    (void)store->Serve(
+        milliseconds(5000), milliseconds(10000), [](uint32_t, std::string) {},
+        [&] { return done.load(); }, milliseconds(2000));
+  });
+  std::vector<std::unique_ptr<SocketBootstrap>> m(3);
+  for (uint32_t r : {0u, 1u}) {
+    auto b = JoinTcpStore("127.0.0.1", port, "t", r, 3, milliseconds(5000));
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    m[r] = std::move(*b);
+  }
+  auto gather = [&](const std::vector<uint32_t>& ranks) {
+    std::vector<Result<std::vector<std::string>>> out(3, Status::Internal("unset"));
+    std::vector<std::thread> t;
+    for (uint32_t r : ranks) {
+      t.emplace_back([&, r] { out[r] = m[r]->AllGather(std::to_string(r), milliseconds(5000)); });
+    }
+    for (std::thread& x : t) x.join();
+    return out;
+  };
+  // Ranks 0 and 1 started the group alone; rank 2's process joins early and is held.
+  auto g = gather({0, 1});
+  ASSERT_TRUE(g[0].ok()) << g[0].status().ToString();
+  auto late = JoinTcpStore("127.0.0.1", port, "t", 2, 3, milliseconds(5000));
+  ASSERT_TRUE(late.ok()) << late.status().ToString();
+  m[2] = std::move(*late);
+  Result<std::vector<std::string>> g2 = Status::Internal("unset");
+  std::thread asking([&] { g2 = m[2]->AllGather("2", milliseconds(5000)); });
+  for (int i = 0; i < 3; ++i) {  // held: the members' rounds do not wait for it
+    g = gather({0, 1});
+    ASSERT_TRUE(g[0].ok()) << g[0].status().ToString();
+    EXPECT_EQ(*g[0], (std::vector<std::string>{"0", "1", ""}));
+    EXPECT_EQ(m[0]->epoch(), 1u);
+  }
+  let_in = true;
+  asking.join();
+  EXPECT_NE(g2.status().message().find("rank 2 joined at epoch 2 (members 0, 1, 2)"),
+            std::string::npos)
+      << g2.status().ToString();
+  g = gather({0, 1});  // refused: they learn epoch 2
+  EXPECT_EQ(m[1]->members(), (std::vector<bool>{true, true, true}));
+  g = gather({0, 1, 2});
+  for (uint32_t r = 0; r < 3; ++r) {
+    ASSERT_TRUE(g[r].ok()) << g[r].status().ToString();
+    EXPECT_EQ(*g[r], (std::vector<std::string>{"0", "1", "2"}));
+  }
+  done = true;
+  serving.join();
+}
+
 // A rank that is no member at the start joins while the members serve; a connection for a
 // member is refused; a joined member that leaves is lost, and a new process takes its place.
 TEST(CoordinatorTest, ANewProcessJoinsUnderANewEpoch) {

@@ -402,10 +402,9 @@ Result<MembersRound> GatherMaps(const DemoOptions& o, const Topology& topo, Boot
           StrCat("rank ", r, " sent a map of ", b.size(), " bytes, ", mine.size(), " expected"));
     }
     out.step = std::max(out.step, static_cast<int>(at) - 1);
-    if (placed == 0 || (!first && placed != out.placed_at)) {
-      out.all_placed = false;
-      out.not_placed += StrCat(out.not_placed.empty() ? "rank " : ", ", r);
-    }
+    if (placed == 0) out.not_placed += StrCat(out.not_placed.empty() ? "rank " : ", ", r);
+    // Settled only when every member placed, all at one epoch.
+    if (placed == 0 || (!first && placed != out.placed_at)) out.all_placed = false;
     if (first) out.placed_at = placed;
     first = false;
     for (int l = 0; l < o.layers; ++l) {

@@ -1,6 +1,9 @@
 // `eplbx demo`: real rank processes rearranging real weights over real UCX agents, every
 // byte verified; and every fault drill ends with a named error, in time, weights intact.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -12,6 +15,7 @@
 #include <string>
 #include <thread>
 
+#include "../unit/joined_store.h"  // Port()
 #include "eplbx/bootstrap.h"
 
 namespace {
@@ -571,37 +575,49 @@ TEST(DemoTest, ABadTransportVariableIsOneErrorBeforeAnyRankStarts) {
   }
 }
 
+// `world` worker processes on this machine, each its own node (EPLBX_NODE=n<rank>, backups
+// in the test's temporary directory), meeting at rank 0's store on `port`, all with `flags`;
+// returns rank 0's output (stdout) and every rank's exit code (rank 0's at [0]).
+struct Workers {
+  Shell zero;
+  std::vector<int> codes;
+};
+Workers RunWorkers(int world, int port, const std::string& flags) {
+  auto env = [&](int rank) {
+    return "EPLBX_MASTER_ADDR=127.0.0.1 EPLBX_MASTER_PORT=" + std::to_string(port) +
+           " EPLBX_RANK=" + std::to_string(rank) + " EPLBX_WORLD_SIZE=" + std::to_string(world) +
+           " EPLBX_TOKEN=t EPLBX_NODE=n" + std::to_string(rank) +
+           " EPLBX_BACKUP_DIR=" + testing::TempDir() + " ";
+  };
+  Workers w;
+  w.codes.assign(world, -1);
+  std::vector<std::thread> others;
+  for (int r = 1; r < world; ++r) {
+    others.emplace_back([&, r] {
+      w.codes[r] = RunShell(env(r) + EPLBX_CLI + " worker" + flags + " >/dev/null 2>&1").exit_code;
+    });
+  }
+  w.zero = RunShell(env(0) + EPLBX_CLI + " worker" + flags + " 2>/dev/null");
+  for (std::thread& t : others) t.join();
+  w.codes[0] = w.zero.exit_code;
+  return w;
+}
+
 // `eplbx worker --serve`: three worker processes meet through rank 0's store; rank 2 is
 // killed while they serve; ranks 0 and 1 go on over themselves with rank 2's only experts
 // from their nodes' backups (each worker a node of its own), every row checked.
 TEST(DemoTest, WorkersServingGoOnAfterAWorkerIsKilled) {
-  const int port = 33000 + getpid() % 1000;
-  const std::string flags =
-      " worker --serve --modes async --layers 3 --experts 16 --slots-per-rank 8 --expert-bytes 64K "
-      "--steps 60 --interval 10 --tokens 64 --top-k 4 --work-bytes 1K --deadline 3 "
-      "--inject kill:2@25 --json";
-  auto env = [&](int rank) {
-    return "EPLBX_MASTER_ADDR=127.0.0.1 EPLBX_MASTER_PORT=" + std::to_string(port) +
-           " EPLBX_RANK=" + std::to_string(rank) +
-           " EPLBX_WORLD_SIZE=3 EPLBX_TOKEN=t EPLBX_NODE=n" + std::to_string(rank) +
-           " EPLBX_BACKUP_DIR=" + testing::TempDir() + " ";
-  };
-  std::vector<std::thread> others;
-  std::vector<int> codes(3, -1);
-  for (int r : {1, 2}) {
-    others.emplace_back(
-        [&, r] { codes[r] = RunShell(env(r) + EPLBX_CLI + flags + " >/dev/null 2>&1").exit_code; });
-  }
-  Shell zero = RunShell(env(0) + EPLBX_CLI + flags + " 2>/dev/null");
-  for (std::thread& t : others) t.join();
-  for (int r : {2}) {  // the killed worker's node backup outlives it
-    unlink((testing::TempDir() + "/eplbx-worker-backup-" + std::to_string(port) + "-n" +
-            std::to_string(r))
-               .c_str());
-  }
-  EXPECT_EQ(zero.exit_code, 0) << zero.out;
-  EXPECT_EQ(codes[1], 0);
-  EXPECT_NE(codes[2], 0);  // killed
+  const int port = eplbx::Port();
+  Workers w = RunWorkers(3, port,
+                         " --serve --modes async --layers 3 --experts 16 --slots-per-rank 8 "
+                         "--expert-bytes 64K --steps 60 --interval 10 --tokens 64 --top-k 4 "
+                         "--work-bytes 1K --deadline 3 --inject kill:2@25 --json");
+  // The killed worker's node backup outlives it.
+  unlink((testing::TempDir() + "/eplbx-worker-backup-" + std::to_string(port) + "-n2").c_str());
+  const Shell& zero = w.zero;
+  EXPECT_EQ(w.codes[0], 0) << zero.out;
+  EXPECT_EQ(w.codes[1], 0);
+  EXPECT_NE(w.codes[2], 0);  // killed
   const nlohmann::json report = nlohmann::json::parse(zero.out, nullptr, false);
   ASSERT_FALSE(report.is_discarded()) << zero.out;
   EXPECT_TRUE(report["verified"].get<bool>()) << report.dump();
@@ -619,26 +635,13 @@ TEST(DemoTest, WorkersServingGoOnAfterAWorkerIsKilled) {
 // a standby, is held by the store until a member asks for it at step 20, then joins under
 // a new epoch and takes its share; every row of all four checked.
 TEST(DemoTest, WorkersServingTakeInAStandbyWorker) {
-  const int port = 34000 + getpid() % 1000;
   constexpr int kSteps = 200;
-  const std::string flags =
-      " worker --serve --modes async --layers 3 --experts 16 --slots-per-rank 6 --expert-bytes 64K "
-      "--steps 200 --interval 10 --tokens 64 --top-k 4 --work-bytes 1K --deadline 3 "
-      "--resize add:3@20 --json";
-  auto env = [&](int rank) {
-    return "EPLBX_MASTER_ADDR=127.0.0.1 EPLBX_MASTER_PORT=" + std::to_string(port) +
-           " EPLBX_RANK=" + std::to_string(rank) + " EPLBX_WORLD_SIZE=4 EPLBX_TOKEN=t ";
-  };
-  std::vector<std::thread> others;
-  std::vector<int> codes(4, -1);
-  for (int r : {1, 2, 3}) {
-    others.emplace_back(
-        [&, r] { codes[r] = RunShell(env(r) + EPLBX_CLI + flags + " >/dev/null 2>&1").exit_code; });
-  }
-  Shell zero = RunShell(env(0) + EPLBX_CLI + flags + " 2>/dev/null");
-  for (std::thread& t : others) t.join();
-  EXPECT_EQ(zero.exit_code, 0) << zero.out;
-  EXPECT_EQ(codes, (std::vector<int>{-1, 0, 0, 0}));
+  Workers w = RunWorkers(4, eplbx::Port(),
+                         " --serve --modes async --layers 3 --experts 16 --slots-per-rank 6 "
+                         "--expert-bytes 64K --steps 200 --interval 10 --tokens 64 --top-k 4 "
+                         "--work-bytes 1K --deadline 3 --resize add:3@20 --json");
+  const Shell& zero = w.zero;
+  EXPECT_EQ(w.codes, (std::vector<int>{0, 0, 0, 0})) << zero.out;
   const nlohmann::json report = nlohmann::json::parse(zero.out, nullptr, false);
   ASSERT_FALSE(report.is_discarded()) << zero.out;
   EXPECT_TRUE(report["verified"].get<bool>()) << report.dump();
@@ -651,6 +654,27 @@ TEST(DemoTest, WorkersServingTakeInAStandbyWorker) {
   EXPECT_GE(drill["bytes_moved_among_survivors"].get<uint64_t>(), 3u * 6 * (64u << 10));
   EXPECT_EQ(report["rows_checked"].get<uint64_t>(),
             3u * kSteps * 3 * 6 + static_cast<uint64_t>(kSteps - joined - 1) * 3 * 6);
+  EXPECT_EQ(report["bad_rows"].get<uint64_t>(), 0u);
+}
+
+// `eplbx worker --serve --resize remove:2@20`: worker 2 is drained at step 20 and leaves
+// (exit 0); workers 0 and 1 serve on over themselves; nothing restored.
+TEST(DemoTest, WorkersServingDrainAWorkerThatLeaves) {
+  Workers w = RunWorkers(3, eplbx::Port(),
+                         " --serve --modes sync --layers 3 --experts 16 --slots-per-rank 8 "
+                         "--expert-bytes 64K --steps 60 --interval 10 --tokens 64 --top-k 4 "
+                         "--work-bytes 1K --deadline 3 --resize remove:2@20 --json");
+  EXPECT_EQ(w.codes, (std::vector<int>{0, 0, 0})) << w.zero.out;
+  const nlohmann::json report = nlohmann::json::parse(w.zero.out, nullptr, false);
+  ASSERT_FALSE(report.is_discarded()) << w.zero.out;
+  EXPECT_TRUE(report["verified"].get<bool>()) << report.dump();
+  const auto& drill = report["drill"];
+  EXPECT_EQ(drill["fault"], "remove");
+  EXPECT_EQ(drill["detected_step"].get<int>(), 20);
+  EXPECT_EQ(drill["members"].get<std::vector<int>>(), (std::vector<int>{0, 1}));
+  EXPECT_EQ(drill["experts_recovered"].get<int>(), 0);
+  EXPECT_GT(drill["bytes_moved_among_survivors"].get<uint64_t>(), 0u);
+  EXPECT_EQ(report["rows_checked"].get<uint64_t>(), 2u * 60 * 3 * 8);
   EXPECT_EQ(report["bad_rows"].get<uint64_t>(), 0u);
 }
 

@@ -226,19 +226,24 @@ TEST(TcpStoreTest, MembersThatMissARoundOrLeaveAreLost) {
 // without it; a contribution from an older epoch is refused naming both epochs; a member
 // that leaves is out at the next epoch; a rank declared lost that comes back is told to
 // rejoin as a new member.
+// Ranks `ranks` of `m` contribute their rank number together (a thread each); the results
+// indexed by rank (others "unset").
+std::vector<Result<std::vector<std::string>>> GatherAmong(
+    std::vector<std::unique_ptr<SocketBootstrap>>& m, const std::vector<uint32_t>& ranks) {
+  std::vector<Result<std::vector<std::string>>> out(m.size(), Status::Internal("unset"));
+  std::vector<std::thread> t;
+  for (uint32_t r : ranks) {
+    t.emplace_back([&, r] { out[r] = m[r]->AllGather(std::to_string(r), milliseconds(5000)); });
+  }
+  for (std::thread& x : t) x.join();
+  return out;
+}
+
 TEST(TcpStoreTest, MembershipWithEpochs) {
   JoinedStore served(4, true);
   ASSERT_TRUE(served.joined());
   auto& m = served.m;
-  auto gather = [&](std::vector<uint32_t> ranks) {
-    std::vector<Result<std::vector<std::string>>> out(4, Status::Internal("unset"));
-    std::vector<std::thread> t;
-    for (uint32_t r : ranks) {
-      t.emplace_back([&, r] { out[r] = m[r]->AllGather(std::to_string(r), milliseconds(5000)); });
-    }
-    for (std::thread& x : t) x.join();
-    return out;
-  };
+  auto gather = [&](const std::vector<uint32_t>& ranks) { return GatherAmong(m, ranks); };
   // Epoch 1, everyone: a plain round, the epoch and member set come with it.
   auto g = gather({0, 1, 2, 3});
   for (uint32_t r = 0; r < 4; ++r) {
@@ -344,15 +349,7 @@ TEST(TcpStoreTest, ALateRankIsHeldUntilAdmitted) {
     ASSERT_TRUE(b.ok()) << b.status().ToString();
     m[r] = std::move(*b);
   }
-  auto gather = [&](const std::vector<uint32_t>& ranks) {
-    std::vector<Result<std::vector<std::string>>> out(3, Status::Internal("unset"));
-    std::vector<std::thread> t;
-    for (uint32_t r : ranks) {
-      t.emplace_back([&, r] { out[r] = m[r]->AllGather(std::to_string(r), milliseconds(5000)); });
-    }
-    for (std::thread& x : t) x.join();
-    return out;
-  };
+  auto gather = [&](const std::vector<uint32_t>& ranks) { return GatherAmong(m, ranks); };
   // Ranks 0 and 1 started the group alone; rank 2's process joins early and is held.
   auto g = gather({0, 1});
   ASSERT_TRUE(g[0].ok()) << g[0].status().ToString();
@@ -417,15 +414,7 @@ TEST(CoordinatorTest, ANewProcessJoinsUnderANewEpoch) {
           return std::exchange(pending, {});
         });
   });
-  auto gather = [&](const std::vector<uint32_t>& ranks) {
-    std::vector<Result<std::vector<std::string>>> out(3, Status::Internal("unset"));
-    std::vector<std::thread> t;
-    for (uint32_t r : ranks) {
-      t.emplace_back([&, r] { out[r] = m[r]->AllGather(std::to_string(r), milliseconds(5000)); });
-    }
-    for (std::thread& x : t) x.join();
-    return out;
-  };
+  auto gather = [&](const std::vector<uint32_t>& ranks) { return GatherAmong(m, ranks); };
   // Epoch 1: rank 2 is no member; rounds complete without it.
   auto g = gather({0, 1});
   for (uint32_t r = 0; r < 2; ++r) {

@@ -719,8 +719,9 @@ void AddDemoFlags(CLI::App& cmd, DemoOptions& o) {
                "and asynchronous; prints throughput and step times");
   cmd.add_option("--resize", o.resize,
                  "--serve: remove:RANK@STEP drains rank RANK at that step, then it leaves and "
-                 "the others serve on over the members; add:RANK@STEP (demo): a new process "
-                 "for rank RANK joins at that step");
+                 "the others serve on over the members; add:RANK@STEP: rank RANK joins at that "
+                 "step (demo: its process is started then; worker: its worker, started any "
+                 "time, is let in then)");
   cmd.add_option("--interval", o.interval, "--serve: steps between rebalances (and window)")
       ->capture_default_str()
       ->check(IntIn<int>(0, 1 << 30));

@@ -99,38 +99,69 @@ constexpr size_t kMaxPending = 64;                           // connections with
 constexpr auto kHelloDeadline = std::chrono::seconds(2);     // from accept to a whole hello
 constexpr auto kFrameWait = std::chrono::milliseconds(500);  // for the rest of a started frame
 
-// A connection that has not said hello yet.
+// A connection that has not said hello yet (`partial`: part of one came).
 struct Pending {
   int fd;
   Env::Clock::time_point since;
+  bool partial = false;
 };
 
-// Waits up to `wait_ms` for connections and hellos. Hellos are read from every connection at
-// once, each within a short deadline, and at most kMaxPending connections wait for theirs:
-// silent connections cannot hold up a member (issue 17, item 5). A hello goes to `on_hello`
-// with its socket (which it then owns); a connection that says something else, or nothing
-// within kHelloDeadline, is closed; one new connection is accepted per call.
+// 1: a whole hello frame is buffered on `fd` (looked at, not read); 0: not yet; -1: closed,
+// failed, or a frame that is no hello or too long for one.
+int HelloBuffered(int fd) {
+  unsigned char head[5];
+  const ssize_t n = recv(fd, head, sizeof(head), MSG_PEEK | MSG_DONTWAIT);
+  if (n == 0) return -1;
+  if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : -1;
+  if (n < static_cast<ssize_t>(sizeof(head))) return 0;
+  const uint32_t len = static_cast<uint32_t>(head[1]) | static_cast<uint32_t>(head[2]) << 8 |
+                       static_cast<uint32_t>(head[3]) << 16 | static_cast<uint32_t>(head[4]) << 24;
+  if (head[0] != internal::kHello || len > 4 + 4 + 2 + kMaxTokenBytes) return -1;
+  std::string frame(sizeof(head) + len, '\0');
+  const ssize_t m = recv(fd, frame.data(), frame.size(), MSG_PEEK | MSG_DONTWAIT);
+  if (m < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : -1;
+  return m == static_cast<ssize_t>(frame.size()) ? 1 : 0;
+}
+
+// Waits up to `wait_ms` for connections and hellos. A hello is read only once all of it has
+// come (so reading never waits), and at most kMaxPending connections wait for theirs: silent
+// or half-said connections cannot hold up a member, at the start or while serving (issue
+// 17, item 5). A hello goes to `on_hello` with its socket (which it then owns); a connection
+// that says something else, or no whole hello within kHelloDeadline, is closed; one new
+// connection is accepted per call.
 void TakeHellos(int listen_fd, std::vector<Pending>& pending, int wait_ms, Env* env,
                 const std::function<void(int, const std::string&)>& on_hello) {
   std::vector<pollfd> p{{listen_fd, POLLIN, 0}};
-  for (const Pending& c : pending) p.push_back({c.fd, POLLIN, 0});
-  if (poll(p.data(), p.size(), wait_ms) < 0) return;
+  bool partial = false;
+  for (const Pending& c : pending) {
+    // A half-said hello's bytes stay buffered: polling it for input would return at once.
+    p.push_back({c.fd, static_cast<short>(c.partial ? 0 : POLLIN), 0});
+    partial = partial || c.partial;
+  }
+  if (poll(p.data(), p.size(), partial ? std::min(wait_ms, 10) : wait_ms) < 0) return;
   std::vector<Pending> still;
   for (size_t k = 1; k < p.size(); ++k) {
-    const Pending& c = pending[k - 1];
-    if ((p[k].revents & (POLLIN | POLLHUP | POLLERR)) == 0) {
-      if (env->Now() - c.since < kHelloDeadline) {
+    Pending c = pending[k - 1];
+    const bool in_time = env->Now() - c.since < kHelloDeadline;
+    if (!c.partial && (p[k].revents & (POLLIN | POLLHUP | POLLERR)) == 0) {
+      if (in_time) {
         still.push_back(c);
       } else {
         close(c.fd);  // said nothing in time: not a member
       }
       continue;
     }
+    const int whole = HelloBuffered(c.fd);
+    if (whole == 0 && in_time) {
+      c.partial = true;
+      still.push_back(c);
+      continue;
+    }
     uint8_t type = 0;
     std::string body;
     bool timed_out = false;
-    if (!internal::ReadFrame(c.fd, std::min(c.since + kHelloDeadline, env->Now() + kFrameWait),
-                             &type, &body, &timed_out, env) ||
+    if (whole < 1 ||
+        !internal::ReadFrame(c.fd, env->Now() + kFrameWait, &type, &body, &timed_out, env) ||
         type != internal::kHello) {
       close(c.fd);  // not a member (or too slow to say hello)
       continue;

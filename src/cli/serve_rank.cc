@@ -222,6 +222,12 @@ struct DrillLog {
   std::vector<int64_t> step_ns;       // wall-clock time of every step here, recovery included
 };
 
+// How long a member waits for a round over the coordinator: twice the deadline (the
+// coordinator fails a round a member misses after 0.8 x the deadline).
+std::chrono::milliseconds RoundWait(const DemoOptions& o) {
+  return std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 2000));
+}
+
 double SecondsSince(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
@@ -378,9 +384,7 @@ Result<MembersRound> GatherMaps(const DemoOptions& o, const Topology& topo, Boot
   // epoch and member set, then contributes with the members).
   for (int attempt = 0; attempt < 6; ++attempt) {
     const uint64_t epoch = boot.epoch();
-    all = boot.AllGather(
-        mine, attempt == 0 ? first_wait
-                           : std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000)));
+    all = boot.AllGather(mine, attempt == 0 ? first_wait : RoundWait(o));
     if (all.ok() || boot.epoch() == epoch) break;
   }
   if (!all.ok()) return all.status().WithPrefix("gathering the members' maps");
@@ -496,8 +500,7 @@ Result<int> SettleMembers(const DemoOptions& o, int step, const LoadTrace& trace
     t = Clock::now();
     // A joiner's first contribution asks to join and waits to be taken in: up to 10 x the
     // deadline (`eplbx worker`: a standby started before the members ask for it).
-    const auto wait = std::chrono::milliseconds(static_cast<int64_t>(
-        o.deadline_s * 1000 * (joiner && log.attempts == 0 && step < 0 ? 10 : 1)));
+    const auto wait = RoundWait(o) * (joiner && log.attempts == 0 && step < 0 ? 5 : 1);
     EPLBX_ASSIGN_OR_RETURN(MembersRound round,
                            GatherMaps(o, topo, boot, step, placed_at, own, wait));
     log.drain_s += SecondsSince(t);
@@ -567,6 +570,10 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
     return finish(1);
   };
   const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
+  // A round over the coordinator: it fails a round a member misses after 0.8 x the deadline
+  // (naming it, under a new epoch); the members wait twice the deadline, so they hear that
+  // rather than give up first on a loaded machine.
+  const auto round_wait = RoundWait(o);
   // The gate: the simulator's skewed, drifting load, the same on every rank.
   SynthOptions so;
   so.layers = o.layers;
@@ -682,7 +689,7 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
         }
       }
     }
-    if (Status made = boot.Barrier(deadline); !made.ok()) return fail(made.message());
+    if (Status made = boot.Barrier(round_wait); !made.ok()) return fail(made.message());
     if (rank != first) {
       Result<std::unique_ptr<io::HostBackup>> b = io::HostBackup::Open(path);
       if (!b.ok()) return fail(b.status().message());
@@ -695,7 +702,7 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
       if (!b.ok()) return fail(b.status().message());
       backup = std::move(*b);
     }
-    if (Status made = boot.Barrier(deadline); !made.ok()) return fail(made.message());
+    if (Status made = boot.Barrier(round_wait); !made.ok()) return fail(made.message());
     if (rank != 0) {
       Result<std::unique_ptr<io::HostBackup>> b = io::HostBackup::Open(o.backup_path);
       if (!b.ok()) return fail(b.status().message());
@@ -717,7 +724,7 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
     first_step = *at + 1;
     drill_log.step_ns.assign(static_cast<size_t>(first_step), 0);  // steps before it joined
   } else {
-    Status ready = boot.Barrier(deadline);
+    Status ready = boot.Barrier(round_wait);
     if (!ready.ok()) return fail(ready.message());
   }
   uint64_t epoch = boot.epoch();
@@ -796,7 +803,7 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
           left = true;
           stopped = true;
         } else {
-          Status round = boot.Barrier(deadline);  // refused once the drained rank is gone
+          Status round = boot.Barrier(round_wait);  // refused once the drained rank is gone
           Status rebuilt = round.ok() || boot.epoch() == epoch
                                ? Status::Internal(StrCat(
                                      "rank ", o.fault_rank, " was drained but did not leave (",
@@ -815,7 +822,7 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
         // The step's collective (an engine's all-to-all): a lost member fails it for every
         // survivor with a new epoch, as a new member's asking to join does; then every member
         // re-places over the new set, all at this step. A join is timed from the request.
-        Status alive = boot.Barrier(deadline);
+        Status alive = boot.Barrier(round_wait);
         if (!alive.ok() && boot.epoch() != epoch && drill_log.detected_step < 0) {
           drill_log.detected_step = step;
           drill_log.detect_wait_s =
@@ -875,7 +882,7 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
   }
   // Nobody tears its agents down while a peer may still be finishing (a rank that left is
   // no member any more: it reports and goes).
-  Status done = left ? Status::OK() : boot.Barrier(deadline);
+  Status done = left ? Status::OK() : boot.Barrier(round_wait);
   if (!made_backup.empty()) unlink(made_backup.c_str());  // mapped where still in use
   if (!done.ok() && report["error"].get<std::string>().empty()) report["error"] = done.message();
   if (drill) {

@@ -339,7 +339,8 @@ Status RunDemo(DemoOptions o) {
       [&](uint32_t rank, std::string bytes) {
         if (late >= 0 && pids[late] < 0 && bytes.find("\"spawn\"") != std::string::npos) {
           const nlohmann::json ask = nlohmann::json::parse(bytes, nullptr, false);
-          if (ask.is_object() && ask.value("spawn", -1) == late) {
+          if (ask.is_object() && ask.contains("spawn") && ask["spawn"].is_number_integer() &&
+              ask["spawn"].get<int64_t>() == late) {
             Result<int> fd = start(late);
             if (fd.ok()) {
               joining.push_back({static_cast<uint32_t>(late), *fd});

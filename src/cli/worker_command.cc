@@ -98,6 +98,11 @@ Status RunWorker(DemoOptions o, bool ranks_given) {
                  "rank): pass --modes async, --modes sync or --modes off (not '",
                  o.modes, "')"));
     }
+    if (!o.plot.empty()) {
+      return Status::InvalidArgument(
+          "eplbx worker --serve prints the serving drill's report; --plot draws the demo's "
+          "comparison of modes (eplbx demo --serve)");
+    }
     if (o.fault_step >= 0 && (o.fault_rank == 0 || o.fault2_rank == 0)) {
       return Status::InvalidArgument(
           StrCat("eplbx worker --serve: rank 0 serves the rendezvous store, so it cannot be the "

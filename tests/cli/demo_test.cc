@@ -685,6 +685,7 @@ TEST(DemoTest, WorkerServingRefusesWhatItCannotDo) {
       "EPLBX_TOKEN=t ";
   const std::pair<const char*, const char*> cases[] = {
       {"--serve", "eplbx worker --serve runs one mode"},
+      {"--serve --modes async --plot x.svg", "--plot draws the demo's comparison of modes"},
       {"--serve --modes async --inject kill:0@5",
        "rank 0 serves the rendezvous store, so it cannot be the rank lost or removed"},
   };

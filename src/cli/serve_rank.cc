@@ -389,6 +389,7 @@ Result<MembersRound> GatherMaps(const DemoOptions& o, const Topology& topo, Boot
   }
   if (!all.ok()) return all.status().WithPrefix("gathering the members' maps");
   MembersRound out;
+  size_t step_rank = 0;  // the first member that said its step
   std::vector<int32_t> flat(static_cast<size_t>(o.layers) * topo.slots, -1);
   bool first = true;
   for (size_t r = 0; r < all->size(); ++r) {
@@ -405,7 +406,15 @@ Result<MembersRound> GatherMaps(const DemoOptions& o, const Topology& topo, Boot
       return Status::Internal(
           StrCat("rank ", r, " sent a map of ", b.size(), " bytes, ", mine.size(), " expected"));
     }
-    out.step = std::max(out.step, static_cast<int>(at) - 1);
+    // Members are in step (the step's collective); a joiner says 0.
+    if (at > 0 && out.step >= 0 && static_cast<int>(at) - 1 != out.step) {
+      return Status::Internal(StrCat("rank ", r, " is at step ", at - 1, ", rank ", step_rank,
+                                     " at step ", out.step, ": the members are not in step"));
+    }
+    if (at > 0 && out.step < 0) {
+      out.step = static_cast<int>(at) - 1;
+      step_rank = r;
+    }
     if (placed == 0) out.not_placed += StrCat(out.not_placed.empty() ? "rank " : ", ", r);
     // Settled only when every member placed, all at one epoch.
     if (placed == 0 || (!first && placed != out.placed_at)) out.all_placed = false;
@@ -463,12 +472,8 @@ Status PlaceOverMembers(const DemoOptions& o, int step, const LoadTrace& trace,
   log.move_s += SecondsSince(t);
   if (!moved.status.ok()) return moved.status.WithPrefix("moving among the members");
   t = Clock::now();
+  // (Without a backup PlanSurvivors names every expert no member holds; nothing to recover.)
   if (!plan->recovered.empty()) {
-    if (backup == nullptr) {
-      return Status::Internal(StrCat(plan->recovered.size(),
-                                     " slots need an expert no member holds and there is no "
-                                     "backup"));
-    }
     Result<int64_t> restored = io::RecoverSlots(*plan, mode.w.layout, *backup);
     if (!restored.ok()) return restored.status().WithPrefix("restoring from the host backup");
     log.rows_recovered += *restored;
@@ -505,11 +510,7 @@ Result<int> SettleMembers(const DemoOptions& o, int step, const LoadTrace& trace
                            GatherMaps(o, topo, boot, step, placed_at, own, wait));
     log.drain_s += SecondsSince(t);
     if (round.step < 0) return Status::Internal("no member said which step it is at");
-    if (step >= 0 && round.step != step) {
-      return Status::Internal(StrCat("the members are at different steps (", step, " here, ",
-                                     round.step, " elsewhere)"));
-    }
-    step = round.step;
+    step = round.step;  // (this rank's own, unless it joins: they all agree)
     if (round.all_placed && round.placed_at == boot.epoch()) break;  // settled
     if (log.attempts > 0 && boot.epoch() == tried_at) {
       // Nobody was lost, yet a placement failed: going again would not help.

@@ -9,12 +9,14 @@ seconds=${1:-60}
 scripts/setup.sh
 CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DEPLBX_FUZZ=ON \
   -DEPLBX_BUILD_TESTS=OFF -DEPLBX_BUILD_BENCH=OFF -DEPLBX_BUILD_PYTHON=OFF >/dev/null
-cmake --build build-fuzz --target fuzz_agent_metadata fuzz_layout fuzz_protocol_record fuzz_load_file \
-  fuzz_trace
+targets="fuzz_agent_metadata fuzz_layout fuzz_protocol_record fuzz_load_file fuzz_trace
+  fuzz_safetensors fuzz_backup_header"
+# shellcheck disable=SC2086  # a list of target names
+cmake --build build-fuzz --target $targets
 mkdir -p build-fuzz/crashes
 # UCX (linked through libeplbx) installs its own fatal-signal handlers; let libFuzzer's run.
 export UCX_HANDLE_ERRORS=none
-for target in fuzz_agent_metadata fuzz_layout fuzz_protocol_record fuzz_load_file fuzz_trace; do
+for target in $targets; do
   work=build-fuzz/corpus/$target
   rm -rf "$work" && mkdir -p "$work" && cp tests/fuzz/corpus/$target/* "$work/"
   echo "== $target (${seconds}s) =="

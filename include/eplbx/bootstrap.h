@@ -127,9 +127,21 @@ Result<RendezvousEnv> RendezvousFromEnv(bool need_rank = true, Env* env = nullpt
 // The store, served by rank 0 (`eplbx worker`) or by `eplbx store`. Members join with
 // (rank, world size, token); the token is compared in constant time. A wrong token, a
 // world-size mismatch, an out-of-range or duplicate rank is refused with its own message to
-// that member (and recorded in refusals()); the others keep waiting.
+// that member (and counted in refused_peers()); the others keep waiting.
 class TcpStore {
  public:
+  // What the store refused, bounded however many hellos come: one entry per peer address
+  // (at most kMaxRefusedPeers; refusals from further addresses are only counted), with the
+  // count, the first and last time (seconds after Listen) and the last reason. A rank named
+  // in a hello with a wrong token is only the unauthenticated peer's claim.
+  struct RefusedPeer {
+    std::string address;
+    uint64_t count = 0;
+    double first_s = 0, last_s = 0;
+    std::string last_reason;
+  };
+  static constexpr size_t kMaxRefusedPeers = 32;
+
   // Deadlines are measured on `env`'s clock (null: Env::Default()).
   static Result<std::unique_ptr<TcpStore>> Listen(const std::string& addr, uint16_t port,
                                                   std::string token, uint32_t world,
@@ -149,7 +161,10 @@ class TcpStore {
                const std::function<bool()>& stop = nullptr,
                std::chrono::milliseconds round_timeout = std::chrono::milliseconds(0),
                const std::function<void(uint32_t)>& on_lost = nullptr);
-  const std::vector<std::string>& refusals() const { return refusals_; }
+  const std::vector<RefusedPeer>& refused_peers() const { return refused_; }
+  uint64_t refused_elsewhere() const { return refused_elsewhere_; }  // past kMaxRefusedPeers
+  // refused_peers() as at most kMaxRefusedPeers + 1 lines to log.
+  std::vector<std::string> refusals() const;
   // Serve with membership and epochs (see ServeSocketBootstrap). Call before Serve.
   void set_membership(bool on) { membership_ = on; }
   // With membership: the ranks the start waits for (late[r]: rank r joins later, a non-member
@@ -165,12 +180,16 @@ class TcpStore {
   bool Admit(int fd, const std::string& hello);
   // The refusal of a hello ("" when token, world size and rank are right); sets *rank.
   std::string CheckHello(const std::string& hello, uint32_t* rank) const;
+  // Tells the peer on `fd` why (it may be gone), closes it, counts it by its address.
+  void Refuse(int fd, const std::string& refusal);
   int listen_fd_ = -1;
   std::string token_;
   uint32_t world_ = 0;
   Env* env_ = nullptr;
   std::vector<int> members_;
-  std::vector<std::string> refusals_;
+  std::vector<RefusedPeer> refused_;
+  uint64_t refused_elsewhere_ = 0;
+  std::chrono::steady_clock::time_point started_{};
   bool membership_ = false;
   std::vector<bool> late_;
   std::function<bool(uint32_t)> admit_;

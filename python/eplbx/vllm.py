@@ -586,17 +586,7 @@ def install() -> str:
 
     names = typing.get_args(parallel.EPLBCommunicatorBackend)
     if BACKEND not in names:
-        import pydantic
-
-        accepted = typing.Literal[tuple(names) + (BACKEND,)]
-        parallel.EPLBCommunicatorBackend = accepted
-        config_cls = parallel.EPLBConfig
-        config_cls.__annotations__["communicator"] = typing.Optional[accepted]
-        config_cls.__dataclass_fields__["communicator"].type = typing.Optional[accepted]
-        pydantic.dataclasses.rebuild_dataclass(config_cls, force=True)
-        # The configs that validate an EPLBConfig given as a dict embed its schema.
-        for name in ("ParallelConfig",):
-            pydantic.dataclasses.rebuild_dataclass(getattr(parallel, name), force=True)
+        _widen_communicator_names(version, parallel, names)
 
     _replace_everywhere(comm_module, "create_eplb_communicator", _create)
     _replace_everywhere(layout["vllm.distributed.eplb.rebalance_execute"], "rearrange_expert_weights_inplace",
@@ -604,14 +594,60 @@ def install() -> str:
     return version
 
 
+def _widen_communicator_names(version, parallel, names) -> None:
+    """Adds BACKEND to the communicator names EPLBConfig accepts and rebuilds the pydantic
+    validators that embed them. All or nothing: everything is checked first, and a rebuild
+    that fails puts every change back (and rebuilds again) before VllmLayoutError."""
+    import typing
+
+    try:
+        import pydantic
+        import pydantic.dataclasses
+
+        config_cls = parallel.EPLBConfig
+        field = config_cls.__dataclass_fields__["communicator"]
+        annotations = config_cls.__annotations__
+        embedding = [getattr(parallel, name) for name in ("ParallelConfig",)]
+        rebuild = pydantic.dataclasses.rebuild_dataclass
+    except Exception as e:  # noqa: BLE001 - named below, nothing changed yet
+        raise VllmLayoutError(
+            f"eplbx.vllm.install(): vLLM {version}'s EPLBConfig is not a pydantic dataclass with a "
+            f"'communicator' field as eplbx expects ({type(e).__name__}: {e}). Nothing was changed") from e
+    saved = (parallel.EPLBCommunicatorBackend, annotations.get("communicator"), field.type)
+    accepted = typing.Literal[tuple(names) + (BACKEND,)]
+    try:
+        parallel.EPLBCommunicatorBackend = accepted
+        annotations["communicator"] = typing.Optional[accepted]
+        field.type = typing.Optional[accepted]
+        rebuild(config_cls, force=True)
+        # The configs that validate an EPLBConfig given as a dict embed its schema.
+        for cls in embedding:
+            rebuild(cls, force=True)
+    except Exception as e:  # noqa: BLE001 - rolled back, then named
+        parallel.EPLBCommunicatorBackend, annotations["communicator"], field.type = saved
+        for cls in [config_cls] + embedding:
+            try:
+                rebuild(cls, force=True)
+            except Exception:  # noqa: BLE001 - the original schema was built once already
+                pass
+        raise VllmLayoutError(
+            f"eplbx.vllm.install(): rebuilding vLLM {version}'s config validators with "
+            f"communicator {BACKEND!r} failed ({type(e).__name__}: {e}). Every change was put "
+            "back; use one of vLLM's own communicators") from e
+
+
 def _plugin() -> None:
     """vLLM's `vllm.general_plugins` entry point (run in every vLLM process): install(), and
     where this vLLM is laid out otherwise, a warning naming the version and what was not found
     instead of stopping vLLM (its own communicators still work; selecting "eplbx" then fails in
     vLLM's config validation, after this warning)."""
+    import logging
+
     try:
         install()
     except VllmLayoutError as e:
-        import logging
-
         logging.getLogger("eplbx").warning("%s", e)
+    except Exception as e:  # noqa: BLE001 - vLLM's plugin loader must never see it
+        logging.getLogger("eplbx").warning(
+            "eplbx.vllm: switching eplbx on failed (%s: %s); vLLM goes on with its own "
+            "communicators", type(e).__name__, e)

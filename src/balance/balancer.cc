@@ -170,6 +170,21 @@ Result<std::unique_ptr<Balancer>> Balancer::Create(Placement initial, BalancerOp
     return Status::InvalidArgument(StrCat("window (", options.window, ") and interval (",
                                           options.trigger.interval, ") must be >= 1 steps"));
   }
+  // The one check of the real-valued options, for every caller (the CLI's flags have the
+  // same ranges; Python passes its arguments here).
+  const struct {
+    const char* name;
+    double value, lo, hi;
+  } reals[] = {{"tolerance", options.tolerance, 0, 1},
+               {"min_gain", options.trigger.min_gain, 0, 1},
+               {"skip_above", options.trigger.skip_above, 0, 2}};
+  for (const auto& r : reals) {
+    if (!(r.value >= r.lo && r.value <= r.hi)) {  // NaN fails both
+      return Status::InvalidArgument(
+          StrCat(r.name, " is ", std::isnan(r.value) ? std::string("nan") : StrCat(r.value),
+                 ": expected a number in [", r.lo, ", ", r.hi, "]"));
+    }
+  }
   EPLBX_RETURN_IF_ERROR(options.topology.Validate(initial.experts()));
   if (options.topology.slots != initial.slots()) {
     return Status::InvalidArgument(StrCat("the topology has ", options.topology.slots,

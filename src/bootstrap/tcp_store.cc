@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -90,6 +91,7 @@ Result<std::unique_ptr<TcpStore>> TcpStore::Listen(const std::string& addr, uint
   store->token_ = std::move(token);
   store->world_ = world;
   store->env_ = EnvOrDefault(env);
+  store->started_ = store->env_->Now();
   return store;
 }
 
@@ -194,8 +196,9 @@ std::string TcpStore::CheckHello(const std::string& body, uint32_t* rank) const 
     return r.status().message();
   }
   if (!ConstantTimeEqual(token, token_)) {
-    return StrCat("rank ", *rank,
-                  " presented a wrong rendezvous token (EPLBX_TOKEN differs across ranks)");
+    return StrCat("a peer claiming rank ", *rank,
+                  " presented a wrong rendezvous token (the rank is its unauthenticated claim; "
+                  "EPLBX_TOKEN differs across ranks?)");
   }
   if (world != world_) {
     return StrCat("world size mismatch: rank ", *rank, " says ", world, ", the store expects ",
@@ -212,9 +215,7 @@ bool TcpStore::Admit(int fd, const std::string& body) {
     refusal = StrCat("rank ", rank, " joined twice (two processes with the same EPLBX_RANK)");
   }
   if (!refusal.empty()) {
-    internal::WriteFrame(fd, internal::kFailed, refusal);  // may fail: the peer may be gone
-    close(fd);
-    refusals_.push_back(refusal);
+    Refuse(fd, refusal);
     return false;
   }
   if (!internal::WriteFrame(fd, internal::kWelcome, {})) {
@@ -223,6 +224,51 @@ bool TcpStore::Admit(int fd, const std::string& body) {
   }
   members_[rank] = fd;
   return true;
+}
+
+void TcpStore::Refuse(int fd, const std::string& refusal) {
+  internal::WriteFrame(fd, internal::kFailed, refusal);  // may fail: the peer may be gone
+  sockaddr_storage sa{};
+  socklen_t len = sizeof(sa);
+  char host[INET6_ADDRSTRLEN] = "unknown";
+  if (getpeername(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0) {
+    if (sa.ss_family == AF_INET) {
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&sa)->sin_addr, host, sizeof(host));
+    } else if (sa.ss_family == AF_INET6) {
+      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(&sa)->sin6_addr, host, sizeof(host));
+    }
+  }
+  close(fd);
+  const double now = std::chrono::duration<double>(env_->Now() - started_).count();
+  for (RefusedPeer& p : refused_) {
+    if (p.address != host) continue;
+    ++p.count;
+    p.last_s = now;
+    p.last_reason = refusal;
+    return;
+  }
+  if (refused_.size() >= kMaxRefusedPeers) {
+    ++refused_elsewhere_;
+    return;
+  }
+  refused_.push_back(RefusedPeer{host, 1, now, now, refusal});
+}
+
+std::vector<std::string> TcpStore::refusals() const {
+  std::vector<std::string> out;
+  char span[96];
+  for (const RefusedPeer& p : refused_) {
+    std::snprintf(span, sizeof(span), "%.1f s to %.1f s", p.first_s, p.last_s);
+    out.push_back(p.count == 1
+                      ? StrCat("from ", p.address, ": ", p.last_reason)
+                      : StrCat("from ", p.address, ": ", p.count, " hellos refused (", span,
+                               " after the store started); the last: ", p.last_reason));
+  }
+  if (refused_elsewhere_ > 0) {
+    out.push_back(StrCat(refused_elsewhere_, " more hellos refused from further addresses (past ",
+                         kMaxRefusedPeers, " addresses only counted)"));
+  }
+  return out;
 }
 
 TcpStore::~TcpStore() {
@@ -246,9 +292,7 @@ Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
   auto hold = [&](int fd, const std::string& hello) {
     uint32_t rank = 0;
     if (std::string refusal = CheckHello(hello, &rank); !refusal.empty()) {
-      internal::WriteFrame(fd, internal::kFailed, refusal);
-      close(fd);
-      refusals_.push_back(refusal);
+      Refuse(fd, refusal);
       return;
     }
     if (!internal::WriteFrame(fd, internal::kWelcome, {})) {

@@ -48,17 +48,17 @@ struct DemoOptions {
   std::string fault_phase;  // exchange, transfer (default) or commit
   // --serve drills (KIND:RANK@STEP, KIND kill or stop): the step at which rank fault_rank
   // is killed or stopped; -1: no drill. The coordinator tracks membership then, and the
-  // ranks keep a host backup in backup_path (made by the coordinator's process id).
+  // ranks keep a host backup in directory backup_dir (a private file, io::HostBackup).
   int fault_step = -1;
-  std::string backup_path;
+  std::string backup_dir;
   // `--inject KIND:RANK@STEP,KIND2:RANK2@recovery`: rank fault2_rank is killed or stopped
   // (fault2 "kill" or "stop") during the recovery from the first loss, as the move among the
   // survivors begins; "" / -1: no second fault.
   std::string fault2;
   int fault2_rank = -1;
   // `eplbx worker --serve`: any lost rank is survived as in the drills (membership, the
-  // step's collective, recovery), with a backup of every expert on each node (at
-  // backup_path-NODE, made by the node's lowest rank); nothing needs to be injected.
+  // step's collective, recovery), with a backup of every expert on each node (in backup_dir,
+  // made by the node's lowest rank); nothing needs to be injected.
   bool survive = false;
   // --serve --resize remove:RANK@STEP: rank RANK is drained at STEP and leaves (parsed into
   // fault "remove", fault_rank, fault_step).

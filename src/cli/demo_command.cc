@@ -280,7 +280,7 @@ Status RunDemo(DemoOptions o) {
   }
   if (o.fault_step >= 0) {
     const std::string dir = Env::Default()->GetVar("EPLBX_BACKUP_DIR").value_or("/dev/shm");
-    o.backup_path = StrCat(dir, "/eplbx-demo-backup-", getpid());
+    o.backup_dir = dir;
   }
   // Starts rank r's process; returns the coordinator's end of its socket.
   auto start = [&](int r) -> Result<int> {
@@ -373,7 +373,6 @@ Status RunDemo(DemoOptions o) {
       std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 800)),
       [&](uint32_t rank) { closed[rank] = true; }, nullptr,
       /*membership=*/o.fault_step >= 0, [&] { return std::exchange(joining, {}); });
-  if (!o.backup_path.empty()) unlink(o.backup_path.c_str());
   // Every rank has reported or left; a stopped one is removed now.
   for (int r = 0; r < o.ranks; ++r) {
     if (fds[r] >= 0) close(fds[r]);

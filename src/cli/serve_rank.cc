@@ -474,6 +474,7 @@ Status PlaceOverMembers(const DemoOptions& o, int step, const LoadTrace& trace,
   t = Clock::now();
   // (Without a backup PlanSurvivors names every expert no member holds; nothing to recover.)
   if (!plan->recovered.empty()) {
+    EPLBX_RETURN_IF_ERROR(backup->Check());
     Result<int64_t> restored = io::RecoverSlots(*plan, mode.w.layout, *backup);
     if (!restored.ok()) return restored.status().WithPrefix("restoring from the host backup");
     log.rows_recovered += *restored;
@@ -653,7 +654,18 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
   const bool loss = drill && !removal && !adding;
   bool left = false;  // this rank was drained and left the group (--resize remove)
   std::unique_ptr<io::HostBackup> backup;
-  std::string made_backup;  // the node's backup this rank made (removed at the end)
+  // A new backup's name goes to the ranks that open it through the bootstrap (the creator's
+  // name, or "" from the others); once all opened it, the creator removes the name.
+  auto open_shared = [&](int creator) -> Status {
+    Result<std::vector<std::string>> names =
+        boot.AllGather(backup != nullptr && rank == creator ? backup->ShareName() : "", round_wait);
+    if (!names.ok()) return names.status();
+    if (backup != nullptr) return Status::OK();
+    Result<std::unique_ptr<io::HostBackup>> b = io::HostBackup::OpenShared((*names)[creator]);
+    if (!b.ok()) return b.status();
+    backup = std::move(*b);
+    return Status::OK();
+  };
   if (loss && o.survive) {
     // `eplbx worker --serve`: every node keeps its own backup of every expert, loaded as from
     // the checkpoint (the demo's weights are a function of layer, expert and tensor) by the
@@ -669,14 +681,11 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
         break;
       }
     }
-    std::string path = StrCat(o.backup_path, "-");
-    for (char ch : node) path += std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
     if (rank == first) {
       Result<std::unique_ptr<io::HostBackup>> b =
-          io::HostBackup::Create(path, modes[0].w.layout, o.experts);
+          io::HostBackup::Create(o.backup_dir, modes[0].w.layout, o.experts);
       if (!b.ok()) return fail(b.status().message());
       backup = std::move(*b);
-      made_backup = path;
       for (int l = 0; l < o.layers; ++l) {
         const std::vector<TensorSpec>& tensors = modes[0].w.layout.layers[l];
         for (int e = 0; e < o.experts; ++e) {
@@ -690,25 +699,15 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
         }
       }
     }
-    if (Status made = boot.Barrier(round_wait); !made.ok()) return fail(made.message());
-    if (rank != first) {
-      Result<std::unique_ptr<io::HostBackup>> b = io::HostBackup::Open(path);
-      if (!b.ok()) return fail(b.status().message());
-      backup = std::move(*b);
-    }
+    if (Status opened = open_shared(first); !opened.ok()) return fail(opened.message());
   } else if (loss) {
     if (rank == 0) {
       Result<std::unique_ptr<io::HostBackup>> b =
-          io::HostBackup::Create(o.backup_path, modes[0].w.layout, o.experts);
+          io::HostBackup::Create(o.backup_dir, modes[0].w.layout, o.experts);
       if (!b.ok()) return fail(b.status().message());
       backup = std::move(*b);
     }
-    if (Status made = boot.Barrier(round_wait); !made.ok()) return fail(made.message());
-    if (rank != 0) {
-      Result<std::unique_ptr<io::HostBackup>> b = io::HostBackup::Open(o.backup_path);
-      if (!b.ok()) return fail(b.status().message());
-      backup = std::move(*b);
-    }
+    if (Status opened = open_shared(0); !opened.ok()) return fail(opened.message());
     if (Status c = backup->Capture(*initial, modes[0].w.layout); !c.ok()) return fail(c.message());
   }
   // The joiner joins the members where they are; the members start together.
@@ -727,6 +726,10 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
   } else {
     Status ready = boot.Barrier(round_wait);
     if (!ready.ok()) return fail(ready.message());
+  }
+  // Every rank of the node has the backup open: no name is left behind, even by a crash.
+  if (backup != nullptr) {
+    if (Status gone = backup->Unlink(); !gone.ok()) return fail(gone.message());
   }
   uint64_t epoch = boot.epoch();
   // The member that asks for the new rank (`--resize add`): the lowest initial member.
@@ -884,7 +887,6 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
   // Nobody tears its agents down while a peer may still be finishing (a rank that left is
   // no member any more: it reports and goes).
   Status done = left ? Status::OK() : boot.Barrier(round_wait);
-  if (!made_backup.empty()) unlink(made_backup.c_str());  // mapped where still in use
   if (!done.ok() && report["error"].get<std::string>().empty()) report["error"] = done.message();
   if (drill) {
     report["left"] = left;

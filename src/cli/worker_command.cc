@@ -110,7 +110,7 @@ Status RunWorker(DemoOptions o, bool ranks_given) {
     }
     o.survive = true;
     const std::string dir = Env::Default()->GetVar("EPLBX_BACKUP_DIR").value_or("/dev/shm");
-    o.backup_path = StrCat(dir, "/eplbx-worker-backup-", env->port);
+    o.backup_dir = dir;
   }
   const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
   const double memcpy_gbps = env->rank == 0 ? internal::MeasureMemcpyGbps() : 0.0;

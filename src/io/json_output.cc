@@ -139,7 +139,10 @@ Status ReplaceRegular(const std::string& path, std::string_view text, const stru
   const std::filesystem::path target(path);
   const std::filesystem::path dir =
       target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
-  std::string tmpl = (dir / ("." + target.filename().string() + ".XXXXXX")).string();
+  std::string name = ".";  // built by appends: GCC 12 warns (-Wrestrict) on "." + string
+  name += target.filename().string();
+  name += ".XXXXXX";
+  std::string tmpl = (dir / name).string();
   const int fd = ::mkostemp(tmpl.data(), O_CLOEXEC);  // O_CREAT | O_EXCL: never follows a link
   if (fd < 0)
     return Status::IoError(

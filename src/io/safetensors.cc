@@ -45,25 +45,26 @@ std::string Shape(const std::vector<int64_t>& s) {
   return out + "]";
 }
 
-// Reads exactly `n` bytes at `offset` of `path`.
-Status ReadAt(const std::string& path, uint64_t offset, uint8_t* dst, uint64_t n) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Status::IoError(StrCat("checkpoint '", path, "': ", std::strerror(errno)));
+constexpr int kMaxDepth = 8;  // {name: {"shape": [...]}} needs 3
+
+// Reads exactly `n` bytes at `offset` of the open file `fd` (`path` names it in errors).
+Status ReadAt(int fd, const std::string& path, uint64_t offset, uint8_t* dst, uint64_t n) {
   uint64_t done = 0;
-  Status st;
   while (done < n) {
     const ssize_t got = ::pread(fd, dst + done, n - done, static_cast<off_t>(offset + done));
     if (got < 0 && errno == EINTR) continue;
     if (got <= 0) {
-      st = Status::Corruption(StrCat("checkpoint '", path, "': ", n, " bytes at byte ", offset,
-                                     " could not be read (",
-                                     got < 0 ? std::strerror(errno) : "end of file", ")"));
-      break;
+      return Status::Corruption(StrCat("checkpoint '", path, "': ", n, " bytes at byte ", offset,
+                                       " could not be read (",
+                                       got < 0 ? std::strerror(errno) : "end of file", ")"));
     }
     done += static_cast<uint64_t>(got);
   }
-  ::close(fd);
-  return st;
+  return Status::OK();
+}
+
+int64_t MtimeNs(const struct stat& st) {
+  return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
 }
 
 }  // namespace
@@ -73,32 +74,58 @@ std::string LayoutDtype(std::string_view safetensors_dtype) {
   return d ? d->layout : "";
 }
 
-Result<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
-  SafetensorsFile f;
-  f.path_ = path;
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
-    return Status::IoError(StrCat("checkpoint '", path, "': ", std::strerror(errno)));
-  }
-  f.size_ = static_cast<uint64_t>(st.st_size);
+SafetensorsFile::Fd::~Fd() {
+  if (fd >= 0) ::close(fd);
+}
+
+Status SafetensorsFile::CheckHeaderText(const std::string& path, std::string_view text) {
   auto bad = [&](const std::string& why) {
     return Status::Corruption(
         StrCat("checkpoint '", path, "' is not a valid safetensors file: ", why));
   };
-  if (f.size_ < 8) return bad(StrCat("it is ", f.size_, " bytes (the header length alone is 8)"));
-  uint8_t len_bytes[8];
-  EPLBX_RETURN_IF_ERROR(ReadAt(path, 0, len_bytes, 8));
-  uint64_t header = 0;
-  for (int i = 7; i >= 0; --i) header = header << 8 | len_bytes[i];
-  if (header > kMaxHeaderBytes || header > f.size_ - 8) {
-    return bad(StrCat("the header claims ", header, " bytes; the file has ", f.size_ - 8,
-                      " after the length (truncated?)"));
+  // Depth first (a header nested 200,000 deep would exhaust the stack of whatever walks the
+  // parsed value), strings skipped with their escapes; a NUL ends nothing: it is refused.
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c == '\0') return bad(StrCat("the header has a NUL byte at header byte ", i));
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      if (++depth > kMaxDepth) {
+        return bad(StrCat("the header nests deeper than ", kMaxDepth, " at header byte ", i));
+      }
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
   }
-  std::string text(header, '\0');
-  EPLBX_RETURN_IF_ERROR(ReadAt(path, 8, reinterpret_cast<uint8_t*>(text.data()), header));
+  return Status::OK();
+}
+
+Result<std::vector<SafetensorsTensor>> SafetensorsFile::ParseHeader(const std::string& path,
+                                                                    std::string_view text,
+                                                                    uint64_t file_bytes) {
+  auto bad = [&](const std::string& why) {
+    return Status::Corruption(
+        StrCat("checkpoint '", path, "' is not a valid safetensors file: ", why));
+  };
+  if (file_bytes < 8 + text.size()) {
+    return bad(StrCat("a header of ", text.size(), " bytes in a file of ", file_bytes));
+  }
+  EPLBX_RETURN_IF_ERROR(CheckHeaderText(path, text));
+  std::vector<SafetensorsTensor> tensors;
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return bad("the header is not a JSON object");
-  const uint64_t data = 8 + header, data_bytes = f.size_ - data;
+  const uint64_t data = 8 + text.size(), data_bytes = file_bytes - data;
   for (const auto& [name, t] : j.items()) {
     if (name == "__metadata__") continue;
     const std::string what = StrCat("tensor ", internal::Printable(name));
@@ -139,10 +166,10 @@ Result<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
     }
     x.offset = data + b;
     x.bytes = e - b;
-    f.tensors_.push_back(std::move(x));
+    tensors.push_back(std::move(x));
   }
   std::vector<const SafetensorsTensor*> by_offset;
-  for (const SafetensorsTensor& x : f.tensors_) by_offset.push_back(&x);
+  for (const SafetensorsTensor& x : tensors) by_offset.push_back(&x);
   std::sort(by_offset.begin(), by_offset.end(),
             [](auto* a, auto* b) { return a->offset < b->offset; });
   for (size_t i = 1; i < by_offset.size(); ++i) {
@@ -152,6 +179,43 @@ Result<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
                         internal::Printable(by_offset[i]->name), " overlap"));
     }
   }
+  return tensors;
+}
+
+Result<SafetensorsFile> SafetensorsFile::Open(const std::string& path) {
+  SafetensorsFile f;
+  f.path_ = path;
+  f.fd_ = std::make_shared<Fd>();
+  f.fd_->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (f.fd_->fd < 0) {
+    return Status::IoError(StrCat("checkpoint '", path, "': ", std::strerror(errno)));
+  }
+  struct stat st {};
+  if (::fstat(f.fd_->fd, &st) != 0) {
+    return Status::IoError(StrCat("checkpoint '", path, "': ", std::strerror(errno)));
+  }
+  auto bad = [&](const std::string& why) {
+    return Status::Corruption(
+        StrCat("checkpoint '", path, "' is not a valid safetensors file: ", why));
+  };
+  if (!S_ISREG(st.st_mode)) return bad("it is not a regular file");
+  f.size_ = static_cast<uint64_t>(st.st_size);
+  f.device_ = static_cast<uint64_t>(st.st_dev);
+  f.inode_ = static_cast<uint64_t>(st.st_ino);
+  f.mtime_ns_ = MtimeNs(st);
+  if (f.size_ < 8) return bad(StrCat("it is ", f.size_, " bytes (the header length alone is 8)"));
+  const int fd = f.fd_->fd;
+  uint8_t len_bytes[8];
+  EPLBX_RETURN_IF_ERROR(ReadAt(fd, path, 0, len_bytes, 8));
+  uint64_t header = 0;
+  for (int i = 7; i >= 0; --i) header = header << 8 | len_bytes[i];
+  if (header > kMaxHeaderBytes || header > f.size_ - 8) {
+    return bad(StrCat("the header claims ", header, " bytes; the file has ", f.size_ - 8,
+                      " after the length (truncated?)"));
+  }
+  std::string text(header, '\0');
+  EPLBX_RETURN_IF_ERROR(ReadAt(fd, path, 8, reinterpret_cast<uint8_t*>(text.data()), header));
+  EPLBX_ASSIGN_OR_RETURN(f.tensors_, ParseHeader(path, text, f.size_));
   return f;
 }
 
@@ -190,7 +254,35 @@ Status SafetensorsFile::ReadExpertRow(std::string_view name, uint32_t expert,
                                           internal::Printable(name), " has ", rows,
                                           " experts; expert ", expert, " is not among them"));
   }
-  return ReadAt(path_, t->offset + expert * row_bytes, dst, row_bytes);
+  EPLBX_RETURN_IF_ERROR(StillTheSame());
+  std::vector<uint8_t> row(row_bytes);  // dst is written only with a whole row
+  EPLBX_RETURN_IF_ERROR(
+      ReadAt(fd_->fd, path_, t->offset + expert * row_bytes, row.data(), row_bytes));
+  EPLBX_RETURN_IF_ERROR(StillTheSame());  // nobody rewrote it while it was read
+  std::memcpy(dst, row.data(), row_bytes);
+  return Status::OK();
+}
+
+Status SafetensorsFile::StillTheSame() const {
+  struct stat now {
+  }, named{};
+  if (::fstat(fd_->fd, &now) != 0) {
+    return Status::IoError(StrCat("checkpoint '", path_, "': ", std::strerror(errno)));
+  }
+  std::string what;
+  if (static_cast<uint64_t>(now.st_size) != size_) {
+    what = StrCat("its size went from ", size_, " to ", now.st_size, " bytes");
+  } else if (MtimeNs(now) != mtime_ns_) {
+    what = "it was modified";
+  } else if (::stat(path_.c_str(), &named) != 0) {
+    what = StrCat("its name is gone (", std::strerror(errno), ")");
+  } else if (static_cast<uint64_t>(named.st_dev) != device_ ||
+             static_cast<uint64_t>(named.st_ino) != inode_) {
+    what = "the name now names another file";
+  }
+  if (what.empty()) return Status::OK();
+  return Status::Corruption(StrCat("checkpoint '", path_, "' changed since it was opened (", what,
+                                   "): its rows are not read; open the checkpoint again"));
 }
 
 }  // namespace eplbx::io

@@ -8,6 +8,7 @@
 #define EPLBX_SRC_IO_SAFETENSORS_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -34,7 +35,15 @@ class SafetensorsFile {
   // Reads and checks the header: the JSON, every dtype known, every size = elements x
   // element size, every tensor inside the file (a truncated file names the tensor and both
   // sizes), no two tensors overlapping. Errors name the file.
+  // The file stays open: every read goes through the descriptor that was checked, after
+  // checking that the file is still the one opened (its size, modification time and inode,
+  // and that the path still names it); a file changed or replaced since is a named error.
   static Result<SafetensorsFile> Open(const std::string& path);
+  // Parses and checks a header's JSON text (the bytes after the length) for a file of
+  // `file_bytes`, as Open does: depth (at most 8), no NUL, the tensors. The fuzz target's entry.
+  static Result<std::vector<SafetensorsTensor>> ParseHeader(const std::string& path,
+                                                            std::string_view text,
+                                                            uint64_t file_bytes);
 
   const std::vector<SafetensorsTensor>& tensors() const { return tensors_; }
   const std::string& path() const { return path_; }
@@ -47,8 +56,18 @@ class SafetensorsFile {
                        uint8_t* dst) const;
 
  private:
+  struct Fd {
+    int fd = -1;
+    ~Fd();
+  };
+  Status StillTheSame() const;
+  static Status CheckHeaderText(const std::string& path, std::string_view text);
+
   std::string path_;
+  std::shared_ptr<Fd> fd_;
   uint64_t size_ = 0;
+  uint64_t device_ = 0, inode_ = 0;
+  int64_t mtime_ns_ = 0;
   std::vector<SafetensorsTensor> tensors_;
 };
 

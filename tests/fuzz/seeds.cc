@@ -2,10 +2,12 @@
 // format changes: build-fuzz/bin/fuzz_seeds tests/fuzz/corpus
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 
 #include "common/bytes.h"
 #include "eplbx/layout.h"
+#include "io/backup.h"
 #include "protocol/records.h"
 #include "transfer/metadata.h"
 #ifdef EPLBX_WITH_CUDA
@@ -77,6 +79,18 @@ int main(int argc, char** argv) {
   Put(root / "fuzz_layout", "one_layer", EncodeLayout(l));
   l.layers.push_back(l.layers[0]);
   Put(root / "fuzz_layout", "two_layers", EncodeLayout(l));
+  {
+    // A host backup of two layers (two tensors, then one) of 8 experts, the whole file.
+    RankLayout small;
+    small.layers = {{{"w13", "bf16", {2, 4}, 0, 16, 3}, {"w2", "f32", {3}, 0, 12, 3}},
+                    {{"w13", "bf16", {2, 4}, 0, 16, 3}}};
+    auto b = io::HostBackup::Create(std::filesystem::temp_directory_path().string(), small, 8);
+    if (b.ok()) {
+      std::ifstream in((*b)->path(), std::ios::binary);
+      Put(root / "fuzz_backup_header", "two_layers",
+          std::string(std::istreambuf_iterator<char>(in), {}));
+    }
+  }
   using protocol::Record;
   using protocol::RecordKind;
   auto record = [](RecordKind kind, uint32_t expert, uint32_t source, uint32_t reader) {

@@ -103,7 +103,6 @@ ip link set b${tag}2 down
 start=$(date +%s)
 wait $runner
 took=$(( $(date +%s) - start ))
-rm -f /dev/shm/eplbx-worker-backup-$port-*  # the lost host's backup outlives it
 read -r c0 c1 c2 <<<"$(cat "$work/serve.codes")"
 [[ $c0 -eq 0 && $c1 -eq 0 ]] || fail "survivors exited $c0 $c1 (rank 2: $c2)"
 [[ $c2 -ne 0 ]] || fail "rank 2 (cut off) exited 0"

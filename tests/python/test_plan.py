@@ -108,6 +108,21 @@ class BalancerTest(unittest.TestCase):
         self.assertGreater(b.step(hot)["balancedness"], 0.9)
         self.assertIn("eplbx_rebalances_total", b.prometheus())
 
+    def test_balancer_options_out_of_range_are_refused_as_the_cli_refuses_them(self):
+        # Issue 33, item 7: NaN, inf and out-of-range min_gain, skip_above and tolerance were
+        # accepted; the library's one check now refuses them for every caller.
+        uniform = eplbx.plan(np.ones((2, 12)), slots=16, ranks=4)
+        for kwargs, said in (({"min_gain": float("nan")}, "min_gain is nan: expected a number in [0, 1]"),
+                             ({"min_gain": -0.1}, "min_gain is -0.1: expected a number in [0, 1]"),
+                             ({"skip_above": float("inf")}, "skip_above is inf: expected a number in [0, 2]"),
+                             ({"skip_above": 2.5}, "skip_above is 2.5"),
+                             ({"tolerance": float("nan")}, "tolerance is nan"),
+                             ({"tolerance": 1.5}, "tolerance is 1.5: expected a number in [0, 1]")):
+            with self.assertRaises(eplbx.InvalidArgumentError, msg=str(kwargs)) as e:
+                eplbx.Balancer(uniform.phy2log, experts=12, ranks=4, **kwargs)
+            self.assertIn(said, str(e.exception))
+        eplbx.Balancer(uniform.phy2log, experts=12, ranks=4, min_gain=0.0, skip_above=2.0, tolerance=1.0)
+
     def test_bad_counts_are_named(self):
         uniform = eplbx.plan(np.ones((2, 12)), slots=16, ranks=4)
         b = eplbx.Balancer(uniform.phy2log, experts=12, ranks=4)

@@ -127,6 +127,82 @@ class InstallTest(unittest.TestCase):
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertIn("eplbx.vllm.install(): vLLM is not importable here", out.stdout)
 
+    def test_a_failed_validator_rebuild_puts_every_change_back(self):
+        # Issue 33, item 7: install() used to widen the communicator Literal before a schema
+        # rebuild that could fail, leaving vLLM half patched.
+        with tempfile.TemporaryDirectory() as root:
+            fake_vllm(root, "0.33.0", {
+                "vllm/config/parallel.py": """
+                    import dataclasses
+                    from typing import Literal, Optional
+                    EPLBCommunicatorBackend = Literal["torch_nccl", "nixl"]
+                    @dataclasses.dataclass
+                    class EPLBConfig:
+                        communicator: Optional[EPLBCommunicatorBackend] = None
+                    class ParallelConfig: ...
+                """,
+                "vllm/distributed/eplb/eplb_communicator.py": """
+                    class EplbCommunicator:
+                        def set_transfer_context(self, *a): ...
+                    def create_eplb_communicator(group_coordinator, backend, expert_weights,
+                                                 expert_buffer):
+                        raise ValueError(backend)
+                """,
+                "vllm/distributed/eplb/rebalance_execute.py": """
+                    def rearrange_expert_weights_inplace(old_global_expert_indices,
+                            new_global_expert_indices, expert_weights, expert_buffer, ep_group,
+                            communicator, is_profile=False, rank_mapping=None): ...
+                """,
+                # A pydantic that cannot rebuild ParallelConfig (the second) with the new names.
+                "pydantic/dataclasses.py": """
+                    calls = []
+                    def rebuild_dataclass(cls, force=False):
+                        import vllm.config.parallel as p
+                        calls.append(cls.__name__)
+                        if cls.__name__ == "ParallelConfig" and "eplbx" in str(p.EPLBCommunicatorBackend):
+                            raise TypeError("schema for ParallelConfig cannot be built")
+                """,
+            })
+            out = run_python(textwrap.dedent(TRY_INSTALL) + textwrap.dedent("""
+                import typing
+                import vllm.config.parallel as p
+                print(typing.get_args(p.EPLBCommunicatorBackend))
+                print(p.EPLBConfig.__annotations__["communicator"])
+                print(p.EPLBConfig.__dataclass_fields__["communicator"].type)
+                import pydantic.dataclasses
+                print(pydantic.dataclasses.calls)
+                ev._plugin()
+                print("plugin returned")
+            """), [root, self.package_parent])
+        self.assertEqual(out.returncode, 0, out.stderr)
+        lines = out.stdout.splitlines()
+        self.assertTrue(lines[0].startswith("ERROR eplbx.vllm.install(): rebuilding vLLM 0.33.0's "
+                                            "config validators with communicator 'eplbx' failed "
+                                            "(TypeError: schema for ParallelConfig"), lines)
+        self.assertIn("Every change was put back", lines[0])
+        self.assertEqual(lines[1], "untouched")
+        self.assertEqual(lines[2], "('torch_nccl', 'nixl')")
+        self.assertNotIn("eplbx", lines[3])
+        self.assertNotIn("eplbx", lines[4])
+        # Rebuilt with the new names, failed, then both rebuilt again with the old ones.
+        self.assertEqual(lines[5], "['EPLBConfig', 'ParallelConfig', 'EPLBConfig', 'ParallelConfig']")
+        self.assertEqual(lines[-1], "plugin returned")
+        self.assertIn("Every change was put back", out.stderr)  # the plugin's warning
+
+    def test_the_plugin_never_lets_an_exception_into_vllms_loader(self):
+        out = run_python("""
+            import eplbx.vllm as ev
+            def broken():
+                raise KeyError("something vLLM changed")
+            ev.install = broken
+            ev._plugin()
+            print("plugin returned")
+        """, [self.package_parent])
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(out.stdout.strip(), "plugin returned")
+        self.assertIn("switching eplbx on failed (KeyError: 'something vLLM changed'); vLLM goes "
+                      "on with its own communicators", out.stderr)
+
     def test_options_from_the_environment(self):
         from eplbx import InvalidArgumentError
         from eplbx.vllm import options_from_env

@@ -3,12 +3,17 @@
 // checked against the layout, and a recovery that cannot finish writes nothing.
 #include "io/backup.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <functional>
+#include <iostream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -97,9 +102,9 @@ std::string TempPath(const std::string& name) { return testing::TempDir() + "/" 
 
 TEST(HostBackupTest, ExpertsOfALostRankComeBackFromTheBackupItsProcessWrote) {
   Cluster c;
-  const std::string path = TempPath("eplbx-backup-lost-rank");
-  auto backup = HostBackup::Create(path, c.layouts[0], kExperts);
+  auto backup = HostBackup::Create(testing::TempDir(), c.layouts[0], kExperts);
   ASSERT_TRUE(backup.ok()) << backup.status().ToString();
+  const std::string share = (*backup)->ShareName();
   // Its memory cost: every expert of every layer, each tensor's row (plus a page of header).
   const uint64_t rows = uint64_t{kLayers} * kExperts * (16 + 12);
   EXPECT_GE((*backup)->bytes(), rows);
@@ -108,7 +113,7 @@ TEST(HostBackupTest, ExpertsOfALostRankComeBackFromTheBackupItsProcessWrote) {
   // Rank 1 writes its experts from its own process, then that process is gone.
   const pid_t child = fork();
   if (child == 0) {
-    auto mine = HostBackup::Open(path);
+    auto mine = HostBackup::OpenShared(share);
     _exit(mine.ok() && (*mine)->Capture(c.in_force, c.layouts[1]).ok() ? 0 : 1);
   }
   int wstatus = 0;
@@ -119,7 +124,7 @@ TEST(HostBackupTest, ExpertsOfALostRankComeBackFromTheBackupItsProcessWrote) {
   EXPECT_EQ((*backup)->held_bytes(), rows);
 
   // A survivor maps it and plans: experts 4 and 5 of each layer are recovered.
-  auto opened = HostBackup::Open(path);
+  auto opened = HostBackup::OpenShared(share);
   ASSERT_TRUE(opened.ok()) << opened.status().ToString();
   Result<SurvivorPlan> plan = c.LoseRank1(**opened);
   ASSERT_TRUE(plan.ok()) << plan.status().ToString();
@@ -139,15 +144,13 @@ TEST(HostBackupTest, ExpertsOfALostRankComeBackFromTheBackupItsProcessWrote) {
     EXPECT_TRUE(c.RowIs(rec.slot / kPerRank, rec.layer, rec.slot % kPerRank, rec.expert))
         << "layer " << rec.layer << " slot " << rec.slot << " expert " << rec.expert;
   }
-  unlink(path.c_str());
 }
 
 // A node's own backup loaded with every expert (from the checkpoint, say) restores a lost
 // rank's experts without any rank having captured them; out of range is named.
 TEST(HostBackupTest, ABackupLoadedWithEveryExpertRestoresALostRank) {
   Cluster c;
-  const std::string path = TempPath("eplbx-backup-loaded");
-  auto backup = HostBackup::Create(path, c.layouts[0], kExperts);
+  auto backup = HostBackup::Create(testing::TempDir(), c.layouts[0], kExperts);
   ASSERT_TRUE(backup.ok()) << backup.status().ToString();
   for (int l = 0; l < kLayers; ++l) {
     for (int e = 0; e < kExperts; ++e) {
@@ -173,15 +176,12 @@ TEST(HostBackupTest, ABackupLoadedWithEveryExpertRestoresALostRank) {
     EXPECT_TRUE(c.RowIs(rec.slot / kPerRank, rec.layer, rec.slot % kPerRank, rec.expert))
         << "layer " << rec.layer << " slot " << rec.slot << " expert " << rec.expert;
   }
-  unlink(path.c_str());
 }
 
 TEST(HostBackupTest, AnExpertTheBackupLacksFailsTheRecoveryAndWritesNothing) {
   Cluster c;
-  const std::string full_path = TempPath("eplbx-backup-full"),
-                    part_path = TempPath("eplbx-backup-part");
-  auto full = HostBackup::Create(full_path, c.layouts[0], kExperts);
-  auto part = HostBackup::Create(part_path, c.layouts[0], kExperts);
+  auto full = HostBackup::Create(testing::TempDir(), c.layouts[0], kExperts);
+  auto part = HostBackup::Create(testing::TempDir(), c.layouts[0], kExperts);
   ASSERT_TRUE(full.ok() && part.ok());
   for (int r = 0; r < kRanks; ++r) ASSERT_TRUE((*full)->Capture(c.in_force, c.layouts[r]).ok());
   ASSERT_TRUE((*part)->Capture(c.in_force, c.layouts[0]).ok());
@@ -196,7 +196,7 @@ TEST(HostBackupTest, AnExpertTheBackupLacksFailsTheRecoveryAndWritesNothing) {
   // row changes.
   Result<SurvivorPlan> plan = c.LoseRank1(**full);
   ASSERT_TRUE(plan.ok());
-  auto lacking = HostBackup::Create(TempPath("eplbx-backup-lacking"), c.layouts[0], kExperts);
+  auto lacking = HostBackup::Create(testing::TempDir(), c.layouts[0], kExperts);
   ASSERT_TRUE(lacking.ok());
   for (int r : {0, 2, 3}) ASSERT_TRUE((*lacking)->Capture(c.in_force, c.layouts[r]).ok());
   std::vector<int> touched;
@@ -208,18 +208,15 @@ TEST(HostBackupTest, AnExpertTheBackupLacksFailsTheRecoveryAndWritesNothing) {
   EXPECT_NE(n.status().message().find("rank " + std::to_string(rank) + " must recover expert "),
             std::string::npos)
       << n.status().ToString();
-  EXPECT_NE(n.status().message().find("does not hold it; nothing was written"), std::string::npos);
+  EXPECT_NE(n.status().message().find("does not hold it (nothing was written)"), std::string::npos);
   EXPECT_EQ(c.memory, before);
-  unlink(full_path.c_str());
-  unlink(part_path.c_str());
-  unlink(TempPath("eplbx-backup-lacking").c_str());
 }
 
 TEST(HostBackupTest, AnotherLayoutOrADamagedFileIsRefusedByName) {
   Cluster c;
-  const std::string path = TempPath("eplbx-backup-shapes");
-  auto backup = HostBackup::Create(path, c.layouts[0], kExperts);
+  auto backup = HostBackup::Create(testing::TempDir(), c.layouts[0], kExperts);
   ASSERT_TRUE(backup.ok());
+  const std::string path = (*backup)->path();
   RankLayout other = c.layouts[2];
   other.layers[1][1].dtype = "bf16";
   other.layers[1][1].bytes_per_expert = 6;
@@ -243,7 +240,6 @@ TEST(HostBackupTest, AnotherLayoutOrADamagedFileIsRefusedByName) {
   ASSERT_FALSE(junk.ok());
   EXPECT_NE(junk.status().message().find("not a host backup"), std::string::npos)
       << junk.status().ToString();
-  unlink(path.c_str());
 }
 
 // Per layer a safetensors file with "model.layers.L.w13" BF16 [8, 2, 4] and
@@ -328,6 +324,238 @@ TEST(CheckpointBackupTest, ExpertsComeBackFromTheCheckpointCheckedAgainstTheLayo
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("ckpt-0-F32.safetensors"), std::string::npos)
       << bad.status().ToString();
+}
+
+// ---- Issue 33, items 1, 2 and 5: a private, verified backup, between real processes. ----
+
+// A fresh private directory under the test's temp dir.
+std::string FreshDir(const std::string& name) {
+  std::string templ = testing::TempDir() + "/" + name + "-XXXXXX";
+  EXPECT_NE(mkdtemp(templ.data()), nullptr);
+  return templ;
+}
+
+// Runs `body` in a child process; true when it exited 0.
+bool InChild(const std::function<bool()>& body) {
+  const pid_t child = fork();
+  if (child == 0) _exit(body() ? 0 : 1);
+  int wstatus = 0;
+  return waitpid(child, &wstatus, 0) == child && WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0;
+}
+
+std::unique_ptr<HostBackup> FullBackup(const Cluster& c, const std::string& dir) {
+  auto b = HostBackup::Create(dir, c.layouts[0], kExperts);
+  EXPECT_TRUE(b.ok()) << b.status().ToString();
+  if (!b.ok()) return nullptr;
+  for (int r = 0; r < kRanks; ++r) EXPECT_TRUE((*b)->Capture(c.in_force, c.layouts[r]).ok());
+  return std::move(*b);
+}
+
+TEST(HostBackupTest, ABackupIsAPrivateFileWithAnUnguessableNameAndNoNameIsLeft) {
+  Cluster c;
+  const std::string dir = FreshDir("private");
+  auto a = HostBackup::Create(dir, c.layouts[0], kExperts);
+  auto b = HostBackup::Create(dir, c.layouts[0], kExperts);
+  ASSERT_TRUE(a.ok() && b.ok());
+  const std::string prefix = dir + "/eplbx-backup-" + std::to_string(getpid()) + "-";
+  const std::string path = (*a)->path();
+  ASSERT_EQ(path.substr(0, prefix.size()), prefix);
+  const std::string random = path.substr(prefix.size());
+  EXPECT_EQ(random.size(), 32u);
+  EXPECT_EQ(random.find_first_not_of("0123456789abcdef"), std::string::npos) << random;
+  EXPECT_NE((*b)->path(), path);
+  struct stat st {};
+  ASSERT_EQ(lstat(path.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISREG(st.st_mode));
+  EXPECT_EQ(st.st_mode & 07777, 0600u);
+  EXPECT_EQ(st.st_uid, geteuid());
+  // The node's other ranks open it by its shared name; then the creator removes the name and
+  // every descriptor still reads and writes it.
+  auto other = HostBackup::OpenShared((*a)->ShareName());
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  ASSERT_TRUE((*a)->Unlink().ok());
+  EXPECT_NE(access(path.c_str(), F_OK), 0);
+  EXPECT_FALSE(HostBackup::OpenShared((*a)->ShareName()).ok());
+  ASSERT_TRUE((*other)->Capture(c.in_force, c.layouts[1]).ok());
+  EXPECT_EQ((*a)->experts_held(), kLayers * kPerRank);
+  EXPECT_TRUE((*a)->Check().ok());
+  // The creator that never unlinked removes its name when it goes.
+  const std::string second = (*b)->path();
+  b->reset();
+  EXPECT_NE(access(second.c_str(), F_OK), 0);
+}
+
+TEST(HostBackupTest, APlantedLinkOrAForeignFileIsNeverOpened) {
+  Cluster c;
+  const std::string dir = FreshDir("planted");
+  auto real = FullBackup(c, dir);
+  ASSERT_NE(real, nullptr);
+  auto decoy = HostBackup::Create(dir, c.layouts[0], kExperts);
+  ASSERT_TRUE(decoy.ok());
+  // A link at the name a rank opens, pointing at a file the attacker wants written.
+  const std::string victim = dir + "/victim";
+  std::ofstream(victim) << "precious";
+  const std::string link = dir + "/eplbx-backup-link";
+  ASSERT_EQ(symlink(victim.c_str(), link.c_str()), 0);
+  Result<std::unique_ptr<HostBackup>> linked = HostBackup::Open(link);
+  ASSERT_FALSE(linked.ok());
+  EXPECT_NE(linked.status().message().find("a link: a backup is never reached through one"),
+            std::string::npos)
+      << linked.status().ToString();
+  std::ifstream in(victim);
+  std::string kept((std::istreambuf_iterator<char>(in)), {});
+  EXPECT_EQ(kept, "precious");
+  // Someone else's file, or one others may read or write, is refused.
+  ASSERT_EQ(chmod((*decoy)->path().c_str(), 0666), 0);
+  Result<std::unique_ptr<HostBackup>> open = HostBackup::Open((*decoy)->path());
+  ASSERT_FALSE(open.ok());
+  EXPECT_NE(open.status().message().find("its mode is 0666 (others may read or write it"),
+            std::string::npos)
+      << open.status().ToString();
+  if (geteuid() == 0) {
+    ASSERT_EQ(chmod((*decoy)->path().c_str(), 0600), 0);
+    ASSERT_EQ(chown((*decoy)->path().c_str(), 65534, 65534), 0);
+    Result<std::unique_ptr<HostBackup>> foreign = HostBackup::Open((*decoy)->path());
+    ASSERT_FALSE(foreign.ok());
+    EXPECT_NE(foreign.status().message().find("it belongs to user 65534"), std::string::npos)
+        << foreign.status().ToString();
+  } else {
+    std::cout << "[ SKIPPED ] the foreign-owner case needs root to chown a file\n";
+  }
+  // The name shared for one file, with another file at that path: refused.
+  const BackupFileId id = real->id();
+  const std::string swapped =
+      std::to_string(id.device) + ":" + std::to_string(id.inode + 1) + ":" + real->path();
+  Result<std::unique_ptr<HostBackup>> replaced = HostBackup::OpenShared(swapped);
+  ASSERT_FALSE(replaced.ok());
+  EXPECT_NE(replaced.status().message().find("that its creator made (replaced since"),
+            std::string::npos)
+      << replaced.status().ToString();
+  for (const std::string& bad :
+       {std::string(""), std::string("1:2"), std::string("x:2:/a"), std::string("1:2:"),
+        std::string("99999999999999999999999:1:/a")}) {
+    Result<std::unique_ptr<HostBackup>> r = HostBackup::OpenShared(bad);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_EQ(r.status().code(), Code::kCorruption) << bad << ": " << r.status().ToString();
+  }
+}
+
+TEST(HostBackupTest, StaleBackupsOfProcessesThatDiedAreRemoved) {
+  Cluster c;
+  const std::string dir = FreshDir("stale");
+  // A rank that crashed between creating its backup and removing the name.
+  std::string left;
+  int pipefd[2];
+  ASSERT_EQ(pipe(pipefd), 0);
+  ASSERT_TRUE(InChild([&] {
+    auto b = HostBackup::Create(dir, c.layouts[0], kExperts);
+    if (!b.ok()) return false;
+    const std::string p = (*b)->path();
+    const bool sent = write(pipefd[1], p.data(), p.size()) == static_cast<ssize_t>(p.size());
+    _exit(sent ? 0 : 1);  // as a crash: no destructor, no unlink
+  }));
+  close(pipefd[1]);
+  char buf[4096];
+  const ssize_t n = read(pipefd[0], buf, sizeof(buf));
+  close(pipefd[0]);
+  ASSERT_GT(n, 0);
+  left.assign(buf, static_cast<size_t>(n));
+  ASSERT_EQ(access(left.c_str(), F_OK), 0);
+  // A live process's backup and a link with a backup's name stay.
+  auto live = HostBackup::Create(dir, c.layouts[0], kExperts);  // removes the dead one's
+  ASSERT_TRUE(live.ok());
+  EXPECT_NE(access(left.c_str(), F_OK), 0) << left << " was left behind";
+  const std::string link = dir + "/eplbx-backup-999999999-0";
+  ASSERT_EQ(symlink((*live)->path().c_str(), link.c_str()), 0);
+  EXPECT_EQ(RemoveStaleBackups(dir), 0);
+  EXPECT_EQ(access((*live)->path().c_str(), F_OK), 0);
+  struct stat st {};
+  EXPECT_EQ(lstat(link.c_str(), &st), 0);
+}
+
+TEST(HostBackupTest, AChangedRowIsNeverRestoredAndAnotherSourceIsUsedInstead) {
+  Cluster c;
+  const std::string dir = FreshDir("changed");
+  auto backup = FullBackup(c, dir);
+  ASSERT_NE(backup, nullptr);
+  Result<SurvivorPlan> plan = c.LoseRank1(*backup);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  ASSERT_FALSE(plan->recovered.empty());
+  const RecoveredSlot rec = plan->recovered.front();
+  const int rank = rec.slot / kPerRank;
+  // Another process of the node flips one byte of the recovered expert's w2 row (the file's
+  // rows are its last bytes; the expert's row of w2 is found by its pattern).
+  const std::string path = backup->path();
+  ASSERT_TRUE(InChild([&] {
+    const int fd = open(path.c_str(), O_RDWR);
+    if (fd < 0) return false;
+    std::string all(backup->bytes(), '\0');
+    if (pread(fd, all.data(), all.size(), 0) != static_cast<ssize_t>(all.size())) return false;
+    std::string row;
+    for (size_t i = 0; i < 12; ++i) row += static_cast<char>(Pattern(rec.layer, rec.expert, 1, i));
+    const size_t at = all.rfind(row);
+    if (at == std::string::npos) return false;
+    const char flipped = static_cast<char>(all[at + 5] ^ 1);
+    return pwrite(fd, &flipped, 1, static_cast<off_t>(at + 5)) == 1 && close(fd) == 0;
+  }));
+  const std::vector<std::vector<uint8_t>> before = c.memory;
+  Result<int64_t> refused = RecoverSlots(*plan, c.layouts[rank], *backup);
+  ASSERT_FALSE(refused.ok());
+  const std::string want = "layer " + std::to_string(rec.layer) + " expert " +
+                           std::to_string(rec.expert) + " tensor 'w2' has checksum ";
+  EXPECT_NE(refused.status().message().find(want), std::string::npos)
+      << refused.status().ToString();
+  EXPECT_NE(refused.status().message().find(path), std::string::npos);
+  EXPECT_NE(refused.status().message().find("unrecoverable"), std::string::npos);
+  EXPECT_EQ(c.memory, before);  // nothing written, not even the intact rows
+  // With the checkpoint as a second source, the expert comes whole from it.
+  auto ckpt = CheckpointBackup::Open(Entries({WriteCheckpoint(0), WriteCheckpoint(1)}));
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+  for (int r : {0, 2, 3}) {
+    Result<int64_t> n = RecoverSlots(*plan, c.layouts[r], {backup.get(), ckpt->get()});
+    ASSERT_TRUE(n.ok()) << n.status().ToString();
+  }
+  for (const RecoveredSlot& x : plan->recovered) {
+    EXPECT_TRUE(c.RowIs(x.slot / kPerRank, x.layer, x.slot % kPerRank, x.expert))
+        << "layer " << x.layer << " slot " << x.slot << " expert " << x.expert;
+  }
+}
+
+TEST(HostBackupTest, ABackupCutShortWhileInUseIsANamedErrorNotASigbus) {
+  Cluster c;
+  const std::string dir = FreshDir("cut");
+  auto backup = FullBackup(c, dir);
+  ASSERT_NE(backup, nullptr);
+  auto survivor = HostBackup::OpenShared(backup->ShareName());
+  ASSERT_TRUE(survivor.ok());
+  Result<SurvivorPlan> plan = c.LoseRank1(**survivor);
+  ASSERT_TRUE(plan.ok());
+  const std::string path = backup->path();
+  const uint64_t half = backup->bytes() / 2;
+  ASSERT_TRUE(InChild([&] { return truncate(path.c_str(), static_cast<off_t>(half)) == 0; }));
+  const Status checked = (*survivor)->Check();
+  EXPECT_EQ(checked.code(), Code::kCorruption);
+  EXPECT_NE(checked.message().find("it has " + std::to_string(half) +
+                                   " bytes; its header "
+                                   "describes " +
+                                   std::to_string(backup->bytes())),
+            std::string::npos)
+      << checked.ToString();
+  const std::vector<std::vector<uint8_t>> before = c.memory;
+  for (int r : {0, 2, 3}) {
+    Result<int64_t> n = RecoverSlots(*plan, c.layouts[r], **survivor);
+    bool touched = false;
+    for (const RecoveredSlot& x : plan->recovered) touched |= x.slot / kPerRank == r;
+    if (!touched) continue;
+    ASSERT_FALSE(n.ok()) << "rank " << r;
+    EXPECT_NE(n.status().message().find("could not be read (the file ends there"),
+              std::string::npos)
+        << n.status().ToString();
+  }
+  EXPECT_EQ(c.memory, before);
+  ASSERT_TRUE(InChild([&] { return truncate(path.c_str(), 0) == 0; }));
+  EXPECT_EQ((*survivor)->experts_held(), 0);
+  EXPECT_FALSE((*survivor)->Holds(0, 0));
 }
 
 }  // namespace

@@ -64,7 +64,88 @@ TEST(TcpStoreTest, AllGatherAndRefusals) {
   r1->reset();
   serve.join();
   EXPECT_TRUE(served.ok()) << served.ToString();
-  EXPECT_EQ((*store)->refusals().size(), 4u);
+  // Counted by the peer's address, not kept one by one (issue 33, item 4).
+  ASSERT_EQ((*store)->refused_peers().size(), 1u);
+  EXPECT_EQ((*store)->refused_peers()[0].address, "127.0.0.1");
+  EXPECT_EQ((*store)->refused_peers()[0].count, 4u);
+  ASSERT_EQ((*store)->refusals().size(), 1u);
+  EXPECT_NE((*store)->refusals()[0].find("from 127.0.0.1: 4 hellos refused"), std::string::npos)
+      << (*store)->refusals()[0];
+}
+
+// Issue 33, item 4: a flood of wrong-token hellos from many addresses keeps a bounded record
+// (one entry per address, at most kMaxRefusedPeers, the rest only counted), says the rank was
+// an unauthenticated claim, and logs a bounded number of lines; the members still meet.
+TEST(TcpStoreTest, AFloodOfWrongTokenHellosKeepsABoundedRecord) {
+  const uint16_t port = Port();
+  auto store = TcpStore::Listen("127.0.0.1", port, "secret", 1);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  Status served;
+  std::thread serve([&] {
+    served =
+        (*store)->Serve(milliseconds(20000), milliseconds(20000), [](uint32_t, std::string) {});
+  });
+  const int kAddresses = static_cast<int>(TcpStore::kMaxRefusedPeers) + 8, kEach = 12;
+  internal::ByteWriter hello;
+  hello.U32(0);
+  hello.U32(1);
+  hello.Str16("guess");
+  const std::string body = hello.Take();
+  int sent = 0;
+  for (int a = 0; a < kAddresses; ++a) {
+    for (int i = 0; i < kEach; ++i) {
+      const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      sockaddr_in from{};
+      from.sin_family = AF_INET;
+      from.sin_addr.s_addr = htonl(INADDR_LOOPBACK + 1 + a);  // 127.0.0.2, 127.0.0.3, ...
+      ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&from), sizeof(from)), 0);
+      sockaddr_in to{};
+      to.sin_family = AF_INET;
+      to.sin_port = htons(port);
+      to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      bool connected = false;
+      for (int tries = 0; tries < 100 && !connected; ++tries) {
+        connected = connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)) == 0;
+        if (!connected) usleep(20000);
+      }
+      ASSERT_TRUE(connected);
+      ASSERT_TRUE(internal::WriteFrame(fd, internal::kHello, body));
+      uint8_t type = 0;
+      std::string reply;
+      bool timed_out = false;
+      ASSERT_TRUE(internal::ReadFrame(fd, Env::Default()->Now() + std::chrono::seconds(5), &type,
+                                      &reply, &timed_out, Env::Default()));
+      EXPECT_EQ(type, internal::kFailed);
+      if (a == 0 && i == 0) {
+        EXPECT_NE(reply.find("a peer claiming rank 0 presented a wrong rendezvous token (the rank "
+                             "is its unauthenticated claim"),
+                  std::string::npos)
+            << reply;
+      }
+      close(fd);
+      ++sent;
+    }
+  }
+  auto member = JoinTcpStore("127.0.0.1", port, "secret", 0, 1, milliseconds(5000));
+  ASSERT_TRUE(member.ok()) << member.status().ToString();
+  member->reset();
+  serve.join();
+  EXPECT_TRUE(served.ok()) << served.ToString();
+  const auto& peers = (*store)->refused_peers();
+  ASSERT_EQ(peers.size(), TcpStore::kMaxRefusedPeers);
+  uint64_t counted = (*store)->refused_elsewhere();
+  for (const TcpStore::RefusedPeer& p : peers) {
+    EXPECT_EQ(p.count, static_cast<uint64_t>(kEach)) << p.address;
+    EXPECT_LE(p.first_s, p.last_s);
+    counted += p.count;
+  }
+  EXPECT_EQ(peers[0].address, "127.0.0.2");
+  EXPECT_EQ(counted, static_cast<uint64_t>(sent));
+  EXPECT_EQ((*store)->refused_elsewhere(), 8u * kEach);
+  const std::vector<std::string> lines = (*store)->refusals();
+  EXPECT_EQ(lines.size(), TcpStore::kMaxRefusedPeers + 1);
+  EXPECT_NE(lines.back().find("96 more hellos refused from further addresses"), std::string::npos)
+      << lines.back();
 }
 
 int Connect(uint16_t port) {
@@ -429,15 +510,17 @@ TEST(CoordinatorTest, ANewProcessJoinsUnderANewEpoch) {
     EXPECT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
     return std::pair<int, int>{sv[0], sv[1]};
   };
-  const auto [c0, m0] = pair();
-  const auto [c1, m1] = pair();
+  // Plain ints, not structured bindings: clang 14 cannot capture those in a lambda.
+  const std::pair<int, int> p0 = pair(), p1 = pair();
+  const int c0 = p0.first, m0 = p0.second, c1 = p1.first, m1 = p1.second;
   std::vector<std::unique_ptr<SocketBootstrap>> m(3);
   m[0] = std::make_unique<SocketBootstrap>(m0, 0, 3);
   m[1] = std::make_unique<SocketBootstrap>(m1, 1, 3);
   std::mutex mu;
   std::vector<std::pair<uint32_t, int>> pending;  // handed to the coordinator
   auto join = [&](uint32_t rank) {
-    const auto [c, mine] = pair();
+    const std::pair<int, int> ends = pair();
+    const int c = ends.first, mine = ends.second;
     std::lock_guard<std::mutex> lock(mu);
     pending.push_back({rank, c});
     return std::make_unique<SocketBootstrap>(mine, rank, 3);

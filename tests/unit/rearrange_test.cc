@@ -1260,7 +1260,6 @@ struct RecoveryRig {
   LoadMatrix load;
   Topology topo{.ranks = kRanks, .nodes = 1, .slots = kRanks * kRows, .groups = 1};
   std::vector<std::unique_ptr<Rank>> ranks;
-  std::string path = ::testing::TempDir() + "/eplbx-recovery-backup";
   std::unique_ptr<io::HostBackup> backup;
   JoinedStore store{kRanks, /*membership=*/true};
 
@@ -1280,7 +1279,7 @@ struct RecoveryRig {
     for (uint32_t r = 0; r < kRanks; ++r) {
       ranks.push_back(MakeRank(r, before, r < faults.size() ? faults[r] : nullptr));
     }
-    auto b = io::HostBackup::Create(path, ranks[0]->layout, kE);
+    auto b = io::HostBackup::Create(::testing::TempDir(), ranks[0]->layout, kE);
     EXPECT_TRUE(b.ok()) << b.status().ToString();
     if (!b.ok()) return;
     backup = std::move(*b);
@@ -1288,7 +1287,6 @@ struct RecoveryRig {
       EXPECT_TRUE(backup->Capture(in_force, ranks[r]->layout).ok());
     }
   }
-  ~RecoveryRig() { unlink(path.c_str()); }
 
   struct Survivor {
     Status setup;

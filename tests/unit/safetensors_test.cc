@@ -2,10 +2,16 @@
 // file, checked against the layout; truncated or mismatched files are clear errors.
 #include "io/safetensors.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstring>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -121,6 +127,82 @@ TEST(SafetensorsTest, TruncatedAndMalformedFilesAreNamed) {
   EXPECT_EQ(error(testing::TempDir() + "/absent.safetensors").code(), Code::kIoError);
   EXPECT_EQ(LayoutDtype("F8_E4M3"), "fp8_e4m3");
   EXPECT_EQ(LayoutDtype("nope"), "");
+}
+
+// Issue 33, item 3: the reader reads the file it checked. A checkpoint rewritten in place,
+// cut short or replaced under its name after Open is named; no row of another file is read.
+TEST(SafetensorsTest, AFileChangedOrReplacedAfterOpenIsNamedAndNoRowIsRead) {
+  const std::string data = Data();
+  const std::string w13_other = std::string(48, '\x55');  // another file's rows
+  auto rewritten = [&](const std::string& name,
+                       const std::function<void(const std::string&)>& change,
+                       const std::string& want) {
+    const std::string path = Write(name, kHeader, data);
+    Result<SafetensorsFile> f = SafetensorsFile::Open(path);
+    ASSERT_TRUE(f.ok()) << f.status().ToString();
+    uint8_t row[12];
+    ASSERT_TRUE(f->ReadExpertRow("layers.0.w13", 1, W13(), row).ok());
+    change(path);
+    uint8_t after[12];
+    std::memset(after, 0xee, sizeof(after));
+    const Status s = f->ReadExpertRow("layers.0.w13", 1, W13(), after);
+    EXPECT_EQ(s.code(), Code::kCorruption) << name << ": " << s.ToString();
+    EXPECT_NE(s.message().find("changed since it was opened (" + want), std::string::npos)
+        << name << ": " << s.ToString();
+    for (uint8_t b : after) EXPECT_EQ(b, 0xee) << name << ": a row was written";
+  };
+  // Another model's file of the same size, renamed over it (what a model update does).
+  rewritten(
+      "renamed.safetensors",
+      [&](const std::string& path) {
+        const std::string other = Write("other.safetensors", kHeader, w13_other + data.substr(48));
+        ASSERT_EQ(std::rename(other.c_str(), path.c_str()), 0);
+      },
+      "the name now names another file");
+  // Rewritten in place, same size.
+  rewritten(
+      "inplace.safetensors",
+      [&](const std::string& path) {
+        struct timespec later[2] = {{0, UTIME_OMIT},
+                                    {4102444800, 0}};  // a modification time of 2100
+        std::ofstream(path, std::ios::binary | std::ios::in | std::ios::out)
+            << U64(std::string(kHeader).size()) << kHeader << w13_other;
+        ASSERT_EQ(utimensat(AT_FDCWD, path.c_str(), later, 0), 0);
+      },
+      "it was modified");
+  rewritten(
+      "shrunk.safetensors",
+      [&](const std::string& path) { ASSERT_EQ(truncate(path.c_str(), 20), 0); },
+      "its size went from");
+  rewritten(
+      "removed.safetensors", [&](const std::string& path) { ASSERT_EQ(unlink(path.c_str()), 0); },
+      "its name is gone");
+}
+
+// Issue 33, item 5: a header nested 200,000 deep is refused by name (it crashed the reader),
+// and so is a NUL with garbage after the JSON (it was accepted); trailing spaces, which the
+// format allows as padding, are not.
+TEST(SafetensorsTest, DeepNestingAndANulInTheHeaderAreRefused) {
+  auto error = [](const std::string& path) { return SafetensorsFile::Open(path).status(); };
+  const std::string deep = R"({"a": {"dtype": "U8", "shape": )" + std::string(200000, '[') +
+                           std::string(200000, ']') + R"(, "data_offsets": [0, 0]}})";
+  const Status d = error(Write("deep.safetensors", deep, ""));
+  EXPECT_EQ(d.code(), Code::kCorruption) << d.ToString();
+  EXPECT_NE(d.message().find("the header nests deeper than 8"), std::string::npos) << d.ToString();
+  const std::string nul = std::string(kHeader) + std::string(1, '\0') + "garbage{";
+  const Status n = error(Write("nul.safetensors", nul, Data()));
+  EXPECT_EQ(n.code(), Code::kCorruption) << n.ToString();
+  EXPECT_NE(n.message().find("the header has a NUL byte at header byte " +
+                             std::to_string(std::string(kHeader).size())),
+            std::string::npos)
+      << n.ToString();
+  // Brackets inside strings do not count, escapes are skipped.
+  const std::string quoted =
+      R"({"__metadata__": {"note": "[[[[[[[[[[{{{{{{{{{{ \" [[[[["}, "a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}})";
+  EXPECT_TRUE(SafetensorsFile::Open(Write("quoted.safetensors", quoted, "abcd")).ok())
+      << error(Write("quoted.safetensors", quoted, "abcd")).ToString();
+  const std::string padded = std::string(kHeader) + "        ";
+  EXPECT_TRUE(SafetensorsFile::Open(Write("padded.safetensors", padded, Data())).ok());
 }
 
 }  // namespace

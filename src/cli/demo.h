@@ -115,8 +115,10 @@ void FillLayer(Weights& w, const Placement& map, int layer, int rank);
 std::string VerifyLayer(const Weights& w, const Placement& map, int layer, int rank);
 
 // One rank of `eplbx demo --serve`: forward steps of real expert work, EPLB off, synchronous
-// and asynchronous (serve_rank.cc). Returns the process exit code.
-int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot);
+// and asynchronous (serve_rank.cc). Returns the process exit code; `sent` (if not null) gets
+// the report sent to the coordinator (its "error" says why a failed rank failed).
+int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot,
+                 nlohmann::json* sent = nullptr);
 // The serving comparison from the ranks' reports (serve_report.cc).
 Status ReportServing(const DemoOptions& o, const std::map<int, nlohmann::json>& reports,
                      double wall_seconds, const Status& coordinator);

@@ -560,11 +560,12 @@ Result<int> SettleMembers(const DemoOptions& o, int step, const LoadTrace& trace
 
 }  // namespace
 
-int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot) {
+int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann::json* sent) {
   nlohmann::json report = NewRankReport(rank);
   report["node"] = NodeName();
   auto finish = [&](int code) {
     (void)boot.SendMessage(report.dump());
+    if (sent != nullptr) *sent = report;
     return code;
   };
   auto fail = [&](const std::string& why) {

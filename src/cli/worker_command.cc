@@ -128,7 +128,7 @@ Status RunWorker(DemoOptions o, bool ranks_given) {
   int code = 1;
   nlohmann::json mine;
   if (boot.ok()) {
-    code = o.serve ? RunServeRank(o, static_cast<int>(env->rank), **boot)
+    code = o.serve ? RunServeRank(o, static_cast<int>(env->rank), **boot, &mine)
                    : RunDemoRank(o, static_cast<int>(env->rank), **boot, &mine);
     boot->reset();  // closes the socket: the store sees this rank leave
   }
@@ -141,7 +141,7 @@ Status RunWorker(DemoOptions o, bool ranks_given) {
                                                       !mine["error"].get<std::string>().empty()
                                                   ? mine["error"].get<std::string>()
                                                   : std::string("failed"),
-                                              " (rank 0 prints the whole report while it runs)"));
+                                              " (rank 0 prints the whole report, if it runs)"));
   }
   Status served;
   std::map<int, nlohmann::json> reports = store->Finish(&served);

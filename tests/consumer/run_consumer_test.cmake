@@ -9,6 +9,7 @@ if(rc)
 endif()
 execute_process(COMMAND ${CMAKE_COMMAND} -S ${CONSUMER_SOURCE_DIR} -B ${WORK_DIR}/build
                         -G ${GENERATOR} -DCMAKE_PREFIX_PATH=${prefix}
+                        -DCMAKE_CXX_COMPILER=${CONSUMER_CXX}
                         "-DCMAKE_CXX_FLAGS=${CONSUMER_FLAGS}"
                 RESULT_VARIABLE rc)
 if(rc)

@@ -17,7 +17,8 @@ for want in "== eplbx demo --serve" "tokens/s" "oracle " \
     "every row a step used checked against its map: yes" \
     "verified: yes, weights intact: yes" "== eplbx plan: DeepSeek-V3 shape" \
     "balancedness (mean / max rank load, 1 = perfect): total" "  rank 31 " \
-    "full plan (JSON): build/dsv3_plan.json"; do
+    "full plan (JSON): build/dsv3_plan.json" "policies side by side" \
+    "balanced, 4 node(s)" "incremental from the deepseek plan, 4 node(s)"; do
   if ! grep -qF -- "$want" "$out"; then
     echo "FAIL: scripts/demo.sh did not print: $want"
     fail=1

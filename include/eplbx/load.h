@@ -51,7 +51,8 @@ class LoadRecorder {
 // interval, 2 * interval, ...); it is skipped when the current placement's balancedness on
 // the window is already >= skip_above (SGLang's utilisation gate; > 1 disables it), or
 // when the new plan's predicted balancedness on the window does not beat the current one,
-// or by less than min_gain.
+// or by less than min_gain. Balancer::Create refuses min_gain outside [0, 1] and
+// skip_above outside [0, 2] (NaN and infinities included), as the CLI's flags do.
 struct TriggerOptions {
   int interval = 1000;
   double min_gain = 0.0;

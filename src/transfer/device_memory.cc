@@ -4,14 +4,28 @@
 
 #include <cstdlib>
 
+#if EPLBX_WITH_CUDA
+#include <cuda.h>
+#endif
+
 namespace eplbx::internal {
 namespace {
 
-// The driver API's stable ABI (cuda.h): CUresult cuPointerGetAttribute(void*, int, CUdeviceptr).
+#if EPLBX_WITH_CUDA
+// The function's own type: a call through another type (int for its enums) is undefined,
+// and clang's UBSan says so (-fsanitize=function).
+using PointerGetAttribute = decltype(&::cuPointerGetAttribute);
+constexpr CUpointer_attribute kAttributeMemoryType = CU_POINTER_ATTRIBUTE_MEMORY_TYPE;
+constexpr CUpointer_attribute kAttributeIsManaged = CU_POINTER_ATTRIBUTE_IS_MANAGED;
+constexpr unsigned kMemoryTypeDevice = CU_MEMORYTYPE_DEVICE;
+#else
+// Without the toolkit's headers no process of this build has the driver loaded by eplbx;
+// the driver API's ABI: CUresult cuPointerGetAttribute(void*, int, CUdeviceptr).
 using PointerGetAttribute = int (*)(void* data, int attribute, unsigned long long ptr);
 constexpr int kAttributeMemoryType = 2;    // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
 constexpr int kAttributeIsManaged = 8;     // CU_POINTER_ATTRIBUTE_IS_MANAGED
 constexpr unsigned kMemoryTypeDevice = 2;  // CU_MEMORYTYPE_DEVICE
+#endif
 
 PointerGetAttribute LoadedDriver() {
   // Never loads the driver: only finds it when the process already has it.

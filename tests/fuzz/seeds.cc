@@ -80,6 +80,32 @@ int main(int argc, char** argv) {
   l.layers.push_back(l.layers[0]);
   Put(root / "fuzz_layout", "two_layers", EncodeLayout(l));
   {
+    // A coordinator's answers: a round at epoch 2 (members 0, 1, 3) with four contributions,
+    // a refusal, a plain round and a failure.
+    auto frame = [](uint8_t type, const std::string& body) {
+      internal::ByteWriter w;
+      w.U8(type);
+      w.U32(static_cast<uint32_t>(body.size()));
+      return w.Take() + body;
+    };
+    internal::ByteWriter at, refused, plain;
+    at.U64(2);
+    at.U32(4);
+    for (uint8_t m : {1, 1, 0, 1}) at.U8(m);
+    at.U32(4);
+    for (const char* c : {"zero", "mine", "", "three"}) at.Str32(c);
+    refused.U64(3);
+    refused.U32(4);
+    for (uint8_t m : {1, 1, 0, 0}) refused.U8(m);
+    refused.Str32("rank 3 left: epoch 3, members 0, 1");
+    plain.U32(4);
+    for (const char* c : {"a", "b", "c", "d"}) plain.Str32(c);
+    Put(root / "fuzz_bootstrap_frames", "gathered_at", frame(8, at.Take()));
+    Put(root / "fuzz_bootstrap_frames", "refused_then_gathered",
+        frame(9, refused.Take()) + frame(3, plain.Take()));
+    Put(root / "fuzz_bootstrap_frames", "failed", frame(4, "the coordinator gave up"));
+  }
+  {
     // A host backup of two layers (two tensors, then one) of 8 experts, the whole file.
     RankLayout small;
     small.layers = {{{"w13", "bf16", {2, 4}, 0, 16, 3}, {"w2", "f32", {3}, 0, 12, 3}},

@@ -88,6 +88,14 @@ echo "link down: exit $codes in ${took}s: $err"
 # (The text report: rank 0 prints progress, which says when they serve.)
 port=$((port + 1))
 ip link set b${tag}2 up  # (part 2 took it down)
+# Part 2 left failed neighbour entries for rank 2's address in the other namespaces (a connect
+# then fails at once with "Destination is unreachable"), and the bridge port may not forward
+# yet: flush them and wait for the port, as a host whose link came back would after a while.
+for n in "${ns[@]}"; do ip netns exec "$n" ip neigh flush all 2>/dev/null || true; done
+for _ in $(seq 1 50); do
+  [[ $(cat /sys/class/net/b${tag}2/brport/state 2>/dev/null) == 3 ]] && break  # forwarding
+  sleep 0.1
+done
 rm -f "$work"/serve.*
 run_ranks serve --serve --modes async --layers 4 --experts 16 --slots-per-rank 8 \
   --expert-bytes 256K --steps 4000 --interval 20 --tokens 64 --top-k 4 --work-bytes 1K \

@@ -140,7 +140,8 @@ TEST(SimulateTest, GatesSkipAndErrors) {
   SimulateResult r = *Simulate(t, o);
   EXPECT_EQ(r.rebalances, 0);
   EXPECT_EQ(r.skipped_balanced, 3);
-  o.trigger = {.interval = 20, .min_gain = 2, .skip_above = 1.01};  // no plan gains 2
+  // No plan gains 1 (balancedness is in (0, 1]); min_gain above 1 is refused since issue 33.
+  o.trigger = {.interval = 20, .min_gain = 1, .skip_above = 1.01};
   r = *Simulate(t, o);
   EXPECT_EQ(r.rebalances, 0);
   EXPECT_EQ(r.skipped_small_gain, 3);

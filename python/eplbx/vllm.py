@@ -403,7 +403,9 @@ _SHARE_ENV = "EPLBX_SHARE_MEMORY"
 # Where install() patches vLLM, as found in vLLM 0.33 (the communicator interface with
 # set_transfer_context and per-expert add_send/add_recv): module -> attributes it must have.
 _LAYOUT = {
-    "vllm.config.parallel": ("EPLBCommunicatorBackend", "EPLBConfig", "ParallelConfig"),
+    "vllm.config.parallel": ("EPLBCommunicatorBackend", "EPLBPolicyOption", "EPLBConfig",
+                             "ParallelConfig"),
+    "vllm.distributed.eplb.policy": ("EPLB_POLICIES", "AbstractEplbPolicy"),
     "vllm.distributed.eplb.eplb_communicator": ("create_eplb_communicator", "EplbCommunicator"),
     "vllm.distributed.eplb.rebalance_execute": ("rearrange_expert_weights_inplace",),
 }
@@ -572,6 +574,10 @@ def install() -> str:
     where safe (EPLBX_DIRECT=0: vLLM's own loop through the buffer); vLLM's asynchronous EPLB
     keeps its own loop (transfer_layer, then its copy out of the buffer).
 
+    It also registers eplbx's placement as vLLM's EPLB policies "eplbx" (incremental) and
+    "eplbx_balanced" (POLICIES; `eplb_config={"policy": "eplbx", "use_async": false}`: vLLM
+    0.33 runs only its default policy asynchronously).
+
     Idempotent (vLLM loads plugins once per process, maybe more). vLLM runs it in every
     process through the `vllm.general_plugins` entry point the build writes next to the
     package; a script that builds EngineArgs from a dict calls it first. An installed vLLM laid
@@ -583,10 +589,21 @@ def install() -> str:
     layout = _find_layout(version)
     parallel = layout["vllm.config.parallel"]
     comm_module = layout["vllm.distributed.eplb.eplb_communicator"]
+    policies = layout["vllm.distributed.eplb.policy"]
 
+    widen = []
     names = typing.get_args(parallel.EPLBCommunicatorBackend)
     if BACKEND not in names:
-        _widen_communicator_names(version, parallel, names)
+        widen.append(("EPLBCommunicatorBackend", "communicator", True, names, (BACKEND,)))
+    policy_names = typing.get_args(parallel.EPLBPolicyOption)
+    missing = tuple(name for name in POLICIES if name not in policy_names)
+    if missing:
+        widen.append(("EPLBPolicyOption", "policy", False, policy_names, missing))
+    classes = {name: _policy_class(policies.AbstractEplbPolicy, name) for name in POLICIES}
+    if widen:
+        _widen_config(version, parallel, widen)
+    for name, cls in classes.items():
+        policies.EPLB_POLICIES.setdefault(name, cls)
 
     _replace_everywhere(comm_module, "create_eplb_communicator", _create)
     _replace_everywhere(layout["vllm.distributed.eplb.rebalance_execute"], "rearrange_expert_weights_inplace",
@@ -594,8 +611,9 @@ def install() -> str:
     return version
 
 
-def _widen_communicator_names(version, parallel, names) -> None:
-    """Adds BACKEND to the communicator names EPLBConfig accepts and rebuilds the pydantic
+def _widen_config(version, parallel, widen) -> None:
+    """Adds names to Literal fields of vLLM's EPLBConfig (`widen`: (alias in
+    vllm.config.parallel, field, optional, names, added) each) and rebuilds the pydantic
     validators that embed them. All or nothing: everything is checked first, and a rebuild
     that fails puts every change back (and rebuilds again) before VllmLayoutError."""
     import typing
@@ -605,35 +623,111 @@ def _widen_communicator_names(version, parallel, names) -> None:
         import pydantic.dataclasses
 
         config_cls = parallel.EPLBConfig
-        field = config_cls.__dataclass_fields__["communicator"]
+        fields = {field: config_cls.__dataclass_fields__[field] for _, field, *_ in widen}
         annotations = config_cls.__annotations__
         embedding = [getattr(parallel, name) for name in ("ParallelConfig",)]
         rebuild = pydantic.dataclasses.rebuild_dataclass
     except Exception as e:  # noqa: BLE001 - named below, nothing changed yet
         raise VllmLayoutError(
-            f"eplbx.vllm.install(): vLLM {version}'s EPLBConfig is not a pydantic dataclass with a "
-            f"'communicator' field as eplbx expects ({type(e).__name__}: {e}). Nothing was changed") from e
-    saved = (parallel.EPLBCommunicatorBackend, annotations.get("communicator"), field.type)
-    accepted = typing.Literal[tuple(names) + (BACKEND,)]
+            f"eplbx.vllm.install(): vLLM {version}'s EPLBConfig is not a pydantic dataclass with "
+            f"the fields eplbx widens ({type(e).__name__}: {e}). Nothing was changed") from e
+    saved = [(alias, field, getattr(parallel, alias), annotations.get(field), fields[field].type)
+             for alias, field, *_ in widen]
     try:
-        parallel.EPLBCommunicatorBackend = accepted
-        annotations["communicator"] = typing.Optional[accepted]
-        field.type = typing.Optional[accepted]
+        for alias, field, optional, names, added in widen:
+            accepted = typing.Literal[tuple(names) + tuple(added)]
+            setattr(parallel, alias, accepted)
+            annotations[field] = typing.Optional[accepted] if optional else accepted
+            fields[field].type = annotations[field]
         rebuild(config_cls, force=True)
         # The configs that validate an EPLBConfig given as a dict embed its schema.
         for cls in embedding:
             rebuild(cls, force=True)
     except Exception as e:  # noqa: BLE001 - rolled back, then named
-        parallel.EPLBCommunicatorBackend, annotations["communicator"], field.type = saved
+        for alias, field, old_alias, old_annotation, old_type in saved:
+            setattr(parallel, alias, old_alias)
+            annotations[field] = old_annotation
+            fields[field].type = old_type
         for cls in [config_cls] + embedding:
             try:
                 rebuild(cls, force=True)
             except Exception:  # noqa: BLE001 - the original schema was built once already
                 pass
+        added = ", ".join(f"{field} {name!r}" for _, field, _, _, names in widen for name in names)
         raise VllmLayoutError(
-            f"eplbx.vllm.install(): rebuilding vLLM {version}'s config validators with "
-            f"communicator {BACKEND!r} failed ({type(e).__name__}: {e}). Every change was put "
-            "back; use one of vLLM's own communicators") from e
+            f"eplbx.vllm.install(): rebuilding vLLM {version}'s config validators with {added} "
+            f"failed ({type(e).__name__}: {e}). Every change was put back; use one of vLLM's own "
+            "communicators and policies") from e
+
+
+# ---------------------------------------------------------------------------------------
+# eplbx's placement as vLLM's EPLB policy: `eplb_config={"policy": "eplbx"}`.
+
+#: vLLM policy name -> eplbx placement policy (docs/placement.md).
+POLICIES = {"eplbx": "incremental", "eplbx_balanced": "balanced"}
+
+
+def rebalance_experts(weight, num_replicas: int, num_groups: int, num_nodes: int, num_ranks: int,
+                      old_global_expert_indices=None, policy: str = "eplbx") -> np.ndarray:
+    """vLLM's AbstractEplbPolicy.rebalance_experts on numpy: the new phy2log (layers x
+    num_replicas, int64) for the load `weight` (layers x logical experts).
+
+    Like vLLM's default policy, groups are kept on nodes (hierarchical) when num_groups is a
+    multiple of num_nodes, else the placement is global. "eplbx" is incremental from
+    `old_global_expert_indices` (the phy2log in force): staying experts keep their slots and
+    the fewest experts move at no loss of balance beyond eplbx's tolerance; without a usable
+    map in force (none, another shape after a resize, or slots vLLM left empty, -1) it plans
+    "balanced". "eplbx_balanced" is eplbx's balanced placement, keeping staying experts in
+    their slots where a map is in force. What vLLM's contract cannot express is refused by
+    name (InvalidArgumentError)."""
+    from . import plan
+
+    if policy not in POLICIES:
+        raise InvalidArgumentError(f"eplbx: unknown vLLM EPLB policy {policy!r} (expected one of "
+                                   f"{', '.join(POLICIES)})")
+    load = np.asarray(weight, dtype=np.float64)
+    if load.ndim != 2:
+        raise InvalidArgumentError(f"eplbx: the load is {load.ndim}-D; vLLM passes layers x "
+                                   "logical experts")
+    layers, experts = load.shape
+    replicas = _check_int(num_replicas, "num_replicas", 1, _INT32_MAX)
+    ranks = _check_int(num_ranks, "num_ranks", 1, _INT32_MAX)
+    nodes = _check_int(num_nodes, "num_nodes", 1, _INT32_MAX)
+    groups = _check_int(num_groups, "num_groups", 1, _INT32_MAX)
+    if replicas % ranks != 0:
+        raise InvalidArgumentError(f"eplbx: num_replicas {replicas} is not a multiple of num_ranks "
+                                   f"{ranks} (vLLM's contract: every rank holds as many slots)")
+    if groups % nodes != 0:  # vLLM's default policy: then global
+        groups, nodes = 1, 1
+    previous = None
+    if old_global_expert_indices is not None:
+        old = np.asarray(old_global_expert_indices)
+        if old.shape == (layers, replicas) and old.size and old.min() >= 0 and old.max() < experts:
+            previous = old.astype(np.int32)
+    eplbx_policy = POLICIES[policy]
+    if previous is None and eplbx_policy == "incremental":
+        eplbx_policy = "balanced"
+    result = plan(load, slots=replicas, ranks=ranks, nodes=nodes, groups=groups,
+                  policy=eplbx_policy, previous=previous)
+    return result.phy2log.astype(np.int64)
+
+
+def _policy_class(abstract, name: str):
+    """A subclass of vLLM's AbstractEplbPolicy that plans with eplbx (policy `name`)."""
+
+    def rebalance(cls, weight, num_replicas, num_groups, num_nodes, num_ranks,
+                  old_global_expert_indices=None):
+        import torch
+
+        old = old_global_expert_indices
+        phy2log = rebalance_experts(weight.float().cpu().numpy(), num_replicas, num_groups,
+                                    num_nodes, num_ranks,
+                                    None if old is None else old.cpu().numpy(), policy=name)
+        return torch.from_numpy(phy2log)
+
+    rebalance.__doc__ = rebalance_experts.__doc__
+    return type(''.join(p.title() for p in name.split('_')) + "Policy", (abstract,),
+                {"rebalance_experts": classmethod(rebalance), "__module__": __name__})
 
 
 def _plugin() -> None:

@@ -6,6 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-build}
 shift || true
-cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
+# ccache, where installed (scripts/setup.sh): the package build (scripts/test-package.sh)
+# compiles the library with the Release build's flags and takes its objects from the cache.
+launcher=()
+if command -v ccache >/dev/null; then launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache); fi
+cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" "$@" >/dev/null
 # shellcheck disable=SC2086  # a list of target names
 cmake --build "$dir" ${EPLBX_TARGETS:+--target $EPLBX_TARGETS}

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up, builds and runs every test:
 #   1. clang-format check over the whole tree;
-#   2. Release build, all tests (ctest);
+#   2. Release build, all tests (ctest); the Python package built by pip and its tests
+#      (scripts/test-package.sh);
 #   3. ASan + UBSan build with clang (the whole tree builds with GCC and clang), all tests;
 #   4. TSan build: the protocol, agent and rearrangement tests that run ranks as threads, and
 #      the multi-process transfer tests;
@@ -24,6 +25,8 @@ git ls-files -co --exclude-standard '*.h' '*.cc' | xargs clang-format --dry-run 
 echo "== Release build + tests =="
 scripts/build.sh build
 ctest --test-dir build --output-on-failure -j2
+echo "== the Python package: pip wheel . and install in a fresh virtual environment =="
+scripts/test-package.sh
 if grep -q "^EPLBX_WITH_CUDA:BOOL=ON" build/CMakeCache.txt; then
   echo "== CUDA data path compiled and linked (device tests skip without a GPU; scripts/test-gpu.sh runs them) =="
 else

@@ -741,6 +741,7 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann
   const uint64_t segments = std::max<uint64_t>(1, row0 / work);
   auto* turn = static_cast<sem_t*>(o.work_turn);
   bool stopped = false;
+  bool coordinator_gone = false;  // no round can be answered any more: no final barrier
   for (int step = first_step; step < o.steps && !stopped; ++step) {
     const int64_t step_t0 = MonotonicNs();
     if (loss && rank == o.fault_rank && step == o.fault_step) {
@@ -849,7 +850,16 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann
             stopped = true;
           }
         } else if (!alive.ok()) {
-          modes[0].m.error = StrCat("step ", step, ": ", alive.message());
+          // The coordinator fails a round a member misses at 0.8 x the deadline; a member that
+          // waited 2 x for the step's collective heard nothing: the coordinator (rank 0's
+          // store) is stopped, hung or unreachable, and no later round can be answered.
+          coordinator_gone = alive.code() == Code::kTimeout || alive.code() == Code::kUnavailable;
+          modes[0].m.error =
+              alive.code() == Code::kTimeout
+                  ? StrCat("step ", step, ": the coordinator (rank 0's store) did not answer the "
+                           "step's collective within ", RoundWait(o).count() / 1000.0,
+                           " s (2 x --deadline): rank 0 stopped, hung or unreachable")
+                  : StrCat("step ", step, ": ", alive.message());
           stopped = true;
         }
       }
@@ -887,7 +897,7 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann
   }
   // Nobody tears its agents down while a peer may still be finishing (a rank that left is
   // no member any more: it reports and goes).
-  Status done = left ? Status::OK() : boot.Barrier(round_wait);
+  Status done = left || coordinator_gone ? Status::OK() : boot.Barrier(round_wait);
   if (!done.ok() && report["error"].get<std::string>().empty()) report["error"] = done.message();
   if (drill) {
     report["left"] = left;

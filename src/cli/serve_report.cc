@@ -117,14 +117,17 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
   const bool found = o.survive && o.fault_step < 0;
   std::vector<int> lost;
   if (found) {
-    for (const auto& [r, rep] : reports) {
-      if (rep.contains("drill") && rep["drill"].is_object() &&
-          rep["drill"].value("detected_step", -1) >= 0 && rep["drill"].contains("members") &&
-          rep["drill"]["members"].is_array() && rep.value("error", "").empty()) {
-        for (const json& m : rep["drill"]["members"]) {
-          if (m.is_number_integer()) survivors.push_back(m.get<int>());
+    // The members a survivor reports: one that ended well first, else one that failed later
+    // (a failed run still says who was lost before it failed).
+    for (const bool clean : {true, false}) {
+      for (const auto& [r, rep] : reports) {
+        if (survivors.empty() && rep.contains("drill") && rep["drill"].is_object() &&
+            rep["drill"].value("detected_step", -1) >= 0 && rep["drill"].contains("members") &&
+            rep["drill"]["members"].is_array() && rep.value("error", "").empty() == clean) {
+          for (const json& m : rep["drill"]["members"]) {
+            if (m.is_number_integer()) survivors.push_back(m.get<int>());
+          }
         }
-        break;
       }
     }
     if (survivors.empty()) {
@@ -158,23 +161,23 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
   json restarts = json::array();
   uint64_t rows_recovered = 0, bytes_moved = 0, rows_checked = 0, bad_rows = 0;
   int rebalances_after = 0;
+  bool counted_rebalances = false;  // from the first survivor with a report
   json members, interrupted = "";
+  // Every survivor's figures count, also after an error (the first error is the run's): a
+  // failed run reports what happened up to the failure.
   for (int r : survivors) {
-    if (!error.empty()) break;
     if (reports.count(r) == 0) {
-      error = StrCat("rank ", r, " (a member) exited without a report");
-      break;
+      if (error.empty()) error = StrCat("rank ", r, " (a member) exited without a report");
+      continue;
     }
     const json& rep = reports.at(r);
-    if (std::string e = rep.value("error", ""); !e.empty()) {
-      error = StrCat("rank ", r, ": ", e);
-      break;
-    }
+    const std::string failed = rep.value("error", "");
+    if (!failed.empty() && error.empty()) error = StrCat("rank ", r, ": ", failed);
     if (!rep.contains("drill") || !rep["drill"].is_object() || !rep.contains("modes") ||
         !rep["modes"].is_object() || !rep["modes"].contains(mode) ||
         !rep["modes"][mode].is_object()) {
-      error = StrCat("rank ", r, " sent no drill report");
-      break;
+      if (error.empty()) error = StrCat("rank ", r, " sent no drill report");
+      continue;
     }
     const json& d = rep["drill"];
     const double det = number(d, "detected_step"), ep = number(d, "epoch"),
@@ -187,12 +190,12 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
       interrupted = d.value("interrupted", json(""));
       placements = number(d, "placements");
       restarts = d.value("restarts", json::array());
-    } else if (det != detected || ep != epoch || rec != experts_recovered ||
-               d.value("members", json::array()) != members) {
+    } else if (failed.empty() && error.empty() &&
+               (det != detected || ep != epoch || rec != experts_recovered ||
+                d.value("members", json::array()) != members)) {
       error = StrCat("the survivors disagree: rank ", survivors[0], " recovered at step ", detected,
                      " (epoch ", epoch, ", ", experts_recovered, " experts from the backup), rank ",
                      r, " at step ", det, " (epoch ", ep, ", ", rec, ")");
-      break;
     }
     // The phases of the survivor that took longest (the others waited for it). A joining
     // rank's own time runs from its start (it waits for the members to reach the step's
@@ -214,7 +217,8 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
     const json& mj = rep["modes"][mode];
     rows_checked += mj.value("rows_checked", uint64_t{0});
     bad_rows += mj.value("bad_rows", uint64_t{0});
-    if (r == survivors[0] && mj.contains("rebalances") && mj["rebalances"].is_array()) {
+    if (!counted_rebalances && mj.contains("rebalances") && mj["rebalances"].is_array()) {
+      counted_rebalances = true;
       for (const json& x : mj["rebalances"]) {
         if (x.is_object() && number(x, "step") > detected && x.value("ok", false))
           ++rebalances_after;

@@ -33,6 +33,7 @@
 #include "eplbx/simulate.h"
 #include "eplbx/survivors.h"
 #include "io/backup.h"
+#include "serve/members_map.h"
 
 namespace eplbx::cli {
 namespace {
@@ -358,27 +359,12 @@ std::vector<int32_t> OwnSlots(const Placement& p, int rank, int rows) {
   return out;
 }
 
-// One round of settling the members after a member-set change: each member sends the step it
-// is at (a joiner: -1), whether its last placement over the members succeeded and at which
-// epoch (0: none yet), and what its own slots hold (a lost rank may have voted a layer ready
-// to some survivors only, or a move may have stopped half way: each member vouches for its
-// own slots).
-struct MembersRound {
-  Placement in_force;  // assembled from every member's own slots
-  int step = -1;       // the members' (they are in step: the step's collective)
-  bool all_placed = true;
-  uint64_t placed_at = 0;  // the epoch they all placed at (when all_placed)
-  std::string not_placed;  // "rank 2" of those that did not
-};
+// One round of settling the members after a member-set change (serve/members_map.h).
+using internal::MembersRound;
 Result<MembersRound> GatherMaps(const DemoOptions& o, const Topology& topo, Bootstrap& boot,
                                 int step, uint64_t placed_at, const std::vector<int32_t>& own,
                                 std::chrono::milliseconds first_wait) {
-  const int rows = o.slots_per_rank;
-  internal::ByteWriter w;
-  w.U32(static_cast<uint32_t>(step + 1));  // a joiner: 0
-  w.U64(placed_at);
-  for (int32_t e : own) w.U32(static_cast<uint32_t>(e));
-  const std::string mine = w.Take();
+  const std::string mine = internal::EncodeMembersMap(step, placed_at, own);
   Result<std::vector<std::string>> all = Status::Internal("not gathered");
   // Again while the member set moves (a joiner's first contribution is refused: it learns the
   // epoch and member set, then contributes with the members).
@@ -388,48 +374,11 @@ Result<MembersRound> GatherMaps(const DemoOptions& o, const Topology& topo, Boot
     if (all.ok() || boot.epoch() == epoch) break;
   }
   if (!all.ok()) return all.status().WithPrefix("gathering the members' maps");
-  MembersRound out;
-  size_t step_rank = 0;  // the first member that said its step
-  std::vector<int32_t> flat(static_cast<size_t>(o.layers) * topo.slots, -1);
-  bool first = true;
-  for (size_t r = 0; r < all->size(); ++r) {
-    const std::string& b = (*all)[r];
-    if (b.empty()) continue;  // not a member
-    const std::string what = StrCat("rank ", r, "'s map");
-    internal::ByteReader in(b, what);
-    uint32_t at = 0;
-    uint64_t placed = 0;
-    std::vector<uint32_t> slots(static_cast<size_t>(o.layers) * rows);
-    bool ok = in.U32("step", &at) && in.U64("placed_at", &placed);
-    for (size_t i = 0; ok && i < slots.size(); ++i) ok = in.U32("slot", &slots[i]);
-    if (!ok || b.size() != mine.size()) {
-      return Status::Internal(
-          StrCat("rank ", r, " sent a map of ", b.size(), " bytes, ", mine.size(), " expected"));
-    }
-    // Members are in step (the step's collective); a joiner says 0.
-    if (at > 0 && out.step >= 0 && static_cast<int>(at) - 1 != out.step) {
-      return Status::Internal(StrCat("rank ", r, " is at step ", at - 1, ", rank ", step_rank,
-                                     " at step ", out.step, ": the members are not in step"));
-    }
-    if (at > 0 && out.step < 0) {
-      out.step = static_cast<int>(at) - 1;
-      step_rank = r;
-    }
-    if (placed == 0) out.not_placed += StrCat(out.not_placed.empty() ? "rank " : ", ", r);
-    // Settled only when every member placed, all at one epoch.
-    if (placed == 0 || (!first && placed != out.placed_at)) out.all_placed = false;
-    if (first) out.placed_at = placed;
-    first = false;
-    for (int l = 0; l < o.layers; ++l) {
-      for (int row = 0; row < rows; ++row) {
-        flat[static_cast<size_t>(l) * topo.slots + r * rows + row] =
-            static_cast<int32_t>(slots[static_cast<size_t>(l) * rows + row]);
-      }
-    }
+  if (all->size() != static_cast<size_t>(topo.ranks)) {
+    return Status::Internal(
+        StrCat("the members' maps came from ", all->size(), " ranks; the group has ", topo.ranks));
   }
-  EPLBX_ASSIGN_OR_RETURN(out.in_force,
-                         Placement::FromPhy2Log(o.layers, topo.slots, o.experts, flat));
-  return out;
+  return internal::DecodeMembersRound(*all, o.layers, o.slots_per_rank, o.experts);
 }
 
 // Plans over the members from the placement in force and moves there: among the members
@@ -856,8 +805,10 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann
           coordinator_gone = alive.code() == Code::kTimeout || alive.code() == Code::kUnavailable;
           modes[0].m.error =
               alive.code() == Code::kTimeout
-                  ? StrCat("step ", step, ": the coordinator (rank 0's store) did not answer the "
-                           "step's collective within ", RoundWait(o).count() / 1000.0,
+                  ? StrCat("step ", step,
+                           ": the coordinator (rank 0's store) did not answer the "
+                           "step's collective within ",
+                           RoundWait(o).count() / 1000.0,
                            " s (2 x --deadline): rank 0 stopped, hung or unreachable")
                   : StrCat("step ", step, ": ", alive.message());
           stopped = true;

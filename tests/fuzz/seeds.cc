@@ -9,6 +9,7 @@
 #include "eplbx/layout.h"
 #include "io/backup.h"
 #include "protocol/records.h"
+#include "serve/members_map.h"
 #include "transfer/metadata.h"
 #ifdef EPLBX_WITH_CUDA
 #include "transfer/cuda/cuda_section.h"
@@ -104,6 +105,13 @@ int main(int argc, char** argv) {
     Put(root / "fuzz_bootstrap_frames", "refused_then_gathered",
         frame(9, refused.Take()) + frame(3, plain.Take()));
     Put(root / "fuzz_bootstrap_frames", "failed", frame(4, "the coordinator gave up"));
+  }
+  {
+    // Three ranks' maps (2 layers x 3 rows of 5 experts): a member, no member, a joiner.
+    const std::string cut = "\xff\xfe";
+    Put(root / "fuzz_members_map", "member_none_joiner",
+        internal::EncodeMembersMap(7, 2, {0, 1, 2, 3, 4, 0}) + cut + cut +
+            internal::EncodeMembersMap(-1, 0, {-1, -1, -1, -1, -1, -1}));
   }
   {
     // A host backup of two layers (two tensors, then one) of 8 experts, the whole file.

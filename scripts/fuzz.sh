@@ -11,6 +11,9 @@ CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWit
   -DEPLBX_BUILD_TESTS=OFF -DEPLBX_BUILD_BENCH=OFF -DEPLBX_BUILD_PYTHON=OFF >/dev/null
 targets="fuzz_agent_metadata fuzz_layout fuzz_protocol_record fuzz_load_file fuzz_trace
   fuzz_safetensors fuzz_backup_header fuzz_bootstrap_frames fuzz_members_map"
+if grep -q "^EPLBX_WITH_CUDA:BOOL=ON" build-fuzz/CMakeCache.txt; then
+  targets="$targets fuzz_staged_head"  # the CUDA data path is built
+fi
 # shellcheck disable=SC2086  # a list of target names
 cmake --build build-fuzz --target $targets
 mkdir -p build-fuzz/crashes

@@ -106,6 +106,24 @@ int main(int argc, char** argv) {
         frame(9, refused.Take()) + frame(3, plain.Take()));
     Put(root / "fuzz_bootstrap_frames", "failed", frame(4, "the coordinator gave up"));
   }
+#ifdef EPLBX_WITH_CUDA
+  {
+    // cuda_staged heads: a PULL of piece 3 and a REFUSE with its reason.
+    auto head = [](uint8_t msg, uint8_t role, const std::string& text) {
+      internal::ByteWriter w;
+      w.U8(msg);
+      w.U8(role);
+      w.U64(42);
+      w.U32(3);
+      w.U64(0x7f0000001000);
+      w.U64(4 << 20);
+      w.Str16(text);
+      return w.Take();
+    };
+    Put(root / "fuzz_staged_head", "pull", head(1, 0, ""));
+    Put(root / "fuzz_staged_head", "refuse", head(3, 1, "rank1 (cuda_staged): not registered"));
+  }
+#endif
   {
     // Three ranks' maps (2 layers x 3 rows of 5 experts): a member, no member, a joiner.
     const std::string cut = "\xff\xfe";

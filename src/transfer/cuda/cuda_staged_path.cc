@@ -865,6 +865,13 @@ class CudaStagedPath final : public DataPath {
 
 }  // namespace
 
+bool DecodeStagedHeadForTest(std::string_view bytes, std::string* reencoded) {
+  std::optional<Head> h = Decode(bytes);
+  if (!h) return false;
+  *reencoded = Encode(*h);
+  return true;
+}
+
 std::unique_ptr<DataPath> CreateCudaStagedPath(ucx::UcxWorker* worker, std::string agent,
                                                CoreListener* listener) {
   return std::make_unique<CudaStagedPath>(worker, std::move(agent), listener);

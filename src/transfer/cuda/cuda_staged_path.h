@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "transfer/backend.h"
 
@@ -27,6 +28,11 @@ inline constexpr uint64_t kStageChunk = 4ull << 20;
 inline constexpr int kStageSlots = 4;
 
 // REQUIRES: `worker` outlives the path.
+// A cuda_staged message head as a peer sends it (PULL, DATA, REFUSE, WRITE, WRITE_DONE):
+// true when `bytes` decode (then *reencoded holds the head encoded again, which must equal
+// `bytes`). The fuzz target's entry (fuzz_staged_head).
+bool DecodeStagedHeadForTest(std::string_view bytes, std::string* reencoded);
+
 std::unique_ptr<DataPath> CreateCudaStagedPath(ucx::UcxWorker* worker, std::string agent,
                                                CoreListener* listener);
 

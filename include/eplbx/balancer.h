@@ -104,6 +104,7 @@ struct BalancerProgress {
   int64_t steps = 0;
   int64_t steps_since_commit = 0;  // since a layer last changed its map (or since the start)
   int64_t layers_committed = 0;    // over all rebalances
+  double balancedness = 1.0;       // of the placement in force, on the last Step's load
 };
 
 struct BalancerStep {

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 #include <future>
+#include <map>
 #include <optional>
 
 #include "common/strings.h"
@@ -112,6 +113,7 @@ struct Balancer::State {
   std::future<Planned> planning;  // asynchronous: the plan being computed
   int64_t begin_at = 0;           // the step (count) at which it begins
   int64_t last_commit_step = 0, layers_committed = 0;
+  double balancedness = 1.0;  // the last Step's
 
   State(BalancerOptions options, Rearranger* r, Placement initial, LoadRecorder rec)
       : o(std::move(options)),
@@ -235,6 +237,7 @@ BalancerProgress Balancer::progress() const {
   p.steps = s.report.steps;
   p.steps_since_commit = s.report.steps - s.last_commit_step;
   p.layers_committed = s.layers_committed;
+  p.balancedness = s.balancedness;
   return p;
 }
 
@@ -272,6 +275,7 @@ Result<BalancerStep> Balancer::Step(std::span<const double> expert_counts) {
   BalancerStep out;
   EPLBX_ASSIGN_OR_RETURN(Balance b, BalanceOver(s.o, s.current, load));
   out.balancedness = b.total;
+  s.balancedness = b.total;
   EPLBX_RETURN_IF_ERROR(s.recorder.Record(expert_counts));
   ++s.report.steps;
   if (s.active) {
@@ -415,7 +419,8 @@ BalancerCommit Balancer::Commit() {
 
 std::string PrometheusText(const BalancerReport& r, const BalancerProgress& p) {
   uint64_t bytes_read = 0, bytes_copied = 0;
-  double stall = 0, wait = 0, commit = 0, poll = 0;
+  double stall = 0, wait = 0, commit = 0, poll = 0, rebalance = 0;
+  std::map<std::string, uint64_t> by_path;  // sorted: the same text every time
   for (const RebalanceRecord& x : r.rebalances) {
     bytes_read += x.bytes_read;
     bytes_copied += x.bytes_copied;
@@ -423,6 +428,9 @@ std::string PrometheusText(const BalancerReport& r, const BalancerProgress& p) {
     wait += x.wait_s;
     commit += x.commit_s;
     poll += x.poll_s;
+    rebalance += x.plan_s + x.migration_plan_s + x.plan_wait_s + x.rearrange_s + x.poll_s +
+                 x.wait_s + x.commit_s;
+    for (const PathTotals& t : x.bytes_by_path) by_path[t.path] += t.bytes;
   }
   std::string out;
   auto metric = [&out](const char* name, const char* type, const char* help, auto value) {
@@ -449,6 +457,20 @@ std::string PrometheusText(const BalancerReport& r, const BalancerProgress& p) {
          p.rearrangement.bytes_in_flight);
   metric("eplbx_steps_since_commit", "gauge", "Steps since a layer last changed its map.",
          p.steps_since_commit);
+  metric("eplbx_balancedness", "gauge",
+         "Balancedness of the placement in force on the last step's load (mean / max rank load).",
+         p.balancedness);
+  out +=
+      "# HELP eplbx_rebalance_seconds Seconds this rank spent on rebalances (planning, "
+      "moving, waiting, committing).\n# TYPE eplbx_rebalance_seconds summary\n";
+  out += StrCat("eplbx_rebalance_seconds_sum ", rebalance, "\neplbx_rebalance_seconds_count ",
+                r.rebalances.size(), "\n");
+  out +=
+      "# HELP eplbx_bytes_moved_total Bytes this rank's rebalances moved, per data path.\n"
+      "# TYPE eplbx_bytes_moved_total counter\n";
+  for (const auto& [path, bytes] : by_path) {
+    out += StrCat("eplbx_bytes_moved_total{path=\"", path, "\"} ", bytes, "\n");
+  }
   return out;
 }
 

@@ -106,7 +106,12 @@ class BalancerTest(unittest.TestCase):
                            report["rebalances"][0]["window_before"])
         # Balanced on the load it saw: the next due steps skip or gain nothing.
         self.assertGreater(b.step(hot)["balancedness"], 0.9)
-        self.assertIn("eplbx_rebalances_total", b.prometheus())
+        text = b.prometheus()
+        self.assertIn("eplbx_rebalances_total", text)
+        # Names in the engines' style (issue 32, item 5).
+        self.assertRegex(text, r"\neplbx_balancedness 0\.9\d*\n")
+        self.assertIn(f"eplbx_rebalance_seconds_count {len(report['rebalances'])}\n", text)
+        self.assertIn("# TYPE eplbx_bytes_moved_total counter", text)
 
     def test_balancer_options_out_of_range_are_refused_as_the_cli_refuses_them(self):
         # Issue 33, item 7: NaN, inf and out-of-range min_gain, skip_above and tolerance were

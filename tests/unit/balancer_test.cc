@@ -157,6 +157,19 @@ TEST(BalancerTest, AsynchronousAndSynchronousRebalanceWhileServing) {
               std::string::npos)
         << logs[0].prometheus;
     EXPECT_NE(logs[0].prometheus.find("# TYPE eplbx_bytes_in_flight gauge"), std::string::npos);
+    // The engines' style (issue 32, item 5): balancedness, rebalance seconds, bytes per path.
+    EXPECT_NE(logs[0].prometheus.find("\neplbx_balancedness 0."), std::string::npos)
+        << logs[0].prometheus;
+    EXPECT_NE(logs[0].prometheus.find("eplbx_rebalance_seconds_count " +
+                                      std::to_string(rep.rebalances.size()) + "\n"),
+              std::string::npos);
+    uint64_t moved = 0;
+    for (const RebalanceRecord& x : rep.rebalances) {
+      for (const PathTotals& t : x.bytes_by_path) moved += t.bytes;
+    }
+    ASSERT_GT(moved, 0u);
+    const size_t at = logs[0].prometheus.find("eplbx_bytes_moved_total{path=\"");
+    ASSERT_NE(at, std::string::npos) << logs[0].prometheus;
   }
 }
 

@@ -604,14 +604,11 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann
   const bool loss = drill && !removal && !adding;
   bool left = false;  // this rank was drained and left the group (--resize remove)
   std::unique_ptr<io::HostBackup> backup;
-  // A new backup's name goes to the ranks that open it through the bootstrap (the creator's
-  // name, or "" from the others); once all opened it, the creator removes the name.
+  // A new backup goes to the ranks that open it through the bootstrap; once all opened it
+  // (the start barrier), the creator removes the name.
   auto open_shared = [&](int creator) -> Status {
-    Result<std::vector<std::string>> names =
-        boot.AllGather(backup != nullptr && rank == creator ? backup->ShareName() : "", round_wait);
-    if (!names.ok()) return names.status();
-    if (backup != nullptr) return Status::OK();
-    Result<std::unique_ptr<io::HostBackup>> b = io::HostBackup::OpenShared((*names)[creator]);
+    Result<std::unique_ptr<io::HostBackup>> b =
+        io::ShareHostBackup(boot, static_cast<uint32_t>(creator), std::move(backup), round_wait);
     if (!b.ok()) return b.status();
     backup = std::move(*b);
     return Status::OK();

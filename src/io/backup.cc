@@ -215,6 +215,20 @@ Result<std::unique_ptr<HostBackup>> HostBackup::Create(const std::string& dir,
   return b;
 }
 
+Result<std::unique_ptr<HostBackup>> ShareHostBackup(Bootstrap& boot, uint32_t creator,
+                                                    std::unique_ptr<HostBackup> mine,
+                                                    std::chrono::milliseconds timeout) {
+  const bool made = mine != nullptr && boot.rank() == creator;
+  EPLBX_ASSIGN_OR_RETURN(std::vector<std::string> names,
+                         boot.AllGather(made ? mine->ShareName() : "", timeout));
+  if (mine != nullptr) return mine;
+  if (creator >= names.size()) {
+    return Status::InvalidArgument(
+        StrCat("host backup: rank ", creator, " is not in a group of ", names.size()));
+  }
+  return HostBackup::OpenShared(names[creator]);
+}
+
 std::string HostBackup::ShareName() const { return StrCat(id_.device, ":", id_.inode, ":", path_); }
 
 Result<std::unique_ptr<HostBackup>> HostBackup::OpenShared(const std::string& share_name) {
@@ -432,18 +446,22 @@ bool HostBackup::Holds(int layer, int expert) const {
          held == 1;
 }
 
+std::string HostBackup::HeldFlags() const {
+  std::string held(layers_.size() * static_cast<uint64_t>(experts_), '\0');
+  if (!ReadAt(held_offset_, held.data(), held.size()).ok()) return {};  // cut short: none
+  return held;
+}
+
 int64_t HostBackup::experts_held() const {
   int64_t n = 0;
-  std::string held(layers_.size() * static_cast<uint64_t>(experts_), '\0');
-  if (!ReadAt(held_offset_, held.data(), held.size()).ok()) return 0;
-  for (char c : held) n += c == 1;
+  for (char c : HeldFlags()) n += c == 1;
   return n;
 }
 
 uint64_t HostBackup::held_bytes() const {
   uint64_t n = 0;
-  std::string held(layers_.size() * static_cast<uint64_t>(experts_), '\0');
-  if (!ReadAt(held_offset_, held.data(), held.size()).ok()) return 0;
+  const std::string held = HeldFlags();
+  if (held.empty()) return 0;
   for (size_t l = 0; l < layers_.size(); ++l) {
     for (int e = 0; e < experts_; ++e) n += held[l * experts_ + e] == 1 ? layer_row_[l] : 0;
   }

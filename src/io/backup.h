@@ -15,6 +15,7 @@
 #ifndef EPLBX_SRC_IO_BACKUP_H_
 #define EPLBX_SRC_IO_BACKUP_H_
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -25,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "eplbx/bootstrap.h"
 #include "eplbx/layout.h"
 #include "eplbx/placement.h"
 #include "eplbx/status.h"
@@ -130,6 +132,7 @@ class HostBackup final : public BackupSource {
   Status WriteAt(uint64_t offset, const void* src, uint64_t n) const;
   Status ReadAt(uint64_t offset, void* dst, uint64_t n) const;
   Status MarkHeld(int layer, int expert);
+  std::string HeldFlags() const;  // a byte per (layer, expert); empty if unreadable
 
   std::string path_;
   int fd_ = -1;
@@ -144,6 +147,15 @@ class HostBackup final : public BackupSource {
   uint64_t held_offset_ = 0;          // one byte per (layer, expert): 1 when held
   uint64_t sums_offset_ = 0;          // u64 per (layer, expert, tensor)
 };
+
+// A node's backup for every rank of the group: rank `creator` made `mine` (the other ranks
+// pass null) and its ShareName() goes to them in one all-gather over `boot` (a collective:
+// every rank calls it); each other rank opens it (OpenShared, every check of Open). Returns
+// this rank's backup. Once every rank of the node has it, the creator's Unlink() removes the
+// name (the serving drill does so after its start barrier).
+Result<std::unique_ptr<HostBackup>> ShareHostBackup(Bootstrap& boot, uint32_t creator,
+                                                    std::unique_ptr<HostBackup> mine,
+                                                    std::chrono::milliseconds timeout);
 
 // Removes this user's backups in `dir` whose creating process is gone (names
 // eplbx-backup-PID-..., a regular file owned by this user, PID not running): what a crash

@@ -14,7 +14,8 @@ namespace eplbx::io {
 using internal::StrCat;
 using nlohmann::json;
 
-Status CheckJsonText(std::string_view text, std::string_view origin) {
+Status CheckJsonText(std::string_view text, std::string_view origin, int max_depth,
+                     std::string_view limit_reason) {
   int depth = 0;
   bool in_string = false, escaped = false;
   for (size_t i = 0; i < text.size(); ++i) {
@@ -36,10 +37,10 @@ Status CheckJsonText(std::string_view text, std::string_view origin) {
     if (c == '"') {
       in_string = true;
     } else if (c == '[' || c == '{') {
-      if (++depth > kMaxJsonDepth) {
-        return Status::InvalidArgument(StrCat(origin, ": JSON nested more than ", kMaxJsonDepth,
-                                              " deep at byte ", i,
-                                              " (the limit; a load is a 2-D array)"));
+      if (++depth > max_depth) {
+        return Status::InvalidArgument(StrCat(origin, ": JSON nested more than ", max_depth,
+                                              " deep at byte ", i, " (the limit; ", limit_reason,
+                                              ")"));
       }
     } else if (c == ']' || c == '}') {
       --depth;

@@ -21,9 +21,11 @@ Result<std::string> ReadFile(const std::string& path);
 
 // JSON inputs nest at most this deep (a load is a 2-D array inside an object).
 inline constexpr int kMaxJsonDepth = 64;
-// Refuses, before any parsing, JSON text that nests deeper than kMaxJsonDepth or holds a
-// NUL byte (outside strings a parser would stop or wander there); the error names the byte.
-Status CheckJsonText(std::string_view text, std::string_view origin);
+// Refuses, before any parsing, JSON text that nests deeper than `max_depth` or holds a NUL
+// byte (outside strings a parser would stop or wander there); the error names the byte and
+// says why the limit is what it is (`limit_reason`).
+Status CheckJsonText(std::string_view text, std::string_view origin, int max_depth = kMaxJsonDepth,
+                     std::string_view limit_reason = "a load is a 2-D array");
 
 // A JSON 2-D array (layers x experts) or an object whose key "load" holds one.
 Result<LoadMatrix> ParseLoadJson(std::string_view text, std::string_view origin);

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/strings.h"
+#include "io/load_file.h"
 
 namespace eplbx::io {
 
@@ -78,39 +79,6 @@ SafetensorsFile::Fd::~Fd() {
   if (fd >= 0) ::close(fd);
 }
 
-Status SafetensorsFile::CheckHeaderText(const std::string& path, std::string_view text) {
-  auto bad = [&](const std::string& why) {
-    return Status::Corruption(
-        StrCat("checkpoint '", path, "' is not a valid safetensors file: ", why));
-  };
-  // Depth first (a header nested 200,000 deep would exhaust the stack of whatever walks the
-  // parsed value), strings skipped with their escapes; a NUL ends nothing: it is refused.
-  int depth = 0;
-  bool in_string = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (c == '\0') return bad(StrCat("the header has a NUL byte at header byte ", i));
-    if (in_string) {
-      if (c == '\\') {
-        ++i;
-      } else if (c == '"') {
-        in_string = false;
-      }
-      continue;
-    }
-    if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      if (++depth > kMaxDepth) {
-        return bad(StrCat("the header nests deeper than ", kMaxDepth, " at header byte ", i));
-      }
-    } else if (c == '}' || c == ']') {
-      --depth;
-    }
-  }
-  return Status::OK();
-}
-
 Result<std::vector<SafetensorsTensor>> SafetensorsFile::ParseHeader(const std::string& path,
                                                                     std::string_view text,
                                                                     uint64_t file_bytes) {
@@ -121,7 +89,13 @@ Result<std::vector<SafetensorsTensor>> SafetensorsFile::ParseHeader(const std::s
   if (file_bytes < 8 + text.size()) {
     return bad(StrCat("a header of ", text.size(), " bytes in a file of ", file_bytes));
   }
-  EPLBX_RETURN_IF_ERROR(CheckHeaderText(path, text));
+  // Depth and NUL first: a header nested 200,000 deep would exhaust the stack of whatever
+  // walks the parsed value, and a NUL would end the text a parser reads.
+  if (Status st = CheckJsonText(text, StrCat("checkpoint '", path, "' header"), kMaxDepth,
+                                "a safetensors header nests 3 deep");
+      !st.ok()) {
+    return Status::Corruption(st.message());
+  }
   std::vector<SafetensorsTensor> tensors;
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return bad("the header is not a JSON object");
@@ -254,11 +228,12 @@ Status SafetensorsFile::ReadExpertRow(std::string_view name, uint32_t expert,
                                           internal::Printable(name), " has ", rows,
                                           " experts; expert ", expert, " is not among them"));
   }
-  EPLBX_RETURN_IF_ERROR(StillTheSame());
   std::vector<uint8_t> row(row_bytes);  // dst is written only with a whole row
-  EPLBX_RETURN_IF_ERROR(
-      ReadAt(fd_->fd, path_, t->offset + expert * row_bytes, row.data(), row_bytes));
-  EPLBX_RETURN_IF_ERROR(StillTheSame());  // nobody rewrote it while it was read
+  const Status read = ReadAt(fd_->fd, path_, t->offset + expert * row_bytes, row.data(), row_bytes);
+  // Checked once the row is in (a file changed before or while it was read is named: also
+  // the cause of a short read), so `dst` gets only rows of the file Open checked.
+  EPLBX_RETURN_IF_ERROR(StillTheSame());
+  EPLBX_RETURN_IF_ERROR(read);
   std::memcpy(dst, row.data(), row_bytes);
   return Status::OK();
 }

@@ -35,9 +35,10 @@ class SafetensorsFile {
   // Reads and checks the header: the JSON, every dtype known, every size = elements x
   // element size, every tensor inside the file (a truncated file names the tensor and both
   // sizes), no two tensors overlapping. Errors name the file.
-  // The file stays open: every read goes through the descriptor that was checked, after
-  // checking that the file is still the one opened (its size, modification time and inode,
-  // and that the path still names it); a file changed or replaced since is a named error.
+  // The file stays open: every read goes through the descriptor that was checked, and each
+  // row is handed over only after checking that the file is still the one opened (its size,
+  // modification time, and that the path still names its inode); a file changed or replaced
+  // since is a named error.
   static Result<SafetensorsFile> Open(const std::string& path);
   // Parses and checks a header's JSON text (the bytes after the length) for a file of
   // `file_bytes`, as Open does: depth (at most 8), no NUL, the tensors. The fuzz target's entry.
@@ -61,7 +62,6 @@ class SafetensorsFile {
     ~Fd();
   };
   Status StillTheSame() const;
-  static Status CheckHeaderText(const std::string& path, std::string_view text);
 
   std::string path_;
   std::shared_ptr<Fd> fd_;

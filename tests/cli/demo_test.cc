@@ -600,15 +600,32 @@ struct Workers {
   std::vector<std::string> err;   // each rank's stderr (rank 0's: empty)
   std::vector<std::string> left;  // names in the backup directory after all exited
 };
+// The variables of worker `rank` of `world` meeting at rank 0's store on `port`, a node of its
+// own (EPLBX_NODE=n<rank>), its backups in `dir`.
+std::string WorkerEnv(int port, int world, int rank, const std::string& dir) {
+  return "EPLBX_MASTER_ADDR=127.0.0.1 EPLBX_MASTER_PORT=" + std::to_string(port) +
+         " EPLBX_RANK=" + std::to_string(rank) + " EPLBX_WORLD_SIZE=" + std::to_string(world) +
+         " EPLBX_TOKEN=t EPLBX_NODE=n" + std::to_string(rank) + " EPLBX_BACKUP_DIR=" + dir + " ";
+}
+
+// Waits (up to 30 s) until rank 0's stderr, in `err_file`, says it served step `step`
+// (rank 0 prints progress every 100 steps in text mode).
+bool ZeroReached(const std::string& err_file, int step) {
+  const std::string want = "step " + std::to_string(step) + "/";
+  for (int i = 0; i < 600; ++i) {
+    if (RunShell("cat " + err_file).out.find(want) != std::string::npos) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
+}
+
 // `env_of` adds variables to one rank's environment ("VAR=value ", by rank).
 Workers RunWorkers(int world, int port, const std::string& flags,
                    const std::map<int, std::string>& env_of = {}) {
   std::string dir = testing::TempDir() + "/workers-XXXXXX";
   EXPECT_NE(mkdtemp(dir.data()), nullptr);
   auto env = [&](int rank) {
-    return "EPLBX_MASTER_ADDR=127.0.0.1 EPLBX_MASTER_PORT=" + std::to_string(port) +
-           " EPLBX_RANK=" + std::to_string(rank) + " EPLBX_WORLD_SIZE=" + std::to_string(world) +
-           " EPLBX_TOKEN=t EPLBX_NODE=n" + std::to_string(rank) + " EPLBX_BACKUP_DIR=" + dir + " " +
+    return WorkerEnv(port, world, rank, dir) +
            (env_of.count(rank) ? env_of.at(rank) : std::string());
   };
   Workers w;
@@ -661,12 +678,7 @@ TEST(DemoTest, WorkersNoticeAStoppedRankZeroWithinTwiceTheDeadline) {
   const std::string flags =
       " --serve --modes async --layers 2 --experts 16 --slots-per-rank 8 --expert-bytes 4K "
       "--steps 1000000 --interval 50 --tokens 64 --top-k 4 --work-bytes 1K --deadline 2";
-  auto env = [&](int rank) {
-    return "EPLBX_MASTER_ADDR=127.0.0.1 EPLBX_MASTER_PORT=" + std::to_string(port) +
-           " EPLBX_RANK=" + std::to_string(rank) +
-           " EPLBX_WORLD_SIZE=3 EPLBX_TOKEN=t EPLBX_NODE=n" + std::to_string(rank) +
-           " EPLBX_BACKUP_DIR=" + dir + " ";
-  };
+  auto env = [&](int rank) { return WorkerEnv(port, 3, rank, dir); };
   const Shell zero = RunShell(env(0) + EPLBX_CLI + " worker" + flags + " >/dev/null 2>" + dir +
                               "/zero.err & echo $!");
   const pid_t pid = static_cast<pid_t>(std::stol(zero.out));
@@ -680,13 +692,7 @@ TEST(DemoTest, WorkersNoticeAStoppedRankZeroWithinTwiceTheDeadline) {
     two = RunShell(env(2) + EPLBX_CLI + " worker" + flags + " 2>&1 >/dev/null");
     two_done = std::chrono::steady_clock::now();
   });
-  // Rank 0 prints progress every 100 steps once they serve.
-  bool serving = false;
-  for (int i = 0; i < 300 && !serving; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    const Shell err = RunShell("cat " + dir + "/zero.err");
-    serving = err.out.find("step 200/") != std::string::npos;
-  }
+  const bool serving = ZeroReached(dir + "/zero.err", 200);
   const auto stopped = std::chrono::steady_clock::now();
   kill(pid, SIGSTOP);
   t1.join();
@@ -716,12 +722,7 @@ TEST(DemoTest, AFailedServingRunReportsWhatHappenedUpToTheFailure) {
   const std::string flags =
       " --serve --modes async --layers 2 --experts 16 --slots-per-rank 6 --expert-bytes 4K "
       "--steps 100000 --interval 50 --tokens 64 --top-k 4 --work-bytes 1K --deadline 2";
-  auto env = [&](int rank) {
-    return "EPLBX_MASTER_ADDR=127.0.0.1 EPLBX_MASTER_PORT=" + std::to_string(port) +
-           " EPLBX_RANK=" + std::to_string(rank) +
-           " EPLBX_WORLD_SIZE=4 EPLBX_TOKEN=t EPLBX_NODE=n" + std::to_string(rank) +
-           " EPLBX_BACKUP_DIR=" + dir + " ";
-  };
+  auto env = [&](int rank) { return WorkerEnv(port, 4, rank, dir); };
   Shell zero;
   std::thread t0(
       [&] { zero = RunShell(env(0) + EPLBX_CLI + " worker" + flags + " 2>" + dir + "/zero.err"); });
@@ -731,17 +732,9 @@ TEST(DemoTest, AFailedServingRunReportsWhatHappenedUpToTheFailure) {
         RunShell(env(r) + EPLBX_CLI + " worker" + flags + " >/dev/null 2>&1 & echo $!");
     pids[r] = static_cast<pid_t>(std::stol(bg.out));
   }
-  auto reached = [&](const std::string& step) {
-    for (int i = 0; i < 600; ++i) {
-      if (RunShell("cat " + dir + "/zero.err").out.find("step " + step + "/") != std::string::npos)
-        return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    return false;
-  };
-  const bool first = reached("200");
+  const bool first = ZeroReached(dir + "/zero.err", 200);
   kill(pids[3], SIGKILL);
-  const bool second = first && reached("600");
+  const bool second = first && ZeroReached(dir + "/zero.err", 600);
   kill(pids[2], SIGKILL);
   t0.join();
   kill(pids[1], SIGKILL);  // if it still runs

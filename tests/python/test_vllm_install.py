@@ -88,6 +88,21 @@ VLLM_033_POLICY = """
     EPLB_POLICIES = {"default": DefaultEplbPolicy}
 """
 
+# The communicator and rearrangement modules of vLLM 0.33, as far as install() checks them.
+VLLM_033_EPLB = {
+    "vllm/distributed/eplb/eplb_communicator.py": """
+        class EplbCommunicator:
+            def set_transfer_context(self, *a): ...
+        def create_eplb_communicator(group_coordinator, backend, expert_weights, expert_buffer):
+            raise ValueError(backend)
+    """,
+    "vllm/distributed/eplb/rebalance_execute.py": """
+        def rearrange_expert_weights_inplace(old_global_expert_indices,
+                new_global_expert_indices, expert_weights, expert_buffer, ep_group,
+                communicator, is_profile=False, rank_mapping=None): ...
+    """,
+}
+
 
 class InstallTest(unittest.TestCase):
     def setUp(self):
@@ -160,18 +175,7 @@ class InstallTest(unittest.TestCase):
             fake_vllm(root, "0.33.0", {
                 "vllm/config/parallel.py": VLLM_033_PARALLEL,
                 "vllm/distributed/eplb/policy/__init__.py": VLLM_033_POLICY,
-                "vllm/distributed/eplb/eplb_communicator.py": """
-                    class EplbCommunicator:
-                        def set_transfer_context(self, *a): ...
-                    def create_eplb_communicator(group_coordinator, backend, expert_weights,
-                                                 expert_buffer):
-                        raise ValueError(backend)
-                """,
-                "vllm/distributed/eplb/rebalance_execute.py": """
-                    def rearrange_expert_weights_inplace(old_global_expert_indices,
-                            new_global_expert_indices, expert_weights, expert_buffer, ep_group,
-                            communicator, is_profile=False, rank_mapping=None): ...
-                """,
+                **VLLM_033_EPLB,
                 # A pydantic that cannot rebuild ParallelConfig (the second) with the new names.
                 "pydantic/dataclasses.py": """
                     calls = []
@@ -316,18 +320,7 @@ class PolicyTest(unittest.TestCase):
             fake_vllm(root, "0.33.0", {
                 "vllm/config/parallel.py": VLLM_033_PARALLEL,
                 "vllm/distributed/eplb/policy/__init__.py": VLLM_033_POLICY,
-                "vllm/distributed/eplb/eplb_communicator.py": """
-                    class EplbCommunicator:
-                        def set_transfer_context(self, *a): ...
-                    def create_eplb_communicator(group_coordinator, backend, expert_weights,
-                                                 expert_buffer):
-                        raise ValueError(backend)
-                """,
-                "vllm/distributed/eplb/rebalance_execute.py": """
-                    def rearrange_expert_weights_inplace(old_global_expert_indices,
-                            new_global_expert_indices, expert_weights, expert_buffer, ep_group,
-                            communicator, is_profile=False, rank_mapping=None): ...
-                """,
+                **VLLM_033_EPLB,
                 "pydantic/dataclasses.py": """
                     def rebuild_dataclass(cls, force=False): ...
                 """,

@@ -10,11 +10,14 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iostream>
 #include <iterator>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace eplbx::io {
@@ -383,6 +386,49 @@ TEST(HostBackupTest, ABackupIsAPrivateFileWithAnUnguessableNameAndNoNameIsLeft) 
   const std::string second = (*b)->path();
   b->reset();
   EXPECT_NE(access(second.c_str(), F_OK), 0);
+}
+
+// What an engine's ranks do (the serving drill does the same): one rank of the node creates
+// the backup, ShareHostBackup hands it to the others over the bootstrap, the creator removes
+// the name, and every rank captures and reads through its own descriptor.
+TEST(HostBackupTest, ShareHostBackupHandsTheCreatorsFileToEveryRank) {
+  Cluster c;
+  const std::string dir = FreshDir("share");
+  InMemoryGroup group(kRanks);
+  std::vector<std::unique_ptr<HostBackup>> got(kRanks);
+  std::vector<Status> status(kRanks);
+  std::vector<std::thread> ranks;
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    ranks.emplace_back([&, r] {
+      std::unique_ptr<Bootstrap> boot = group.Member(r);
+      std::unique_ptr<HostBackup> mine;
+      if (r == 2) {
+        auto made = HostBackup::Create(dir, c.layouts[0], kExperts);
+        if (!made.ok()) {
+          status[r] = made.status();
+          return;
+        }
+        mine = std::move(*made);
+      }
+      auto shared = ShareHostBackup(*boot, 2, std::move(mine), std::chrono::seconds(10));
+      if (!shared.ok()) {
+        status[r] = shared.status();
+        return;
+      }
+      got[r] = std::move(*shared);
+      status[r] = boot->Barrier(std::chrono::seconds(10));  // every rank opened it
+      if (status[r].ok() && r == 2) status[r] = got[r]->Unlink();
+      if (status[r].ok()) status[r] = boot->Barrier(std::chrono::seconds(10));
+      if (status[r].ok()) status[r] = got[r]->Capture(c.in_force, c.layouts[r]);
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  for (uint32_t r = 0; r < kRanks; ++r) {
+    ASSERT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r].ToString();
+    EXPECT_EQ(got[r]->id().inode, got[2]->id().inode) << "rank " << r;
+  }
+  EXPECT_TRUE(std::filesystem::is_empty(dir));            // no name left
+  EXPECT_EQ(got[0]->experts_held(), kLayers * kExperts);  // every rank's experts, one file
 }
 
 TEST(HostBackupTest, APlantedLinkOrAForeignFileIsNeverOpened) {

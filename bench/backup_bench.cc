@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "eplbx/placement.h"
-#include "io/backup.h"
+#include "eplbx/backup.h"
 
 namespace {
 
@@ -68,7 +68,7 @@ int main(int argc, char** argv) {
   const double memcpy_s = Best([&] { std::memcpy(copy.data(), weights.data(), total); });
   volatile uint64_t sink = 0;
   const double sum_s = Best([&] {
-    for (int e = 0; e < experts; ++e) sink = sink + io::RowChecksum(&weights[e * row], row);
+    for (int e = 0; e < experts; ++e) sink = sink + RowChecksum(&weights[e * row], row);
   });
   RankLayout layout;
   layout.rank = 0;
@@ -81,7 +81,7 @@ int main(int argc, char** argv) {
   std::vector<int32_t> map;
   for (int e = 0; e < experts; ++e) map.push_back(e);
   Result<Placement> placement = Placement::FromPhy2Log(1, experts, experts, map);
-  Result<std::unique_ptr<io::HostBackup>> backup = io::HostBackup::Create(dir, layout, experts);
+  Result<std::unique_ptr<HostBackup>> backup = HostBackup::Create(dir, layout, experts);
   if (!placement.ok() || !backup.ok()) {
     std::fprintf(stderr, "eplbx_backup_bench: %s\n",
                  (placement.ok() ? backup.status() : placement.status()).ToString().c_str());

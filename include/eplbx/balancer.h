@@ -139,6 +139,19 @@ class Balancer {
   // At a safe point between forward passes, once per step: the layers to switch to now.
   BalancerCommit Commit();
 
+  // The member set changed (eplbx/serving.h does this for an engine): from now on
+  // `placement` is in force over the ranks `live` flags (empty: every rank; as
+  // BalancerOptions::live, checked the same way). The rebalance in flight must have ended
+  // (Commit() until progress().rebalancing is false; else kInProgress); a plan
+  // being computed is dropped. The window starts again from `window` (what the members
+  // agreed on: LoadRecorder::Seed) and the Balancer counts `steps` steps served, so a
+  // joiner's trigger falls due with the members'. The report is kept. On error nothing
+  // changed.
+  Status SetMembers(Placement placement, std::vector<bool> live, const LoadMatrix& window,
+                    int64_t steps);
+  // The load of the window (the last min(window, steps) steps' counts summed).
+  Result<LoadMatrix> window() const;
+
   const Placement& placement() const;  // in force (committed layers only)
   BalancerProgress progress() const;
   const BalancerReport& report() const;

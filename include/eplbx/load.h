@@ -35,6 +35,11 @@ class LoadRecorder {
   // ring every `window` steps, so rounding never drifts (a sum is never below 0). Fails when
   // a sum passes what a LoadMatrix holds (float32's range).
   Result<LoadMatrix> Window() const;
+  // Starts the window again from `window` (a sum of earlier steps, as Window() returns):
+  // it counts as one recorded step that leaves the window, whole, `window` steps later.
+  // How members that agreed on a window carry it across a member-set change (a joiner
+  // included). Errors (nothing changed) on a shape mismatch or a negative or non-finite value.
+  Status Seed(const LoadMatrix& window);
   int64_t steps() const { return steps_; }
   int window() const { return window_; }
 

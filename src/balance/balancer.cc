@@ -45,6 +45,34 @@ Result<Placement> PlanNext(const BalancerOptions& o, const LoadMatrix& window,
   return SpreadOverMembers(next, o.topology, o.live);
 }
 
+// `live` (one flag per rank, or none) fits `t` and `p`: the members have a slot for every
+// expert, and no other rank's slot holds one.
+Status CheckLive(const Topology& t, const Placement& initial, const std::vector<bool>& live) {
+  if (live.empty()) return Status::OK();
+  if (live.size() != static_cast<size_t>(t.ranks)) {
+    return Status::InvalidArgument(StrCat(live.size(), " liveness flags (live) for ",
+                                          t.ranks, " ranks (one per rank, or none)"));
+  }
+  const Topology members = MembersTopology(t, live);
+  if (members.slots < initial.experts()) {
+    return Status::InvalidArgument(StrCat("the ", members.ranks, " serving ranks have ",
+                                          members.slots, " slots for ", initial.experts(),
+                                          " experts; every expert needs a slot"));
+  }
+  const int per_rank = t.slots_per_rank();
+  for (int l = 0; l < initial.layers(); ++l) {
+    for (int slot = 0; slot < initial.slots(); ++slot) {
+      if (!live[slot / per_rank] && initial.phy2log(l, slot) >= 0) {
+        return Status::InvalidArgument(
+            StrCat("the initial placement puts expert ", initial.phy2log(l, slot), " of layer ",
+                   l, " in slot ", slot, " of rank ", slot / per_rank,
+                   ", which does not serve (live); its slots must be empty (-1)"));
+      }
+    }
+  }
+  return Status::OK();
+}
+
 }  // namespace
 
 // What the planning step decides, on the serving thread or on a planning thread.
@@ -192,30 +220,7 @@ Result<std::unique_ptr<Balancer>> Balancer::Create(Placement initial, BalancerOp
     return Status::InvalidArgument(StrCat("the topology has ", options.topology.slots,
                                           " slots, the initial placement ", initial.slots()));
   }
-  if (!options.live.empty()) {
-    const Topology& t = options.topology;
-    if (options.live.size() != static_cast<size_t>(t.ranks)) {
-      return Status::InvalidArgument(StrCat(options.live.size(), " liveness flags (live) for ",
-                                            t.ranks, " ranks (one per rank, or none)"));
-    }
-    const Topology members = MembersTopology(t, options.live);
-    if (members.slots < initial.experts()) {
-      return Status::InvalidArgument(StrCat("the ", members.ranks, " serving ranks have ",
-                                            members.slots, " slots for ", initial.experts(),
-                                            " experts; every expert needs a slot"));
-    }
-    const int per_rank = t.slots_per_rank();
-    for (int l = 0; l < initial.layers(); ++l) {
-      for (int slot = 0; slot < initial.slots(); ++slot) {
-        if (!options.live[slot / per_rank] && initial.phy2log(l, slot) >= 0) {
-          return Status::InvalidArgument(
-              StrCat("the initial placement puts expert ", initial.phy2log(l, slot), " of layer ",
-                     l, " in slot ", slot, " of rank ", slot / per_rank,
-                     ", which does not serve (live); its slots must be empty (-1)"));
-        }
-      }
-    }
-  }
+  EPLBX_RETURN_IF_ERROR(CheckLive(options.topology, initial, options.live));
   EPLBX_ASSIGN_OR_RETURN(LoadRecorder rec,
                          LoadRecorder::Create(initial.layers(), initial.experts(), options.window));
   if (rearranger != nullptr && options.mode == BalancerMode::kAsynchronous) {
@@ -224,6 +229,37 @@ Result<std::unique_ptr<Balancer>> Balancer::Create(Placement initial, BalancerOp
   return std::unique_ptr<Balancer>(new Balancer(
       std::make_unique<State>(std::move(options), rearranger, std::move(initial), std::move(rec))));
 }
+
+Status Balancer::SetMembers(Placement placement, std::vector<bool> live,
+                            const LoadMatrix& window, int64_t steps) {
+  State& s = *state_;
+  if (s.active || s.next) {
+    return Status::InProgress(
+        "a rebalance is in flight: end it (Commit() until progress().rebalancing is false) "
+        "before the member set changes");
+  }
+  if (placement.layers() != s.current.layers() || placement.slots() != s.current.slots() ||
+      placement.experts() != s.current.experts() || steps < 0) {
+    return Status::InvalidArgument(
+        StrCat("the members' placement is ", placement.layers(), " layers x ", placement.slots(),
+               " slots x ", placement.experts(), " experts at step ", steps, "; the Balancer has ",
+               s.current.layers(), " x ", s.current.slots(), " x ", s.current.experts()));
+  }
+  EPLBX_RETURN_IF_ERROR(CheckLive(s.o.topology, placement, live));
+  EPLBX_ASSIGN_OR_RETURN(LoadRecorder rec, LoadRecorder::Create(placement.layers(),
+                                                                placement.experts(), s.o.window));
+  EPLBX_RETURN_IF_ERROR(rec.Seed(window));
+  if (s.planning.valid()) (void)s.planning.get();  // dropped (it planned for the old members)
+  s.recorder = std::move(rec);
+  s.o.live = std::move(live);
+  s.current = std::move(placement);
+  s.flat.assign(s.current.phy2log().begin(), s.current.phy2log().end());
+  s.report.steps = steps;
+  s.last_commit_step = steps;
+  return Status::OK();
+}
+
+Result<LoadMatrix> Balancer::window() const { return state_->recorder.Window(); }
 
 const Placement& Balancer::placement() const { return state_->current; }
 const BalancerReport& Balancer::report() const { return state_->report; }

@@ -48,7 +48,7 @@ struct DemoOptions {
   std::string fault_phase;  // exchange, transfer (default) or commit
   // --serve drills (KIND:RANK@STEP, KIND kill or stop): the step at which rank fault_rank
   // is killed or stopped; -1: no drill. The coordinator tracks membership then, and the
-  // ranks keep a host backup in directory backup_dir (a private file, io::HostBackup).
+  // ranks keep a host backup in directory backup_dir (a private file, HostBackup).
   int fault_step = -1;
   std::string backup_dir;
   // `--inject KIND:RANK@STEP,KIND2:RANK2@recovery`: rank fault2_rank is killed or stopped

@@ -32,7 +32,7 @@
 #include "eplbx/rearrange.h"
 #include "eplbx/simulate.h"
 #include "eplbx/survivors.h"
-#include "io/backup.h"
+#include "eplbx/backup.h"
 #include "serve/members_map.h"
 
 namespace eplbx::cli {
@@ -388,7 +388,7 @@ Result<MembersRound> GatherMaps(const DemoOptions& o, const Topology& topo, Boot
 // drill's second fault (`--inject ...,KIND:RANK@recovery`) strikes here, as the move begins.
 Status PlaceOverMembers(const DemoOptions& o, int step, const LoadTrace& trace,
                         const Topology& topo, const Placement& in_force, Bootstrap& boot,
-                        Mode& mode, const io::HostBackup* backup, DrillLog& log,
+                        Mode& mode, const HostBackup* backup, DrillLog& log,
                         std::vector<int32_t>* own, Placement* placed) {
   using Clock = std::chrono::steady_clock;
   const std::vector<bool> live = boot.members();
@@ -424,7 +424,7 @@ Status PlaceOverMembers(const DemoOptions& o, int step, const LoadTrace& trace,
   // (Without a backup PlanSurvivors names every expert no member holds; nothing to recover.)
   if (!plan->recovered.empty()) {
     EPLBX_RETURN_IF_ERROR(backup->Check());
-    Result<int64_t> restored = io::RecoverSlots(*plan, mode.w.layout, *backup);
+    Result<int64_t> restored = RecoverSlots(*plan, mode.w.layout, *backup);
     if (!restored.ok()) return restored.status().WithPrefix("restoring from the host backup");
     log.rows_recovered += *restored;
   }
@@ -444,7 +444,7 @@ Status PlaceOverMembers(const DemoOptions& o, int step, const LoadTrace& trace,
 // members. Returns the step.
 Result<int> SettleMembers(const DemoOptions& o, int step, const LoadTrace& trace,
                           const Topology& topo, Bootstrap& boot, Mode& mode,
-                          const io::HostBackup* backup, DrillLog& log, std::vector<int32_t> own,
+                          const HostBackup* backup, DrillLog& log, std::vector<int32_t> own,
                           bool joiner) {
   using Clock = std::chrono::steady_clock;
   auto t = Clock::now();
@@ -603,12 +603,12 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann
   const bool removal = drill && o.fault == "remove";
   const bool loss = drill && !removal && !adding;
   bool left = false;  // this rank was drained and left the group (--resize remove)
-  std::unique_ptr<io::HostBackup> backup;
+  std::unique_ptr<HostBackup> backup;
   // A new backup goes to the ranks that open it through the bootstrap; once all opened it
   // (the start barrier), the creator removes the name.
   auto open_shared = [&](int creator) -> Status {
-    Result<std::unique_ptr<io::HostBackup>> b =
-        io::ShareHostBackup(boot, static_cast<uint32_t>(creator), std::move(backup), round_wait);
+    Result<std::unique_ptr<HostBackup>> b =
+        ShareHostBackup(boot, static_cast<uint32_t>(creator), std::move(backup), round_wait);
     if (!b.ok()) return b.status();
     backup = std::move(*b);
     return Status::OK();
@@ -629,8 +629,8 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann
       }
     }
     if (rank == first) {
-      Result<std::unique_ptr<io::HostBackup>> b =
-          io::HostBackup::Create(o.backup_dir, modes[0].w.layout, o.experts);
+      Result<std::unique_ptr<HostBackup>> b =
+          HostBackup::Create(o.backup_dir, modes[0].w.layout, o.experts);
       if (!b.ok()) return fail(b.status().message());
       backup = std::move(*b);
       for (int l = 0; l < o.layers; ++l) {
@@ -649,8 +649,8 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann
     if (Status opened = open_shared(first); !opened.ok()) return fail(opened.message());
   } else if (loss) {
     if (rank == 0) {
-      Result<std::unique_ptr<io::HostBackup>> b =
-          io::HostBackup::Create(o.backup_dir, modes[0].w.layout, o.experts);
+      Result<std::unique_ptr<HostBackup>> b =
+          HostBackup::Create(o.backup_dir, modes[0].w.layout, o.experts);
       if (!b.ok()) return fail(b.status().message());
       backup = std::move(*b);
     }

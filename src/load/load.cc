@@ -78,6 +78,18 @@ Status LoadRecorder::RecordSlots(const Placement& placement, std::span<const dou
   return Record(logical);
 }
 
+Status LoadRecorder::Seed(const LoadMatrix& window) {
+  if (window.layers() != layers_ || window.experts() != experts_) {
+    return Status::Mismatch(StrCat("seed window is ", window.layers(), " layers x ",
+                                   window.experts(), " experts; the window is ", layers_,
+                                   " layers x ", experts_, " experts"));
+  }
+  ring_.clear();
+  std::fill(sum_.begin(), sum_.end(), 0.0);
+  steps_ = 0;
+  return Record(window.values());
+}
+
 Result<LoadMatrix> LoadRecorder::Window() const {
   Result<LoadMatrix> m = LoadMatrix::Create(layers_, experts_, sum_);
   if (!m.ok()) return m.status().WithPrefix(StrCat("load window of ", window_, " steps"));

@@ -1,5 +1,7 @@
 #include "serve/members_map.h"
 
+#include <bit>
+#include <cmath>
 #include <limits>
 
 #include "common/bytes.h"
@@ -8,16 +10,19 @@
 namespace eplbx::internal {
 
 namespace {
-constexpr uint8_t kVersion = 1;
+constexpr uint8_t kVersion = 2;
 }  // namespace
 
-std::string EncodeMembersMap(int step, uint64_t placed_at, const std::vector<int32_t>& own) {
+std::string EncodeMembersMap(int step, uint64_t placed_at, const std::vector<int32_t>& own,
+                             const std::vector<double>& window) {
   ByteWriter w;
   w.U8(kVersion);
   w.U32(static_cast<uint32_t>(step + 1));  // a joiner: 0
   w.U64(placed_at);
   w.U32(static_cast<uint32_t>(own.size()));
   for (int32_t e : own) w.U32(static_cast<uint32_t>(e));
+  w.U32(static_cast<uint32_t>(window.size()));
+  for (double v : window) w.U64(std::bit_cast<uint64_t>(v));
   return w.Take();
 }
 
@@ -53,7 +58,7 @@ Result<MembersRound> DecodeMembersRound(const std::vector<std::string>& all, int
       return Status::Corruption(
           StrCat(what, " is version ", +version, "; this build reads version ", +kVersion));
     }
-    if (n != per_member || in.remaining() != uint64_t{n} * 4) {
+    if (n != per_member || in.remaining() < uint64_t{n} * 4 + 4) {
       return Status::Corruption(StrCat(what, " has ", n, " slots in ", b.size(), " bytes; ",
                                        per_member, " expected (", layers, " layers x ", rows,
                                        " rows)"));
@@ -88,6 +93,26 @@ Result<MembersRound> DecodeMembersRound(const std::vector<std::string>& all, int
         flat[static_cast<size_t>(l) * static_cast<size_t>(slots) + r * rows + row] = expert;
       }
     }
+    uint32_t w = 0;
+    if (!in.U32("window", &w)) return in.status();
+    const uint64_t want = static_cast<uint64_t>(layers) * static_cast<uint64_t>(experts);
+    if ((w != 0 && w != want) || in.remaining() != uint64_t{w} * 8) {
+      return Status::Corruption(StrCat(what, " has a window of ", w, " loads in ",
+                                       in.remaining(), " bytes; 0 or ", want, " expected (",
+                                       layers, " layers x ", experts, " experts)"));
+    }
+    std::vector<double> window(w);
+    for (uint32_t i = 0; i < w; ++i) {
+      uint64_t bits = 0;
+      if (!in.U64("load", &bits)) return in.status();
+      window[i] = std::bit_cast<double>(bits);
+      if (!std::isfinite(window[i]) || window[i] < 0) {
+        return Status::Corruption(StrCat(what, ": the window's load of layer ", i / experts,
+                                         " expert ", i % experts, " is ", window[i],
+                                         " (expected a finite number >= 0)"));
+      }
+    }
+    if (out.window.empty()) out.window = std::move(window);
   }
   EPLBX_ASSIGN_OR_RETURN(out.in_force, Placement::FromPhy2Log(layers, static_cast<int>(slots),
                                                               experts, std::move(flat)));

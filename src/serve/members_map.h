@@ -6,8 +6,11 @@
 // assembled from them. The bytes come from peers: versioned, every length and value checked
 // (fuzz_members_map).
 //
-// Format (little-endian): u8 version 1, u32 step + 1 (0: a joiner), u64 placed_at, u32 n,
-// then n i32 experts (-1: an empty slot), layer by layer, the member's rows in order.
+// Format (little-endian): u8 version 2, u32 step + 1 (0: a joiner), u64 placed_at, u32 n,
+// then n i32 experts (-1: an empty slot), layer by layer, the member's rows in order; then
+// u32 w (0, or layers x experts) and w f64 window loads (the member's Balancer window: a
+// joiner has none; the lowest member's is the one every member plans from, so a joiner
+// plans as the members do).
 #ifndef EPLBX_SRC_SERVE_MEMBERS_MAP_H_
 #define EPLBX_SRC_SERVE_MEMBERS_MAP_H_
 
@@ -21,7 +24,9 @@
 namespace eplbx::internal {
 
 // `step` -1: a joiner. `own`: layers x rows, what this member's slots hold.
-std::string EncodeMembersMap(int step, uint64_t placed_at, const std::vector<int32_t>& own);
+// `window`: layers x experts loads, or empty.
+std::string EncodeMembersMap(int step, uint64_t placed_at, const std::vector<int32_t>& own,
+                             const std::vector<double>& window = {});
 
 struct MembersRound {
   Placement in_force;  // assembled from every member's own slots
@@ -29,12 +34,13 @@ struct MembersRound {
   bool all_placed = true;
   uint64_t placed_at = 0;  // the epoch they all placed at (when all_placed)
   std::string not_placed;  // "rank 2" of those that did not
+  std::vector<double> window;  // the lowest member's that sent one (empty: none did)
 };
 
 // Decodes an all-gather of EncodeMembersMap blobs, one per rank of the group (empty: not a
 // member), each member holding `rows` slots of each of `layers` layers of `experts` experts.
 // A malformed or inconsistent blob (version, size, a step beyond 2^31, an expert out of
-// range, members not in step) is a named Corruption or Internal error.
+// range, a load that is negative or not finite, members not in step) is a named Corruption or Internal error.
 Result<MembersRound> DecodeMembersRound(const std::vector<std::string>& all, int layers, int rows,
                                         int experts);
 

@@ -4,11 +4,11 @@
 #include <cstdint>
 #include <string_view>
 
-#include "io/backup.h"
+#include "eplbx/backup.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string_view head(reinterpret_cast<const char*>(data), size);
-  (void)eplbx::io::HostBackup::CheckHead(head, size);
-  (void)eplbx::io::HostBackup::CheckHead(head, uint64_t{size} + (1u << 16));
+  (void)eplbx::HostBackup::CheckHead(head, size);
+  (void)eplbx::HostBackup::CheckHead(head, uint64_t{size} + (1u << 16));
   return 0;
 }

@@ -7,7 +7,7 @@
 
 #include "common/bytes.h"
 #include "eplbx/layout.h"
-#include "io/backup.h"
+#include "eplbx/backup.h"
 #include "protocol/records.h"
 #include "serve/members_map.h"
 #include "transfer/metadata.h"
@@ -136,7 +136,7 @@ int main(int argc, char** argv) {
     RankLayout small;
     small.layers = {{{"w13", "bf16", {2, 4}, 0, 16, 3}, {"w2", "f32", {3}, 0, 12, 3}},
                     {{"w13", "bf16", {2, 4}, 0, 16, 3}}};
-    auto b = io::HostBackup::Create(std::filesystem::temp_directory_path().string(), small, 8);
+    auto b = HostBackup::Create(std::filesystem::temp_directory_path().string(), small, 8);
     if (b.ok()) {
       std::ifstream in((*b)->path(), std::ios::binary);
       Put(root / "fuzz_backup_header", "two_layers",

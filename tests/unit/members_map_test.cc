@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <bit>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -49,32 +51,63 @@ TEST(MembersMapTest, TheMembersMapsAssembleThePlacementInForce) {
   EXPECT_EQ(round->placed_at, 2u);
 }
 
+// Every member plans from the lowest member's window (a joiner sends none), so a joiner
+// plans as the members do.
+TEST(MembersMapTest, TheLowestMembersWindowIsTheOneEveryMemberPlansFrom) {
+  std::vector<double> w0(kLayers * kExperts, 2.5), w2(kLayers * kExperts, 7.0);
+  w0[3] = 1e9;
+  const std::vector<std::string> all = {
+      EncodeMembersMap(-1, 0, std::vector<int32_t>(6, -1)),  // a joiner: no window
+      EncodeMembersMap(12, 3, Own(1), w0), "", EncodeMembersMap(12, 3, Own(3), w2)};
+  Result<MembersRound> round = DecodeMembersRound(all, kLayers, kRows, kExperts);
+  ASSERT_TRUE(round.ok()) << round.status().ToString();
+  EXPECT_EQ(round->window, w0);
+  EXPECT_EQ(round->step, 12);
+  Result<MembersRound> none =
+      DecodeMembersRound({EncodeMembersMap(-1, 0, std::vector<int32_t>(6, -1))}, kLayers, kRows,
+                         kExperts);
+  ASSERT_TRUE(none.ok()) << none.status().ToString();
+  EXPECT_TRUE(none->window.empty());
+  EXPECT_EQ(none->step, -1);
+}
+
 TEST(MembersMapTest, EveryMalformedMapIsANamedError) {
   const std::string good = EncodeMembersMap(7, 1, Own(0));
   auto with = [&](const std::string& blob) {
     return DecodeMembersRound({good, blob}, kLayers, kRows, kExperts).status();
   };
-  auto raw = [](uint8_t version, uint32_t step, uint32_t n, const std::vector<uint32_t>& slots) {
-    ByteWriter w;
-    w.U8(version);
-    w.U32(step);
-    w.U64(1);
-    w.U32(n);
-    for (uint32_t e : slots) w.U32(e);
-    return w.Take();
+  // A map with `w` window loads (the values given).
+  auto raw = [](uint8_t version, uint32_t step, uint32_t n, const std::vector<uint32_t>& slots,
+                uint32_t w = 0, const std::vector<double>& loads = {}) {
+    ByteWriter b;
+    b.U8(version);
+    b.U32(step);
+    b.U64(1);
+    b.U32(n);
+    for (uint32_t e : slots) b.U32(e);
+    b.U32(w);
+    for (double v : loads) b.U64(std::bit_cast<uint64_t>(v));
+    return b.Take();
   };
   const std::vector<uint32_t> six(6, 1);
+  const std::vector<double> ten(10, 1.0), nan_load = {1, 1, 1, 1, 1, 1, 1, std::nan(""), 1, 1},
+                                        negative = {1, 1, 1, 1, 1, 1, 1, 1, 1, -3};
   const std::pair<std::string, std::string> cases[] = {
-      {raw(2, 8, 6, six), "rank 1's map is version 2; this build reads version 1"},
-      {raw(1, 8, 5, six), "rank 1's map has 5 slots in 41 bytes; 6 expected (2 layers x 3 rows)"},
-      {raw(1, 8, 6, {1, 1, 1}), "has 6 slots in 29 bytes"},
-      {raw(1, 0x80000000u, 6, six), "rank 1's map says step 2147483648: not a step"},
-      {raw(1, 0xFFFFFFFFu, 6, six), "not a step"},
-      {raw(1, 8, 6, {1, 1, 1, 1, 1, 5}), "layer 1 row 2 holds expert 5 (expected -1 .. 4)"},
-      {raw(1, 8, 6, {1, 1, 0xFFFFFFFEu, 1, 1, 1}), "layer 0 row 2 holds expert -2"},
-      {raw(1, 9, 6, six), "rank 1 is at step 8, rank 0 at step 7: the members are not in step"},
+      {raw(1, 8, 6, six), "rank 1's map is version 1; this build reads version 2"},
+      {raw(2, 8, 5, six), "rank 1's map has 5 slots in 45 bytes; 6 expected (2 layers x 3 rows)"},
+      {raw(2, 8, 6, {1, 1, 1}), "has 6 slots in 33 bytes"},
+      {raw(2, 0x80000000u, 6, six), "rank 1's map says step 2147483648: not a step"},
+      {raw(2, 0xFFFFFFFFu, 6, six), "not a step"},
+      {raw(2, 8, 6, {1, 1, 1, 1, 1, 5}), "layer 1 row 2 holds expert 5 (expected -1 .. 4)"},
+      {raw(2, 8, 6, {1, 1, 0xFFFFFFFEu, 1, 1, 1}), "layer 0 row 2 holds expert -2"},
+      {raw(2, 9, 6, six), "rank 1 is at step 8, rank 0 at step 7: the members are not in step"},
       {good.substr(0, 7), "rank 1's map"},
-      {raw(1, 8, 0xFFFFFFFFu, six), "has 4294967295 slots"},
+      {raw(2, 8, 0xFFFFFFFFu, six), "has 4294967295 slots"},
+      {raw(2, 8, 6, six, 9, ten), "rank 1's map has a window of 9 loads in 80 bytes; 0 or 10"},
+      {raw(2, 8, 6, six, 10, {1, 2}), "has a window of 10 loads in 16 bytes"},
+      {raw(2, 8, 6, six, 0, {1}), "has a window of 0 loads in 8 bytes"},
+      {raw(2, 8, 6, six, 10, nan_load), "the window's load of layer 1 expert 2 is nan"},
+      {raw(2, 8, 6, six, 10, negative), "the window's load of layer 1 expert 4 is -3"},
   };
   for (const auto& [blob, want] : cases) {
     const Status s = with(blob);

@@ -14,7 +14,7 @@
 #include "eplbx/migration.h"
 #include "eplbx/rearrange.h"
 #include "eplbx/survivors.h"
-#include "io/backup.h"
+#include "eplbx/backup.h"
 #include "joined_store.h"
 #include "protocol/records.h"
 #include "rank_fixture.h"
@@ -1260,7 +1260,7 @@ struct RecoveryRig {
   LoadMatrix load;
   Topology topo{.ranks = kRanks, .nodes = 1, .slots = kRanks * kRows, .groups = 1};
   std::vector<std::unique_ptr<Rank>> ranks;
-  std::unique_ptr<io::HostBackup> backup;
+  std::unique_ptr<HostBackup> backup;
   JoinedStore store{kRanks, /*membership=*/true};
 
   explicit RecoveryRig(const std::vector<std::shared_ptr<internal::FaultPlan>>& faults = {}) {
@@ -1279,7 +1279,7 @@ struct RecoveryRig {
     for (uint32_t r = 0; r < kRanks; ++r) {
       ranks.push_back(MakeRank(r, before, r < faults.size() ? faults[r] : nullptr));
     }
-    auto b = io::HostBackup::Create(::testing::TempDir(), ranks[0]->layout, kE);
+    auto b = HostBackup::Create(::testing::TempDir(), ranks[0]->layout, kE);
     EXPECT_TRUE(b.ok()) << b.status().ToString();
     if (!b.ok()) return;
     backup = std::move(*b);
@@ -1331,7 +1331,7 @@ struct RecoveryRig {
     me.plan = PlanSurvivors(now, load, topo, me.members, so);
     if (!me.plan.ok()) return me;
     me.report = re.Rearrange(me.plan->sources, me.plan->interim, me.plan->migration);
-    if (me.report.status.ok()) me.recovered = io::RecoverSlots(*me.plan, ranks[r]->layout, *backup);
+    if (me.report.status.ok()) me.recovered = RecoverSlots(*me.plan, ranks[r]->layout, *backup);
     return me;
   }
 

@@ -1,4 +1,4 @@
-// Backup sources and recovery. See backup.h.
+// The host backup file. See eplbx/backup.h.
 //
 // Host backup file (little-endian): "EPXB", u16 version 2, u16 0, u64 header bytes, then the
 // header: u32 layers, u32 experts, per layer u32 tensors and per tensor name (str16), dtype
@@ -7,7 +7,7 @@
 // aligned); then the rows (4096-byte aligned): layer by layer, expert by expert, the layer's
 // tensors one after another. Every access goes through the descriptor (pread / pwrite), so a
 // file cut short while in use is an error, not a SIGBUS.
-#include "io/backup.h"
+#include "eplbx/backup.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -26,7 +26,7 @@
 #include "common/bytes.h"
 #include "common/strings.h"
 
-namespace eplbx::io {
+namespace eplbx {
 namespace {
 
 using internal::Printable;
@@ -571,4 +571,4 @@ Status HostBackup::ReadRow(int layer, int expert, const TensorSpec& spec, uint8_
   return Status::OK();
 }
 
-}  // namespace eplbx::io
+}  // namespace eplbx

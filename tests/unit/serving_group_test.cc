@@ -1,0 +1,364 @@
+// ServingGroup (eplbx/serving.h) with ranks as threads on the real store with membership and
+// loopback agents: serving with rebalances in flight through a sequence of membership
+// changes (a loss, a later second loss, a lost rank's process coming back, a drain), every
+// row each rank serves checked against the placement in force at every step. The same with
+// processes: tests/cli/demo_test.cc (the demo's ranks are ServingGroups).
+#include "eplbx/serving.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "eplbx/backup.h"
+#include "joined_store.h"
+#include "rank_fixture.h"
+
+namespace eplbx {
+namespace {
+
+using namespace eplbx::fixture;  // NOLINT: the fixture
+
+constexpr int kWorld = 5;
+constexpr int kSlots = kWorld * kRows;  // 20 slots for 9 experts
+
+// Slots 0-8 hold experts 0-8 at the start, the others replicas of 0, 1, 2, 3 and 8: experts
+// 4-7 are on rank 1 only (its slots 4-7), so its loss needs the backup.
+std::vector<std::vector<int32_t>> StartMaps() {
+  constexpr int kReplicated[] = {0, 1, 2, 3, 8};
+  std::vector<std::vector<int32_t>> maps(kLayers);
+  for (int l = 0; l < kLayers; ++l) {
+    for (int s = 0; s < kSlots; ++s) maps[l].push_back(s < kExperts ? s : kReplicated[(s - 9) % 5]);
+  }
+  return maps;
+}
+
+Placement StartPlacement() {
+  std::vector<int32_t> flat;
+  for (const auto& m : StartMaps()) flat.insert(flat.end(), m.begin(), m.end());
+  return *Placement::FromPhy2Log(kLayers, kSlots, kExperts, flat);
+}
+
+// Skewed counts, the same on every rank at a step, drifting so that rebalances happen.
+std::vector<double> Counts(int step) {
+  std::mt19937 rng(static_cast<uint32_t>(step) * 7919u + 1);
+  std::vector<double> c;
+  for (int l = 0; l < kLayers; ++l) {
+    for (int e = 0; e < kExperts; ++e) {
+      const int hot = (e + step / 6 + l) % kExperts;
+      c.push_back(hot < 2 ? 400.0 + rng() % 50 : 10.0 + rng() % 20);
+    }
+  }
+  return c;
+}
+
+ServingOptions Options() {
+  ServingOptions o;
+  o.balancer.topology = Topology{.ranks = kWorld, .nodes = 1, .slots = kSlots, .groups = 1};
+  o.balancer.policy = Policy::kIncremental;
+  o.balancer.window = 4;
+  o.balancer.trigger.interval = 4;
+  o.balancer.mode = BalancerMode::kAsynchronous;
+  o.balancer.plan_lag_steps = 1;
+  o.balancer.bytes_per_expert = kBytes[0] + kBytes[1];
+  o.rearrange.deadline = std::chrono::seconds(5);
+  o.round_wait = std::chrono::milliseconds(3000);
+  return o;
+}
+
+// Every row `rank` serves holds the expert placement() names there ("" when so).
+std::string CheckRows(const Rank& rank, const ServingGroup& g) {
+  const Placement& p = g.placement();
+  const int r = static_cast<int>(rank.layout.rank);
+  for (int l = 0; l < kLayers; ++l) {
+    const std::vector<uint32_t> table = g.RowTable(static_cast<uint32_t>(l));
+    for (int row = 0; row < kRows; ++row) {
+      const int32_t e = p.phy2log(l, r * kRows + row);
+      if (e < 0) continue;
+      for (int t = 0; t < 2; ++t) {
+        const uint8_t* got = rank.SlotRow(l, t, row, table);
+        for (uint64_t i = 0; i < kBytes[t]; ++i) {
+          if (got[i] != Byte(l, e, t, i)) {
+            return "rank " + std::to_string(r) + " layer " + std::to_string(l) + " row " +
+                   std::to_string(row) + " does not hold expert " + std::to_string(e);
+          }
+        }
+      }
+    }
+  }
+  // Every expert is served by a member.
+  for (int l = 0; l < kLayers; ++l) {
+    for (int e = 0; e < kExperts; ++e) {
+      bool held = false;
+      for (int32_t slot : p.replicas(l, e)) held |= g.members()[slot / kRows];
+      if (!held) return "expert " + std::to_string(e) + " of layer " + std::to_string(l) + " lost";
+    }
+  }
+  return "";
+}
+
+// What one rank's thread saw.
+struct Outcome {
+  Status status;
+  int64_t steps = 0;
+  uint64_t epoch = 0;
+  std::vector<int32_t> placement;
+  std::vector<RecoveryRecord> recoveries;
+  std::string bad;
+  int64_t rows_checked = 0;
+  int64_t rebalances = 0;
+};
+
+struct World {
+  JoinedStore store{kWorld, /*membership=*/true};
+  std::vector<std::unique_ptr<Rank>> ranks;
+  std::unique_ptr<HostBackup> backup;
+  std::mutex mu;
+  std::map<std::string, Outcome> out;  // by "rank N" (a rank's second process: "rank N again")
+
+  World() {
+    const auto maps = StartMaps();
+    for (uint32_t r = 0; r < kWorld; ++r) ranks.push_back(MakeRank(r, maps));
+    auto b = HostBackup::Create(::testing::TempDir(), ranks[0]->layout, kExperts);
+    EXPECT_TRUE(b.ok()) << b.status().ToString();
+    if (!b.ok()) return;
+    backup = std::move(*b);
+    for (uint32_t r = 0; r < kWorld; ++r)
+      EXPECT_TRUE(backup->Capture(StartPlacement(), ranks[r]->layout).ok());
+  }
+
+  // Serves on `g` from its step to `to`, or, with `await_join`, until 8 steps after a join
+  // was settled (every member and the joiner agree on that step; at most kMaxSteps);
+  // `die_at(step)` true: this rank's process dies there (before the step's collective).
+  static constexpr int kMaxSteps = 400;
+  void Serve(const std::string& name, Rank& rank, ServingGroup& g, int to, bool await_join,
+             const std::function<bool(int)>& die_at, const std::function<void(int)>& at_step,
+             std::unique_ptr<SocketBootstrap>& boot) {
+    Outcome o;
+    auto end = [&] {
+      for (const RecoveryRecord& r : g.recoveries()) {
+        if (r.kind == "join") return std::max<int64_t>(to, r.step + 8);
+      }
+      return await_join ? int64_t{kMaxSteps} : int64_t{to};
+    };
+    for (int step = static_cast<int>(g.step()); step < end() && step < kMaxSteps; ++step) {
+      if (at_step) at_step(step);
+      const std::vector<double> c = Counts(step);
+      Result<BalancerStep> st = g.Step(c);
+      if (!st.ok()) {
+        o.status = st.status();
+        break;
+      }
+      (void)g.Commit();
+      if (o.bad.empty()) o.bad = CheckRows(rank, g);
+      o.rows_checked += kLayers * kRows;
+      if (die_at && die_at(step)) {
+        boot.reset();  // the process is gone: its socket closes
+        o.status = Status::Aborted("died");
+        break;
+      }
+      Result<bool> synced = g.Sync();
+      if (!synced.ok()) {
+        o.status = synced.status();
+        break;
+      }
+      if (*synced && o.bad.empty()) o.bad = CheckRows(rank, g);
+    }
+    // A rebalance still in flight ends on every member at the same step.
+    while (o.status.ok() && g.progress().rebalancing) (void)g.Commit();
+    if (o.status.ok() && o.bad.empty()) o.bad = CheckRows(rank, g);
+    o.steps = g.step();
+    o.epoch = g.epoch();
+    o.placement = g.placement().phy2log();
+    o.recoveries = g.recoveries();
+    o.rebalances = static_cast<int64_t>(g.report().rebalances.size());
+    std::lock_guard<std::mutex> lock(mu);
+    out[name] = std::move(o);
+  }
+};
+
+// Rank 1 is lost at step 6, rank 3 at step 14; at step 20 a new process for rank 1 starts and
+// joins where the members are; they all go on to step 34 (or 8 steps past the join). Every member ends at one epoch with one placement, the rows it
+// serves checked at every step, experts only a lost rank held restored from the backup.
+TEST(ServingGroupTest, ServesThroughALossASecondLossAndALostRankComingBack) {
+  World w;
+  ASSERT_TRUE(w.store.joined() && w.backup != nullptr);
+  constexpr int kSteps = 34;
+  std::atomic<bool> spawn{false}, members_done{false};
+  std::unique_ptr<SocketBootstrap> again_boot;
+  std::unique_ptr<Rank> again;
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      std::vector<const BackupSource*> backups{w.backup.get()};
+      auto g = ServingGroup::Create(w.ranks[r]->agent.get(), w.store.m[r].get(),
+                                    w.ranks[r]->layout, StartPlacement(), Options(), backups);
+      if (!g.ok()) {
+        std::lock_guard<std::mutex> lock(w.mu);
+        w.out["rank " + std::to_string(r)].status = g.status();
+        return;
+      }
+      w.Serve(
+          "rank " + std::to_string(r), *w.ranks[r], **g, kSteps, /*await_join=*/true,
+          [r](int step) { return (r == 1 && step == 6) || (r == 3 && step == 14); },
+          [&, r](int step) {
+            if (r == 0 && step == 20) spawn = true;
+          },
+          w.store.m[r]);
+    });
+  }
+  // Rank 1's process comes back (as systemd would restart it) and joins where they are.
+  std::thread joiner([&] {
+    while (!spawn && !members_done) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    if (!spawn) return;  // the members never reached the step (their outcomes say why)
+    again = MakeRank(1, std::vector<std::vector<int32_t>>(kLayers, std::vector<int32_t>(kSlots, 0)));
+    auto b = JoinTcpStore("127.0.0.1", w.store.port, "t", 1, kWorld, std::chrono::seconds(5));
+    Outcome failed;
+    if (!b.ok()) {
+      failed.status = b.status();
+    } else {
+      again_boot = std::move(*b);
+      std::vector<const BackupSource*> backups{w.backup.get()};
+      auto g = ServingGroup::Join(again->agent.get(), again_boot.get(), again->layout, kExperts,
+                                  Options(), backups);
+      if (g.ok()) {
+        w.Serve("rank 1 again", *again, **g, kSteps, false, nullptr, nullptr, again_boot);
+        return;
+      }
+      failed.status = g.status();
+    }
+    std::lock_guard<std::mutex> lock(w.mu);
+    w.out["rank 1 again"] = failed;
+  });
+  for (auto& t : threads) t.join();
+  members_done = true;
+  joiner.join();
+
+  std::string story;  // what every rank saw, for a failure's message
+  for (const auto& [name, o] : w.out) {
+    story += "\n" + name + ": " + o.status.ToString() + ", " + std::to_string(o.steps) +
+             " steps, epoch " + std::to_string(o.epoch);
+    for (const RecoveryRecord& r : o.recoveries) {
+      story += "; " + r.kind + " at step " + std::to_string(r.step) + " epoch " +
+               std::to_string(r.epoch_before) + " -> " + std::to_string(r.epoch) + " (" +
+               std::to_string(r.placements) + " placements)";
+    }
+  }
+  SCOPED_TRACE(story);
+  const std::vector<std::string> members = {"rank 0", "rank 2", "rank 4", "rank 1 again"};
+  const Outcome& first = w.out["rank 0"];
+  for (const std::string& m : members) {
+    const Outcome& o = w.out[m];
+    ASSERT_TRUE(o.status.ok()) << m << ": " << o.status.ToString();
+    EXPECT_EQ(o.bad, "") << m;
+    EXPECT_EQ(o.steps, first.steps) << m;
+    EXPECT_GE(o.steps, kSteps) << m;
+    EXPECT_LT(o.steps, World::kMaxSteps) << m << " (the join was never settled)";
+    EXPECT_EQ(o.epoch, first.epoch) << m;
+    EXPECT_EQ(o.placement, first.placement) << m;
+  }
+  EXPECT_EQ(first.epoch, 4u);  // two losses and a join
+  ASSERT_EQ(first.recoveries.size(), 3u);
+  EXPECT_EQ(first.recoveries[0].kind, "loss");
+  EXPECT_EQ(first.recoveries[0].members, (std::vector<int>{0, 2, 3, 4}));
+  EXPECT_EQ(first.recoveries[0].step, 7);
+  EXPECT_EQ(first.recoveries[1].kind, "loss");
+  EXPECT_EQ(first.recoveries[1].members, (std::vector<int>{0, 2, 4}));
+  EXPECT_EQ(first.recoveries[2].kind, "join");
+  EXPECT_EQ(first.recoveries[2].members, (std::vector<int>{0, 1, 2, 4}));
+  // Experts only rank 1 held (4-7 of every layer) came back from the backup.
+  EXPECT_EQ(first.recoveries[0].experts_recovered, 4 * kLayers);
+  int64_t restored = 0;
+  for (const char* m : {"rank 0", "rank 2", "rank 3", "rank 4"})
+    restored += w.out[m].recoveries.empty() ? 0 : w.out[m].recoveries[0].rows_recovered;
+  EXPECT_GE(restored, 4 * kLayers * 2);  // two tensors each (a replica or more)
+  // The joined process serves its share, and the group rebalanced around the changes.
+  const Outcome& joined = w.out["rank 1 again"];
+  ASSERT_EQ(joined.recoveries.size(), 1u);
+  EXPECT_EQ(joined.recoveries[0].kind, "join");
+  EXPECT_GT(first.rebalances, 0);
+  int on_joiner = 0;
+  for (int s = kRows; s < 2 * kRows; ++s) on_joiner += first.placement[s] >= 0;
+  EXPECT_EQ(on_joiner, kRows);
+}
+
+// A graceful drain: every member moves rank 2's experts to the others at one step; rank 2
+// leaves and the others serve on over ranks 0, 1, 3 and 4, rows checked.
+TEST(ServingGroupTest, ADrainedRankLeavesAndTheOthersServeOn) {
+  World w;
+  ASSERT_TRUE(w.store.joined() && w.backup != nullptr);
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      auto g = ServingGroup::Create(w.ranks[r]->agent.get(), w.store.m[r].get(),
+                                    w.ranks[r]->layout, StartPlacement(), Options());
+      Outcome o;
+      if (!g.ok()) {
+        o.status = g.status();
+      } else {
+        for (int step = 0; step < 16 && o.status.ok(); ++step) {
+          const std::vector<double> c = Counts(step);
+          Result<BalancerStep> st = (*g)->Step(c);
+          (void)(*g)->Commit();
+          if (o.bad.empty()) o.bad = CheckRows(*w.ranks[r], **g);
+          if (!st.ok()) o.status = st.status();
+          if (step == 9) {
+            o.status = (*g)->Drain(2);
+            if ((*g)->left()) {
+              w.store.m[r].reset();
+              break;
+            }
+            if (o.bad.empty()) o.bad = CheckRows(*w.ranks[r], **g);
+            continue;
+          }
+          Result<bool> synced = (*g)->Sync();
+          if (!synced.ok()) o.status = synced.status();
+        }
+        while (o.status.ok() && !(*g)->left() && (*g)->progress().rebalancing) (void)(*g)->Commit();
+        if (!(*g)->left() && o.bad.empty()) o.bad = CheckRows(*w.ranks[r], **g);
+        o.placement = (*g)->placement().phy2log();
+        o.recoveries = (*g)->recoveries();
+        o.epoch = (*g)->epoch();
+      }
+      std::lock_guard<std::mutex> lock(w.mu);
+      w.out["rank " + std::to_string(r)] = o;
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kWorld; ++r) {
+    const Outcome& o = w.out["rank " + std::to_string(r)];
+    ASSERT_TRUE(o.status.ok()) << r << ": " << o.status.ToString();
+    EXPECT_EQ(o.bad, "") << r;
+    ASSERT_EQ(o.recoveries.size(), 1u) << r;
+    EXPECT_EQ(o.recoveries[0].kind, "drain");
+  }
+  for (int r : {1, 3, 4}) {
+    EXPECT_EQ(w.out["rank " + std::to_string(r)].placement, w.out["rank 0"].placement);
+    EXPECT_EQ(w.out["rank " + std::to_string(r)].epoch, 2u);
+  }
+  EXPECT_EQ(w.out["rank 0"].recoveries[0].members, (std::vector<int>{0, 1, 3, 4}));
+  for (int s = 2 * kRows; s < 3 * kRows; ++s) EXPECT_EQ(w.out["rank 0"].placement[s], -1);
+}
+
+TEST(ServingGroupTest, OptionsThatDoNotFitTheBootstrapAreNamed) {
+  InMemoryGroup group(2);
+  auto boot = group.Member(0);
+  auto rank = MakeRank(0, StartMaps());
+  ServingOptions o = Options();  // 5 ranks
+  auto g = ServingGroup::Create(rank->agent.get(), boot.get(), rank->layout, StartPlacement(), o);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.status().message(), "the topology has 5 ranks; the bootstrap's group 2");
+  o.round_wait = std::chrono::milliseconds(0);
+  o.balancer.topology.ranks = 2;
+  o.balancer.topology.slots = 2 * kRows;
+  g = ServingGroup::Create(rank->agent.get(), boot.get(), rank->layout, StartPlacement(), o);
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.status().message(), "round_wait (0 ms) and max_placements (4) must be >= 1");
+}
+
+}  // namespace
+}  // namespace eplbx

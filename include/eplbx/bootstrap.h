@@ -58,8 +58,14 @@ class SocketBootstrap final : public Bootstrap {
   // member set (members()) and contribute again. Non-members' contributions are empty.
   uint64_t epoch() const override { return epoch_; }
   std::vector<bool> members() const override { return members_; }
+  // Welcomed as a process for a rank that is no member (JoinTcpStore into a group under way:
+  // a restarted worker, a rank added later): it joins where the members are
+  // (ServingGroup::Join) instead of starting with them.
+  bool joining() const { return joining_; }
+  void set_joining(bool joining) { joining_ = joining; }
 
  private:
+  bool joining_ = false;
   int fd_;
   uint32_t rank_;
   uint32_t size_;

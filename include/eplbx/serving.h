@@ -30,6 +30,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -61,6 +62,9 @@ struct ServingOptions {
   int join_wait_rounds = 5;
   // Placements over a member set that keeps moving before settling gives up (>= 1).
   int max_placements = 4;
+  // Called on this rank as each placement's move among the members begins (1: the first of
+  // a settling), for drills and tests that strike there; null: nothing.
+  std::function<void(int placement)> before_move;
 };
 
 // One settling of the group (a loss, a join, a drain), as this rank saw it.

@@ -295,7 +295,8 @@ Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
       Refuse(fd, refusal);
       return;
     }
-    if (!internal::WriteFrame(fd, internal::kWelcome, {})) {
+    // "join": this process is no member yet; it joins the group where it is.
+    if (!internal::WriteFrame(fd, internal::kWelcome, "join")) {
       close(fd);
       return;
     }
@@ -375,8 +376,11 @@ Result<std::unique_ptr<SocketBootstrap>> JoinTcpStore(const std::string& addr, u
       bool timed_out = false;
       if (internal::WriteFrame(fd, internal::kHello, w.Take()) &&
           internal::ReadFrame(fd, deadline, &type, &body, &timed_out, env)) {
-        if (type == internal::kWelcome)
-          return std::make_unique<SocketBootstrap>(fd, rank, world, env);
+        if (type == internal::kWelcome) {
+          auto boot = std::make_unique<SocketBootstrap>(fd, rank, world, env);
+          boot->set_joining(body == "join");
+          return boot;
+        }
         close(fd);
         return Status::Unavailable(StrCat("rank ", rank, ": the rendezvous store refused: ", body));
       }

@@ -63,6 +63,19 @@ struct DemoOptions {
   // --serve --resize remove:RANK@STEP: rank RANK is drained at STEP and leaves (parsed into
   // fault "remove", fault_rank, fault_step).
   std::string resize;
+  // Every membership event of a --serve drill, in step order (--inject kill|stop:RANK@STEP
+  // and KIND:RANK@recovery, --resize remove|add:RANK@STEP); the first also sets fault,
+  // fault_rank and fault_step, a @recovery one fault2 and fault2_rank.
+  struct Event {
+    std::string kind;  // kill, stop, remove, add
+    int rank = -1;
+    int step = -1;  // -1: during the recovery from the event before it (kill and stop)
+    int after = -1;  // @recovery: the index among the stepped events it strikes after
+  };
+  std::vector<Event> events;
+  // This process joins a group under way (a rank added by --resize add, or a lost rank's
+  // process started again): ServingGroup::Join instead of Create.
+  bool joining = false;
   // Rearrange with the asynchronous pipeline (Begin, Commit back to back) instead of the
   // synchronous loop.
   bool pipeline = false;
@@ -134,6 +147,10 @@ nlohmann::json NewRankReport(int rank);
 // `report` (optional) receives the report this rank sent.
 int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot,
                 nlohmann::json* report = nullptr);
+
+// Who is a member when step `step` begins, by the drill's events (a rank whose first event
+// is `add` starts outside; @recovery faults strike with the event before them).
+std::vector<bool> MembersAt(const DemoOptions& o, int step);
 
 // "shm,cma,ucx" -> {"shm", "cma", "ucx"}; "" -> {}.
 std::vector<std::string> SplitPaths(const std::string& list);

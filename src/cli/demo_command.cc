@@ -51,6 +51,164 @@ Result<uint64_t> ParseBytes(const std::string& text, const char* flag) {
 
 }  // namespace
 
+// `--serve --inject kill:1@60,kill:3@200,stop:4@300 --resize add:1@300,remove:2@350`: every
+// membership event of the drill, checked and in step order (DemoOptions::events). A
+// KIND:RANK@recovery strikes during the recovery from the event listed before it.
+Status ParseServeEvents(DemoOptions& o) {
+  using Event = DemoOptions::Event;
+  std::vector<Event> stepped;
+  std::vector<std::pair<Event, int>> during;  // @recovery events, after stepped event k
+  for (const bool inject : {true, false}) {
+    const std::string& list = inject ? o.inject : o.resize;
+    const std::string flag = inject ? "--inject" : "--resize";
+    for (const std::string& spec : SplitPaths(list)) {
+      const auto colon = spec.find(':');
+      const auto at = spec.find('@');
+      Event e;
+      e.kind = spec.substr(0, std::min(colon, spec.size()));
+      const bool known =
+          inject ? e.kind == "kill" || e.kind == "stop" : e.kind == "remove" || e.kind == "add";
+      if (colon == std::string::npos || at == std::string::npos || at < colon || !known) {
+        return Status::InvalidArgument(
+            inject ? StrCat("--inject '", spec,
+                            "': with --serve expected kill:RANK@STEP or stop:RANK@STEP (the rank "
+                            "is killed, or stopped with SIGSTOP, at the start of that step), or "
+                            "KIND:RANK@recovery (during the recovery from the fault before it); "
+                            "several separated by commas")
+                   : StrCat("--resize '", spec,
+                            "': expected remove:RANK@STEP (the rank is drained at that step, then "
+                            "leaves) or add:RANK@STEP (the rank serves from that step on: a new "
+                            "process joins and takes its share of experts); several separated "
+                            "by commas"));
+      }
+      Result<int> rank =
+          internal::ParseInteger<int>(std::string_view(spec).substr(colon + 1, at - colon - 1),
+                                      StrCat(flag, " ", spec, ": the rank"), 0, o.ranks - 1);
+      if (!rank.ok()) return rank.status();
+      e.rank = *rank;
+      if (inject && spec.substr(at + 1) == "recovery") {
+        if (stepped.empty() ||
+            (!during.empty() && during.back().second == static_cast<int>(stepped.size()) - 1)) {
+          return Status::InvalidArgument(
+              StrCat("--inject ", o.inject, ": ", spec,
+                     " strikes during the recovery from the fault listed before it: list a "
+                     "KIND:RANK@STEP first (one @recovery fault per recovery)"));
+        }
+        during.push_back({e, static_cast<int>(stepped.size()) - 1});
+        continue;
+      }
+      Result<int> step =
+          internal::ParseInteger<int>(std::string_view(spec).substr(at + 1),
+                                      StrCat(flag, " ", spec, ": the step"), 1, o.steps - 1);
+      if (!step.ok()) return step.status();
+      e.step = *step;
+      stepped.push_back(e);
+    }
+  }
+  const std::string flags = StrCat(o.inject.empty() ? "" : "--inject " + o.inject,
+                                   !o.inject.empty() && !o.resize.empty() ? " " : "",
+                                   o.resize.empty() ? "" : "--resize " + o.resize);
+  if (o.mode_list.size() != 1) {
+    return Status::InvalidArgument(StrCat(flags,
+                                          " with --serve drills one mode: pass --modes sync, "
+                                          "--modes async or --modes off (not '",
+                                          o.modes, "')"));
+  }
+  if (o.ranks < 3) {
+    return Status::InvalidArgument(StrCat(flags, " with --serve needs at least 3 ranks (two ",
+                                          stepped.size() == 1 && stepped[0].kind == "add"
+                                              ? "serve before it joins)"
+                                              : "go on)"));
+  }
+  // In step order (the @recovery ones after the event they follow); one event per step.
+  std::vector<int> order(stepped.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return stepped[a].step < stepped[b].step; });
+  // Who is a member along the way: a rank whose first event is `add` starts outside.
+  std::vector<bool> member(o.ranks, true);
+  for (int i : order) {
+    if (stepped[i].kind == "add") {
+      bool earlier = false;
+      for (int j : order) {
+        if (j == i) break;
+        earlier |= stepped[j].rank == stepped[i].rank;
+      }
+      if (!earlier) member[stepped[i].rank] = false;
+    }
+  }
+  o.events.clear();
+  int prev_step = -1;
+  for (size_t k = 0; k < order.size(); ++k) {
+    const Event& e = stepped[order[k]];
+    const std::string spec = StrCat(e.kind, ":", e.rank, "@", e.step);
+    if (e.step == prev_step) {
+      return Status::InvalidArgument(
+          StrCat(flags, ": two events at step ", e.step, "; one membership event per step"));
+    }
+    prev_step = e.step;
+    if (e.kind == "add" ? member[e.rank] : !member[e.rank]) {
+      return Status::InvalidArgument(StrCat(
+          flags, ": ", spec, ": rank ", e.rank,
+          e.kind == "add" ? " is a member then (add a rank that was lost, removed or never "
+                            "started)"
+                          : " is no member then (lost or removed earlier, not added back)"));
+    }
+    member[e.rank] = e.kind == "add";
+    o.events.push_back(e);
+    for (const auto& [d, after] : during) {
+      if (after != order[k]) continue;
+      if (!member[d.rank] || d.rank == e.rank) {
+        return Status::InvalidArgument(
+            StrCat(flags, ": ", d.kind, ":", d.rank, "@recovery must strike a member other than "
+                   "the one of ", spec));
+      }
+      Event x = d;
+      x.after = static_cast<int>(k);
+      member[d.rank] = false;
+      o.events.push_back(x);
+    }
+    const int members = static_cast<int>(std::count(member.begin(), member.end(), true));
+    if (members < 2 || static_cast<int64_t>(members) * o.slots_per_rank < o.experts) {
+      return Status::InvalidArgument(StrCat(flags, ": after ", spec, " the ", members,
+                                            " members would have ", members * o.slots_per_rank,
+                                            " slots for --experts ", o.experts,
+                                            "; raise --ranks or --slots-per-rank"));
+    }
+  }
+  // The first event names the drill (reports, the worker's checks); a @recovery one the
+  // second fault.
+  o.fault = o.events[0].kind;
+  o.fault_rank = o.events[0].rank;
+  o.fault_step = o.events[0].step;
+  for (const Event& e : o.events) {
+    if (e.step < 0 && o.fault2.empty()) {
+      o.fault2 = e.kind;
+      o.fault2_rank = e.rank;
+    }
+  }
+  return Status::OK();
+}
+
+// Who is a member when step `step` begins, by the drill's events (a rank whose first event
+// is `add` starts outside; @recovery faults strike with the event before them).
+std::vector<bool> MembersAt(const DemoOptions& o, int step) {
+  std::vector<bool> member(o.ranks, true);
+  std::vector<bool> seen(o.ranks, false);
+  for (const DemoOptions::Event& e : o.events) {
+    if (!seen[e.rank] && e.kind == "add") member[e.rank] = false;
+    seen[e.rank] = true;
+  }
+  int last = -1;
+  for (const DemoOptions::Event& e : o.events) {
+    const int at = e.step >= 0 ? e.step : last;
+    if (at >= step) break;
+    last = at;
+    member[e.rank] = e.kind == "add";
+  }
+  return member;
+}
+
 Status ParseDemo(DemoOptions& o) {
   if (!o.steps_given) o.steps = o.serve ? 300 : 3;
   if (o.serve) {
@@ -145,90 +303,11 @@ Status ParseDemo(DemoOptions& o) {
                " MiB of weights; reduce --layers, --slots-per-rank, --spare-rows or "
                "--expert-bytes"));
   }
-  if (!o.resize.empty() && (!o.serve || !o.inject.empty())) {
-    return Status::InvalidArgument(
-        "--resize drills the serving demo (--serve), and not together with --inject");
+  if (!o.resize.empty() && !o.serve) {
+    return Status::InvalidArgument("--resize drills the serving demo (--serve)");
   }
-  if ((!o.inject.empty() && o.serve) || !o.resize.empty()) {  // a rank lost or removed
-    const bool inject = o.resize.empty();
-    // `--inject FIRST,SECOND`: a second loss during the recovery from the first.
-    const size_t comma = inject ? o.inject.find(',') : std::string::npos;
-    const std::string spec = inject ? o.inject.substr(0, comma) : o.resize;
-    const std::string flag = inject ? "--inject" : "--resize";
-    const auto colon = spec.find(':');
-    const auto at = spec.find('@');
-    o.fault = spec.substr(0, std::min(colon, spec.size()));
-    const bool known =
-        inject ? o.fault == "kill" || o.fault == "stop" : o.fault == "remove" || o.fault == "add";
-    if (colon == std::string::npos || at == std::string::npos || at < colon || !known) {
-      return Status::InvalidArgument(
-          inject ? StrCat("--inject '", spec,
-                          "': with --serve expected kill:RANK@STEP or stop:RANK@STEP (the rank "
-                          "is killed, or stopped with SIGSTOP, at the start of that step)")
-                 : StrCat("--resize '", spec,
-                          "': expected remove:RANK@STEP (the rank is drained at that step, then "
-                          "leaves) or add:RANK@STEP (the rank serves from that step on: a new "
-                          "process joins and takes its share of experts)"));
-    }
-    Result<int> rank =
-        internal::ParseInteger<int>(std::string_view(spec).substr(colon + 1, at - colon - 1),
-                                    StrCat(flag, " ", spec, ": the rank"), 0, o.ranks - 1);
-    if (!rank.ok()) return rank.status();
-    Result<int> step =
-        internal::ParseInteger<int>(std::string_view(spec).substr(at + 1),
-                                    StrCat(flag, " ", spec, ": the step"), 1, o.steps - 1);
-    if (!step.ok()) return step.status();
-    o.fault_rank = *rank;
-    o.fault_step = *step;
-    if (o.mode_list.size() != 1) {
-      return Status::InvalidArgument(StrCat(flag, " ", spec,
-                                            " with --serve drills one mode: pass --modes sync, "
-                                            "--modes async or --modes off (not '",
-                                            o.modes, "')"));
-    }
-    if (o.ranks < 3) {
-      return Status::InvalidArgument(
-          StrCat(flag, " ", spec, " with --serve needs at least 3 ranks (two ",
-                 o.fault == "add" ? "serve before it joins)" : "go on)"));
-    }
-    if (static_cast<int64_t>(o.ranks - 1) * o.slots_per_rank < o.experts) {
-      return Status::InvalidArgument(
-          StrCat(flag, " ", spec, ": the ", o.ranks - 1, " other ranks would have ",
-                 (o.ranks - 1) * o.slots_per_rank, " slots for --experts ", o.experts,
-                 "; raise --slots-per-rank or --ranks"));
-    }
-    if (comma != std::string::npos) {
-      const std::string second = o.inject.substr(comma + 1);
-      const auto c2 = second.find(':');
-      const auto a2 = second.find('@');
-      o.fault2 = second.substr(0, std::min(c2, second.size()));
-      if (c2 == std::string::npos || a2 == std::string::npos || a2 < c2 ||
-          (o.fault2 != "kill" && o.fault2 != "stop") || second.substr(a2 + 1) != "recovery") {
-        return Status::InvalidArgument(
-            StrCat("--inject ", o.inject,
-                   ": the second fault must be kill:RANK@recovery or "
-                   "stop:RANK@recovery (the rank is lost during the recovery from the first, as "
-                   "the move among the survivors begins)"));
-      }
-      Result<int> rank2 = internal::ParseInteger<int>(
-          std::string_view(second).substr(c2 + 1, a2 - c2 - 1),
-          StrCat("--inject ", o.inject, ": the second rank"), 0, o.ranks - 1);
-      if (!rank2.ok()) return rank2.status();
-      if (*rank2 == o.fault_rank) {
-        return Status::InvalidArgument(StrCat("--inject ", o.inject,
-                                              ": the second fault must strike another rank than ",
-                                              o.fault_rank));
-      }
-      o.fault2_rank = *rank2;
-      if (o.ranks < 4 || static_cast<int64_t>(o.ranks - 2) * o.slots_per_rank < o.experts) {
-        return Status::InvalidArgument(StrCat("--inject ", o.inject, ": the ", o.ranks - 2,
-                                              " ranks left after two losses "
-                                              "would have ",
-                                              std::max(0, o.ranks - 2) * o.slots_per_rank,
-                                              " slots for --experts ", o.experts,
-                                              "; raise --ranks or --slots-per-rank"));
-      }
-    }
+  if ((!o.inject.empty() && o.serve) || !o.resize.empty()) {  // membership events
+    EPLBX_RETURN_IF_ERROR(ParseServeEvents(o));
   } else if (!o.inject.empty()) {
     const auto colon = o.inject.find(':');
     static const char* kFaults[] = {"stride-mismatch", "missing-tensor", "kill", "stall",
@@ -282,8 +361,11 @@ Status RunDemo(DemoOptions o) {
     const std::string dir = Env::Default()->GetVar("EPLBX_BACKUP_DIR").value_or("/dev/shm");
     o.backup_dir = dir;
   }
-  // Starts rank r's process; returns the coordinator's end of its socket.
-  auto start = [&](int r) -> Result<int> {
+  // A rank that does not report in time (stopped, hung) is killed.
+  std::vector<bool> gone(o.ranks, false), reaped(o.ranks, false), closed(o.ranks, false);
+  // Starts rank r's process (`joining`: it joins the group under way); returns the
+  // coordinator's end of its socket.
+  auto start = [&](int r, bool joining) -> Result<int> {
     std::cout.flush();
     std::cerr.flush();
     int sv[2];
@@ -297,7 +379,9 @@ Status RunDemo(DemoOptions o) {
         if (k != r && fds[k] >= 0) close(fds[k]);
       }
       SocketBootstrap boot(sv[1], static_cast<uint32_t>(r), static_cast<uint32_t>(o.ranks));
-      _exit(o.serve ? RunServeRank(o, r, boot) : RunDemoRank(o, r, boot));
+      DemoOptions mine = o;
+      mine.joining = joining;
+      _exit(o.serve ? RunServeRank(mine, r, boot) : RunDemoRank(mine, r, boot));
     }
     close(sv[1]);
     if (pids[r] < 0) {
@@ -306,15 +390,30 @@ Status RunDemo(DemoOptions o) {
     }
     return sv[0];
   };
-  // `--resize add:RANK@STEP`: RANK's process starts when a member asks (at STEP), and joins.
-  const int late = o.fault == "add" ? o.fault_rank : -1;
+  // `--resize add:RANK@STEP`: RANK's process starts when a member asks (at STEP), and joins
+  // (a rank whose first event is `add` starts outside the group; one lost or removed earlier
+  // comes back as a new process).
+  std::vector<int> adds(o.ranks, 0);  // add events left per rank
+  std::vector<bool> late(o.ranks, false);
+  for (const DemoOptions::Event& e : o.events) {
+    if (e.kind != "add") continue;
+    if (adds[e.rank] == 0) {
+      bool before = false;
+      for (const DemoOptions::Event& x : o.events) {
+        if (&x == &e) break;
+        before |= x.rank == e.rank;
+      }
+      late[e.rank] = !before;
+    }
+    ++adds[e.rank];
+  }
   std::vector<std::pair<uint32_t, int>> joining;
   std::string start_error;
   for (int r = 0; r < o.ranks; ++r) {
     fds[r] = -1;
     pids[r] = -1;
-    if (r == late) continue;
-    EPLBX_ASSIGN_OR_RETURN(fds[r], start(r));
+    if (late[r]) continue;
+    EPLBX_ASSIGN_OR_RETURN(fds[r], start(r, false));
   }
   if (!o.json && o.serve) {
     std::cerr << "eplbx demo --serve: " << o.ranks << " ranks, " << o.layers << " layers x "
@@ -332,18 +431,27 @@ Status RunDemo(DemoOptions o) {
   }
   ReportCollector collector(o, !o.json);
   const auto t0 = Env::Default()->Now();
-  // A rank that does not report in time (stopped, hung) is killed.
-  std::vector<bool> gone(o.ranks, false), reaped(o.ranks, false), closed(o.ranks, false);
   Status served = ServeSocketBootstrap(
       fds, std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000) + 10000),
       [&](uint32_t rank, std::string bytes) {
-        if (late >= 0 && pids[late] < 0 && bytes.find("\"spawn\"") != std::string::npos) {
+        if (bytes.find("\"spawn\"") != std::string::npos) {
           const nlohmann::json ask = nlohmann::json::parse(bytes, nullptr, false);
-          if (ask.is_object() && ask.contains("spawn") && ask["spawn"].is_number_integer() &&
-              ask["spawn"].get<int64_t>() == late) {
-            Result<int> fd = start(late);
+          const int64_t r = ask.is_object() && ask.contains("spawn") &&
+                                    ask["spawn"].is_number_integer()
+                                ? ask["spawn"].get<int64_t>()
+                                : -1;
+          if (r >= 0 && r < o.ranks && adds[r] > 0) {
+            --adds[r];
+            if (pids[r] >= 0 && !reaped[r]) {  // the lost process: gone for good
+              kill(pids[r], SIGKILL);
+              kill(pids[r], SIGCONT);
+              waitpid(pids[r], nullptr, 0);
+            }
+            fds[r] = -1;  // (the coordinator closed the lost member's end)
+            gone[r] = reaped[r] = closed[r] = false;
+            Result<int> fd = start(static_cast<int>(r), true);
             if (fd.ok()) {
-              joining.push_back({static_cast<uint32_t>(late), *fd});
+              joining.push_back({static_cast<uint32_t>(r), *fd});
             } else {
               start_error = fd.status().message();
             }

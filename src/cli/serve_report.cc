@@ -136,26 +136,38 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
     for (int r = 0; r < o.ranks; ++r) {
       if (std::find(survivors.begin(), survivors.end(), r) == survivors.end()) lost.push_back(r);
     }
-  } else {
+  } else {  // the members at the end, by the events
+    const std::vector<bool> at_end = MembersAt(o, o.steps);
     for (int r = 0; r < o.ranks; ++r) {
-      if ((r != o.fault_rank || add) && r != o.fault2_rank) survivors.push_back(r);
+      if (at_end[r]) survivors.push_back(r);
     }
   }
-  if (o.fault == "remove") {  // the drained rank reports before it leaves
-    const auto it = reports.find(o.fault_rank);
+  // A rank whose process joined (added, or a lost rank started again) settled differently
+  // from the others (its first event is its join).
+  auto joined = [&](int r) {
+    return std::any_of(o.events.begin(), o.events.end(),
+                       [&](const DemoOptions::Event& e) { return e.kind == "add" && e.rank == r; });
+  };
+  for (const DemoOptions::Event& e : o.events) {  // a drained rank reports before it leaves
+    if (e.kind != "remove" || std::find(survivors.begin(), survivors.end(), e.rank) !=
+                                  survivors.end()) {
+      continue;
+    }
+    const auto it = reports.find(e.rank);
+    if (!error.empty()) break;
     if (it == reports.end()) {
-      error = StrCat("rank ", o.fault_rank, " (drained) left without a report");
-    } else if (std::string e = it->second.value("error", ""); !e.empty()) {
-      error = StrCat("rank ", o.fault_rank, " (drained): ", e);
+      error = StrCat("rank ", e.rank, " (drained) left without a report");
+    } else if (std::string why = it->second.value("error", ""); !why.empty()) {
+      error = StrCat("rank ", e.rank, " (drained): ", why);
     } else if (!it->second.value("left", false)) {
-      error = StrCat("rank ", o.fault_rank, " was to be drained and leave but did not say it left");
+      error = StrCat("rank ", e.rank, " was to be drained and leave but did not say it left");
     }
   }
   auto number = [](const json& j, const char* key) {
     return j.contains(key) && j[key].is_number() ? j[key].get<double>() : -1.0;
   };
   std::vector<double> step_s;
-  double recovery_s = 0, detect_wait_s = 0, drain_s = 0, release_s = 0, setup_s = 0, plan_s = 0,
+  double recovery_s = 0, detect_wait_s = 0, drain_s = 0, setup_s = 0, plan_s = 0,
          move_s = 0, restore_s = 0, balancer_s = 0, backup_bytes = 0;
   double detected = -1, epoch = -1, experts_recovered = -1, placements = 0;
   json restarts = json::array();
@@ -163,6 +175,7 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
   int rebalances_after = 0;
   bool counted_rebalances = false;  // from the first survivor with a report
   json members, interrupted = "";
+  json events = json::array();  // every membership event, as the members settled them
   // Every survivor's figures count, also after an error (the first error is the run's): a
   // failed run reports what happened up to the failure.
   for (int r : survivors) {
@@ -182,7 +195,25 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
     const json& d = rep["drill"];
     const double det = number(d, "detected_step"), ep = number(d, "epoch"),
                  rec = number(d, "experts_recovered");
-    if (detected < 0) {
+    if (!joined(r) && events.empty() && d.contains("events") && d["events"].is_array())
+      events = d["events"];
+    if (!joined(r) && d.contains("events") && d["events"].is_array()) {
+      // The slowest member's time for each event (the others waited for it).
+      for (size_t k = 0; k < d["events"].size() && k < events.size(); ++k) {
+        const double t = number(d["events"][k], "recovery_s");
+        if (t > number(events[k], "recovery_s")) events[k]["recovery_s"] = t;
+      }
+    }
+    if (joined(r) && !found && o.events.size() > 1) {
+      // (its detection and recovery figures are its join's; the members' are the run's)
+      if (failed.empty() && error.empty() &&
+          (number(d, "epoch") != epoch || d.value("members", json::array()) != members) &&
+          detected >= 0) {
+        error = StrCat("rank ", r, " (joined) ended at epoch ", number(d, "epoch"), " with members ",
+                       d.value("members", json::array()).dump(), "; the others at epoch ", epoch,
+                       " with ", members.dump());
+      }
+    } else if (detected < 0) {
       detected = det;
       epoch = ep;
       experts_recovered = rec;
@@ -200,10 +231,10 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
     // The phases of the survivor that took longest (the others waited for it). A joining
     // rank's own time runs from its start (it waits for the members to reach the step's
     // collective): the members' time is the one reported.
-    if (number(d, "recovery_s") >= recovery_s && !(add && r == o.fault_rank)) {
+    if (number(d, "recovery_s") >= recovery_s && !(add && r == o.fault_rank) &&
+        !(joined(r) && o.events.size() > 1)) {
       recovery_s = number(d, "recovery_s");
       drain_s = number(d, "drain_s");
-      release_s = number(d, "release_s");
       setup_s = number(d, "setup_s");
       balancer_s = number(d, "balancer_s");
       plan_s = number(d, "plan_s");
@@ -269,7 +300,6 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
         {"recovery_target_s", 1.0},
         {"phases_s",
          {{"end_rebalance_and_agree_maps", drain_s},
-          {"release_old_balancer", release_s},
           {"rearranger_over_members", setup_s},
           {"plan", plan_s},
           {"move_among_survivors", move_s},
@@ -285,6 +315,7 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
         {"rebalances_after", rebalances_after},
         {"placements", placements},
         {"restarts", restarts},
+        {"events", events},
         {"second_fault", o.fault2.empty() ? json(nullptr)
                                           : json{{"fault", o.fault2},
                                                  {"rank", o.fault2_rank},
@@ -318,29 +349,29 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
           "the members learning it joined (the new process starting, or a standby let in, and "
           "asking), then %.3f s to "
           "serving with it holding its share (target <= 1 s in all: %.3f s): agree on the maps "
-          "%.3f, old Balancer released %.3f, Rearranger over the members %.3f, plan %.3f, move "
+          "%.3f, Rearranger over the members %.3f, plan %.3f, move "
           "its experts onto it %.3f (%.1f MiB), Balancer %.3f; epoch %.0f, members %s\n",
           o.fault_rank, o.fault_step, detected, detect_wait_s, recovery_s,
-          detect_wait_s + recovery_s, drain_s, release_s, setup_s, plan_s, move_s,
+          detect_wait_s + recovery_s, drain_s, setup_s, plan_s, move_s,
           static_cast<double>(bytes_moved) / 1048576.0, balancer_s, epoch, members.dump().c_str());
     } else if (detected >= 0 && o.fault == "remove") {
       std::printf(
           "  rank %d drained and gone: %.3f s from the step's end to serving over the members "
           "%s (epoch %.0f): end the rebalance in flight %.3f, plan the drain %.3f, move its "
-          "experts to the others %.3f (%.1f MiB), old Balancer released %.3f, Rearranger rebuilt "
+          "experts to the others %.3f (%.1f MiB), Rearranger rebuilt "
           "over "
           "the members %.3f, Balancer %.3f\n",
           o.fault_rank, recovery_s, members.dump().c_str(), epoch, drain_s, plan_s, move_s,
-          static_cast<double>(bytes_moved) / 1048576.0, release_s, setup_s, balancer_s);
+          static_cast<double>(bytes_moved) / 1048576.0, setup_s, balancer_s);
     } else if (detected >= 0) {
       std::printf(
           "  detected at step %.0f after %.3f s of that step; epoch %.0f, members %s\n"
           "  recovery (detection to serving with every expert present): %.3f s (target <= 1 s): "
-          "end the rebalance in flight and agree on the maps %.3f, old Balancer released "
-          "%.3f, Rearranger rebuilt over the members %.3f, plan %.3f, move among survivors %.3f "
+          "end the rebalance in flight and agree on the maps %.3f, "
+          "Rearranger rebuilt over the members %.3f, plan %.3f, move among survivors %.3f "
           "(%.1f MiB), restore from the host backup %.3f (%llu rows of %.0f experts; backup "
           "holds %.1f MiB), Balancer over the members %.3f\n",
-          detected, detect_wait_s, epoch, members.dump().c_str(), recovery_s, drain_s, release_s,
+          detected, detect_wait_s, epoch, members.dump().c_str(), recovery_s, drain_s,
           setup_s, plan_s, move_s, static_cast<double>(bytes_moved) / 1048576.0, restore_s,
           static_cast<unsigned long long>(rows_recovered), experts_recovered,
           backup_bytes / 1048576.0, balancer_s);
@@ -354,6 +385,16 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
         for (const json& why : restarts) {
           if (why.is_string()) std::printf("    again after %s\n", why.get<std::string>().c_str());
         }
+      }
+    }
+    if (events.size() > 1) {
+      std::printf("  membership events:\n");
+      for (const json& e : events) {
+        std::printf("    step %.0f: %s, epoch %.0f, members %s, settled in %.3f s (%.0f experts "
+                    "from the backup)\n",
+                    number(e, "step"), e.value("kind", "").c_str(), number(e, "epoch"),
+                    e.value("members", json::array()).dump().c_str(), number(e, "recovery_s"),
+                    number(e, "experts_recovered"));
       }
     }
     if (found && lost.empty()) {

@@ -2,6 +2,7 @@
 // its own ranks; configured by EPLBX_MASTER_ADDR/PORT, EPLBX_RANK, EPLBX_WORLD_SIZE and
 // EPLBX_TOKEN (docs/deploy.md). Rank 0 serves the rendezvous store and prints the report.
 // `eplbx store`: the same store as a process of its own.
+#include <algorithm>
 #include <chrono>
 #include <iostream>
 #include <map>
@@ -27,13 +28,19 @@ class StoreThread {
   StoreThread(std::unique_ptr<TcpStore> store, const DemoOptions& o, bool print_progress)
       : store_(std::move(store)), collector_(o, print_progress) {
     const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
-    if (o.serve && o.fault == "add") {
-      // `--resize add:RANK@STEP`: the start does not wait for RANK; its worker (started any
-      // time, a standby or later) is held until a member asks for it at STEP.
-      std::vector<bool> late(static_cast<size_t>(o.ranks), false);
-      late[static_cast<size_t>(o.fault_rank)] = true;
-      store_->set_late_ranks(std::move(late));
-      store_->set_admit([this](uint32_t rank) { return asked_.count(rank) != 0; });
+    // `--resize add:RANK@STEP` for a rank that was never a member: the start does not wait
+    // for RANK; its worker (started any time, a standby or later) is held until a member asks
+    // for it at STEP. A worker restarted for a rank that was a member (lost) is let in at once.
+    std::vector<bool> late(static_cast<size_t>(o.ranks), false), seen = late;
+    for (const DemoOptions::Event& e : o.events) {
+      if (!seen[e.rank] && e.kind == "add") late[e.rank] = true;
+      seen[e.rank] = true;
+    }
+    if (o.serve && std::find(late.begin(), late.end(), true) != late.end()) {
+      store_->set_late_ranks(late);
+      store_->set_admit([this, late](uint32_t rank) {
+        return !late[rank] || asked_.count(rank) != 0;
+      });
     }
     thread_ = std::thread([this, deadline] {
       status_ = store_->Serve(
@@ -103,7 +110,9 @@ Status RunWorker(DemoOptions o, bool ranks_given) {
           "eplbx worker --serve prints the serving drill's report; --plot draws the demo's "
           "comparison of modes (eplbx demo --serve)");
     }
-    if (o.fault_step >= 0 && (o.fault_rank == 0 || o.fault2_rank == 0)) {
+    if (std::any_of(o.events.begin(), o.events.end(), [](const auto& e) {
+          return e.rank == 0 && e.kind != "add";
+        })) {
       return Status::InvalidArgument(
           StrCat("eplbx worker --serve: rank 0 serves the rendezvous store, so it cannot be the "
                  "rank lost or removed; pick another rank"));

@@ -14,7 +14,8 @@ constexpr uint8_t kVersion = 2;
 }  // namespace
 
 std::string EncodeMembersMap(int step, uint64_t placed_at, const std::vector<int32_t>& own,
-                             const std::vector<double>& window) {
+                             const std::vector<double>& window,
+                             const std::vector<uint8_t>& backed) {
   ByteWriter w;
   w.U8(kVersion);
   w.U32(static_cast<uint32_t>(step + 1));  // a joiner: 0
@@ -23,6 +24,8 @@ std::string EncodeMembersMap(int step, uint64_t placed_at, const std::vector<int
   for (int32_t e : own) w.U32(static_cast<uint32_t>(e));
   w.U32(static_cast<uint32_t>(window.size()));
   for (double v : window) w.U64(std::bit_cast<uint64_t>(v));
+  w.U32(static_cast<uint32_t>(backed.size()));
+  for (uint8_t b : backed) w.U8(b != 0 ? 1 : 0);
   return w.Take();
 }
 
@@ -41,7 +44,7 @@ Result<MembersRound> DecodeMembersRound(const std::vector<std::string>& all, int
   MembersRound out;
   size_t step_rank = 0;  // the first member that said its step
   std::vector<int32_t> flat(static_cast<size_t>(layers) * static_cast<size_t>(slots), -1);
-  bool first = true;
+  bool first = true, first_backed = true;
   for (size_t r = 0; r < all.size(); ++r) {
     const std::string& b = all[r];
     if (b.empty()) continue;  // not a member
@@ -96,7 +99,7 @@ Result<MembersRound> DecodeMembersRound(const std::vector<std::string>& all, int
     uint32_t w = 0;
     if (!in.U32("window", &w)) return in.status();
     const uint64_t want = static_cast<uint64_t>(layers) * static_cast<uint64_t>(experts);
-    if ((w != 0 && w != want) || in.remaining() != uint64_t{w} * 8) {
+    if ((w != 0 && w != want) || in.remaining() < uint64_t{w} * 8 + 4) {
       return Status::Corruption(StrCat(what, " has a window of ", w, " loads in ",
                                        in.remaining(), " bytes; 0 or ", want, " expected (",
                                        layers, " layers x ", experts, " experts)"));
@@ -113,6 +116,27 @@ Result<MembersRound> DecodeMembersRound(const std::vector<std::string>& all, int
       }
     }
     if (out.window.empty()) out.window = std::move(window);
+    uint32_t nb = 0;
+    if (!in.U32("backed", &nb)) return in.status();
+    if ((nb != 0 && nb != want) || in.remaining() != nb) {
+      return Status::Corruption(StrCat(what, " has ", nb, " backup flags in ", in.remaining(),
+                                       " bytes; 0 or ", want, " expected (", layers, " layers x ",
+                                       experts, " experts)"));
+    }
+    std::string flags;
+    if (!in.Raw("backed", nb, &flags)) return in.status();
+    // Recoverable where every member's backups hold it (none sent: none held).
+    if (first_backed) out.backed.assign(want, 1);
+    first_backed = false;
+    for (uint64_t i = 0; i < nb; ++i) {
+      if (flags[i] != 0 && flags[i] != 1) {
+        return Status::Corruption(StrCat(what, ": backup flag ", i, " is ",
+                                         +static_cast<uint8_t>(flags[i]), " (expected 0 or 1)"));
+      }
+    }
+    for (uint64_t i = 0; i < want; ++i) {
+      if (nb == 0 || flags[i] == 0) out.backed[i] = 0;
+    }
   }
   EPLBX_ASSIGN_OR_RETURN(out.in_force, Placement::FromPhy2Log(layers, static_cast<int>(slots),
                                                               experts, std::move(flat)));

@@ -10,7 +10,10 @@
 // then n i32 experts (-1: an empty slot), layer by layer, the member's rows in order; then
 // u32 w (0, or layers x experts) and w f64 window loads (the member's Balancer window: a
 // joiner has none; the lowest member's is the one every member plans from, so a joiner
-// plans as the members do).
+// plans as the members do); then u32 b (0, or layers x experts) and b bytes, 1 where the
+// member's backups hold that (layer, expert) (0: none held). An expert counts as
+// recoverable only when every member's backups hold it: every member plans the same, and
+// whichever member the plan has restore it can.
 #ifndef EPLBX_SRC_SERVE_MEMBERS_MAP_H_
 #define EPLBX_SRC_SERVE_MEMBERS_MAP_H_
 
@@ -24,9 +27,10 @@
 namespace eplbx::internal {
 
 // `step` -1: a joiner. `own`: layers x rows, what this member's slots hold.
-// `window`: layers x experts loads, or empty.
+// `window`: layers x experts loads, or empty; `backed`: layers x experts flags, or empty.
 std::string EncodeMembersMap(int step, uint64_t placed_at, const std::vector<int32_t>& own,
-                             const std::vector<double>& window = {});
+                             const std::vector<double>& window = {},
+                             const std::vector<uint8_t>& backed = {});
 
 struct MembersRound {
   Placement in_force;  // assembled from every member's own slots
@@ -35,6 +39,7 @@ struct MembersRound {
   uint64_t placed_at = 0;  // the epoch they all placed at (when all_placed)
   std::string not_placed;  // "rank 2" of those that did not
   std::vector<double> window;  // the lowest member's that sent one (empty: none did)
+  std::vector<uint8_t> backed;  // layers x experts: 1 where every member's backups hold it
 };
 
 // Decodes an all-gather of EncodeMembersMap blobs, one per rank of the group (empty: not a

@@ -121,10 +121,12 @@ struct ServingGroup::State {
     EPLBX_ASSIGN_OR_RETURN(LoadMatrix window, WindowOf(round));
     SurvivorOptions so;
     so.policy = Policy::kIncremental;
-    if (!backups.empty()) {
-      so.backup = [this](int l, int e) {
-        return std::any_of(backups.begin(), backups.end(),
-                           [&](const BackupSource* b) { return b->Holds(l, e); });
+    // Recoverable where every member's backups hold it (the round's flags): every member
+    // plans alike, and whichever member restores it can.
+    const int experts_per_layer = round.in_force.experts();
+    if (std::find(round.backed.begin(), round.backed.end(), 1) != round.backed.end()) {
+      so.backup = [&round, experts_per_layer](int l, int e) {
+        return round.backed[static_cast<size_t>(l) * experts_per_layer + e] != 0;
       };
     }
     so.migration.bytes_per_expert = o.balancer.bytes_per_expert;
@@ -133,6 +135,7 @@ struct ServingGroup::State {
     rec.plan_s += Since(t);
     if (!plan.ok()) return plan.status();
     rec.experts_recovered = plan->experts_recovered;  // the last plan's
+    if (o.before_move) o.before_move(rec.placements);
     t = Clock::now();
     RearrangeReport moved = rearranger->Rearrange(plan->sources, plan->interim, plan->migration);
     rec.bytes_moved += moved.bytes_read;
@@ -169,7 +172,13 @@ struct ServingGroup::State {
       EPLBX_ASSIGN_OR_RETURN(LoadMatrix w, balancer->window());
       window = w.values();
     }
-    const std::string mine = internal::EncodeMembersMap(step, placed_at, own, window);
+    std::vector<uint8_t> backed(static_cast<size_t>(layout.layers.size()) * experts, 0);
+    for (size_t i = 0; i < backed.size() && !backups.empty(); ++i) {
+      const int l = static_cast<int>(i / experts), e = static_cast<int>(i % experts);
+      backed[i] = std::any_of(backups.begin(), backups.end(),
+                              [&](const BackupSource* b) { return b->Holds(l, e); });
+    }
+    const std::string mine = internal::EncodeMembersMap(step, placed_at, own, window, backed);
     EPLBX_ASSIGN_OR_RETURN(std::vector<std::string> all, boot->AllGather(mine, wait));
     if (all.size() != static_cast<size_t>(topo().ranks)) {
       return Status::Internal(StrCat("the members' maps came from ", all.size(),
@@ -207,6 +216,7 @@ struct ServingGroup::State {
           break;
         }
         case internal::SettleActionKind::kPlace: {
+          rec.placements = machine.placements();  // begun so far
           Status s = OverMembers(rec);
           if (s.ok()) s = Place(round, rec, &own, &placed);
           a = machine.OnPlaced(s, boot->epoch());

@@ -71,6 +71,25 @@ TEST(MembersMapTest, TheLowestMembersWindowIsTheOneEveryMemberPlansFrom) {
   EXPECT_EQ(none->step, -1);
 }
 
+// An expert is recoverable only where every member's backups hold it (a member with none
+// makes none recoverable).
+TEST(MembersMapTest, ExpertsAreBackedWhereEveryMembersBackupsHoldThem) {
+  std::vector<uint8_t> a(kLayers * kExperts, 1), b(kLayers * kExperts, 1);
+  a[2] = 0;
+  b[7] = 0;
+  std::vector<std::string> all = {EncodeMembersMap(5, 0, Own(0), {}, a), "",
+                                  EncodeMembersMap(5, 0, Own(2), {}, b)};
+  Result<MembersRound> round = DecodeMembersRound(all, kLayers, kRows, kExperts);
+  ASSERT_TRUE(round.ok()) << round.status().ToString();
+  std::vector<uint8_t> both(kLayers * kExperts, 1);
+  both[2] = both[7] = 0;
+  EXPECT_EQ(round->backed, both);
+  all.push_back(EncodeMembersMap(-1, 0, std::vector<int32_t>(6, -1)));  // a joiner, no backup
+  round = DecodeMembersRound(all, kLayers, kRows, kExperts);
+  ASSERT_TRUE(round.ok()) << round.status().ToString();
+  EXPECT_EQ(round->backed, std::vector<uint8_t>(kLayers * kExperts, 0));
+}
+
 TEST(MembersMapTest, EveryMalformedMapIsANamedError) {
   const std::string good = EncodeMembersMap(7, 1, Own(0));
   auto with = [&](const std::string& blob) {
@@ -78,7 +97,8 @@ TEST(MembersMapTest, EveryMalformedMapIsANamedError) {
   };
   // A map with `w` window loads (the values given).
   auto raw = [](uint8_t version, uint32_t step, uint32_t n, const std::vector<uint32_t>& slots,
-                uint32_t w = 0, const std::vector<double>& loads = {}) {
+                uint32_t w = 0, const std::vector<double>& loads = {},
+                const std::vector<uint8_t>& flags = {}) {
     ByteWriter b;
     b.U8(version);
     b.U32(step);
@@ -87,6 +107,8 @@ TEST(MembersMapTest, EveryMalformedMapIsANamedError) {
     for (uint32_t e : slots) b.U32(e);
     b.U32(w);
     for (double v : loads) b.U64(std::bit_cast<uint64_t>(v));
+    b.U32(static_cast<uint32_t>(flags.size()));
+    for (uint8_t f : flags) b.U8(f);
     return b.Take();
   };
   const std::vector<uint32_t> six(6, 1);
@@ -94,8 +116,8 @@ TEST(MembersMapTest, EveryMalformedMapIsANamedError) {
                                         negative = {1, 1, 1, 1, 1, 1, 1, 1, 1, -3};
   const std::pair<std::string, std::string> cases[] = {
       {raw(1, 8, 6, six), "rank 1's map is version 1; this build reads version 2"},
-      {raw(2, 8, 5, six), "rank 1's map has 5 slots in 45 bytes; 6 expected (2 layers x 3 rows)"},
-      {raw(2, 8, 6, {1, 1, 1}), "has 6 slots in 33 bytes"},
+      {raw(2, 8, 5, six), "rank 1's map has 5 slots in 49 bytes; 6 expected (2 layers x 3 rows)"},
+      {raw(2, 8, 6, {1, 1, 1}), "has 6 slots in 37 bytes"},
       {raw(2, 0x80000000u, 6, six), "rank 1's map says step 2147483648: not a step"},
       {raw(2, 0xFFFFFFFFu, 6, six), "not a step"},
       {raw(2, 8, 6, {1, 1, 1, 1, 1, 5}), "layer 1 row 2 holds expert 5 (expected -1 .. 4)"},
@@ -103,9 +125,11 @@ TEST(MembersMapTest, EveryMalformedMapIsANamedError) {
       {raw(2, 9, 6, six), "rank 1 is at step 8, rank 0 at step 7: the members are not in step"},
       {good.substr(0, 7), "rank 1's map"},
       {raw(2, 8, 0xFFFFFFFFu, six), "has 4294967295 slots"},
-      {raw(2, 8, 6, six, 9, ten), "rank 1's map has a window of 9 loads in 80 bytes; 0 or 10"},
-      {raw(2, 8, 6, six, 10, {1, 2}), "has a window of 10 loads in 16 bytes"},
-      {raw(2, 8, 6, six, 0, {1}), "has a window of 0 loads in 8 bytes"},
+      {raw(2, 8, 6, six, 9, ten), "rank 1's map has a window of 9 loads in 84 bytes; 0 or 10"},
+      {raw(2, 8, 6, six, 10, {1, 2}), "has a window of 10 loads in 20 bytes"},
+      {raw(2, 8, 6, six, 0, {1}), "rank 1's map has 0 backup flags in 8 bytes"},
+      {raw(2, 8, 6, six, 0, {}, {1, 1}), "rank 1's map has 2 backup flags in 2 bytes; 0 or 10"},
+      {raw(2, 8, 6, six, 0, {}, {1, 1, 1, 1, 1, 1, 1, 1, 1, 2}), "backup flag 9 is 2"},
       {raw(2, 8, 6, six, 10, nan_load), "the window's load of layer 1 expert 2 is nan"},
       {raw(2, 8, 6, six, 10, negative), "the window's load of layer 1 expert 4 is -3"},
   };

@@ -137,6 +137,13 @@ Status ParseServeEvents(DemoOptions& o) {
       if (!earlier) member[stepped[i].rank] = false;
     }
   }
+  const int at_start = static_cast<int>(std::count(member.begin(), member.end(), true));
+  if (static_cast<int64_t>(at_start) * o.slots_per_rank < o.experts) {
+    return Status::InvalidArgument(StrCat(flags, ": the ", at_start,
+                                          " members at the start would have ",
+                                          at_start * o.slots_per_rank, " slots for --experts ",
+                                          o.experts, "; raise --ranks or --slots-per-rank"));
+  }
   o.events.clear();
   int prev_step = -1;
   for (size_t k = 0; k < order.size(); ++k) {

@@ -539,6 +539,7 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann
   if (drill) {
     const std::vector<RecoveryRecord>& recs = modes[0].group->recoveries();
     report["left"] = left;
+    report["joined"] = joiner;
     if (recs.empty() && o.fault_step >= 0 && report["error"].get<std::string>().empty()) {
       report["error"] = StrCat("the ", o.fault, " of rank ", o.fault_rank, " at step ",
                                o.fault_step, " was never detected");

@@ -145,9 +145,15 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
   // A rank whose process joined (added, or a lost rank started again) settled differently
   // from the others (its first event is its join).
   auto joined = [&](int r) {
-    return std::any_of(o.events.begin(), o.events.end(),
-                       [&](const DemoOptions::Event& e) { return e.kind == "add" && e.rank == r; });
+    const auto it = reports.find(r);
+    return (it != reports.end() && it->second.value("joined", false)) ||
+           std::any_of(o.events.begin(), o.events.end(), [&](const DemoOptions::Event& e) {
+             return e.kind == "add" && e.rank == r;
+           });
   };
+  // Several events (or a process that joined): a joined rank's first event is its join.
+  const bool several = o.events.size() > 1 || std::any_of(survivors.begin(), survivors.end(),
+                                                           [&](int r) { return found && joined(r); });
   for (const DemoOptions::Event& e : o.events) {  // a drained rank reports before it leaves
     if (e.kind != "remove" || std::find(survivors.begin(), survivors.end(), e.rank) !=
                                   survivors.end()) {
@@ -204,7 +210,7 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
         if (t > number(events[k], "recovery_s")) events[k]["recovery_s"] = t;
       }
     }
-    if (joined(r) && !found && o.events.size() > 1) {
+    if (joined(r) && several) {
       // (its detection and recovery figures are its join's; the members' are the run's)
       if (failed.empty() && error.empty() &&
           (number(d, "epoch") != epoch || d.value("members", json::array()) != members) &&
@@ -232,7 +238,7 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
     // rank's own time runs from its start (it waits for the members to reach the step's
     // collective): the members' time is the one reported.
     if (number(d, "recovery_s") >= recovery_s && !(add && r == o.fault_rank) &&
-        !(joined(r) && o.events.size() > 1)) {
+        !(joined(r) && several)) {
       recovery_s = number(d, "recovery_s");
       drain_s = number(d, "drain_s");
       setup_s = number(d, "setup_s");
@@ -264,6 +270,26 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
     }
   }
   if (error.empty() && detected < 0 && !found) error = "no survivor detected the loss";
+  if (found && several) {
+    // Who was lost along the way (a lost rank's process may have come back): from the
+    // members before and after each loss.
+    std::vector<int> before(o.ranks);
+    for (int r = 0; r < o.ranks; ++r) before[r] = r;
+    lost.clear();
+    for (const json& e : events) {
+      std::vector<int> after;
+      for (const json& m : e.value("members", json::array())) {
+        if (m.is_number_integer()) after.push_back(m.get<int>());
+      }
+      for (int r : before) {
+        if (e.value("kind", "") == "loss" &&
+            std::find(after.begin(), after.end(), r) == after.end() &&
+            std::find(lost.begin(), lost.end(), r) == lost.end())
+          lost.push_back(r);
+      }
+      before = after;
+    }
+  }
   if (!served.ok())
     error = error.empty() ? served.message() : StrCat(served.message(), "; ", error);
   // Tokens per second before the fault, from it until serving again, and after.

@@ -24,6 +24,13 @@ if(rc OR NOT out MATCHES "consumer ok")
   message(FATAL_ERROR "consumer run failed: ${rc} ${out}")
 endif()
 message(STATUS "consumer: ${out}")
+# ServingGroup across processes through a killed rank (issue 35).
+execute_process(COMMAND ${WORK_DIR}/build/consumer_serving RESULT_VARIABLE rc
+                OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc OR NOT out MATCHES "serving ok")
+  message(FATAL_ERROR "consumer_serving run failed: ${rc} ${out} ${err}")
+endif()
+message(STATUS "consumer_serving: ${out}")
 # eplbx::plan alone: runs, and links no UCX library (issue 16, item 7).
 execute_process(COMMAND ${WORK_DIR}/build/consumer_plan RESULT_VARIABLE rc OUTPUT_VARIABLE out)
 if(rc OR NOT out MATCHES "consumer ok")

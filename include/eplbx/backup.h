@@ -157,6 +157,22 @@ Result<std::unique_ptr<HostBackup>> ShareHostBackup(Bootstrap& boot, uint32_t cr
                                                     std::unique_ptr<HostBackup> mine,
                                                     std::chrono::milliseconds timeout);
 
+// The node's host backup in one collective call (every rank of the group calls it): the
+// ranks that name the same `node` share one file, made in `dir` by the lowest of them. With
+// `load` null every rank captures what its rows hold under `placement` (together the node's
+// ranks hold what they serve); with `load` the creator fills every expert through it (from
+// the checkpoint: a lost node's experts are then in every other node's backup). Returns
+// this rank's backup once every rank of the group has its file open; the creator has then
+// removed the name (nothing is left behind, even by a crash).
+using ExpertLoader = std::function<void(int layer, int expert, const std::string& tensor,
+                                        uint8_t* dst, uint64_t bytes)>;
+Result<std::unique_ptr<HostBackup>> SetUpNodeBackup(Bootstrap& boot, const std::string& node,
+                                                    const std::string& dir,
+                                                    const RankLayout& layout, int experts,
+                                                    const Placement& placement,
+                                                    std::chrono::milliseconds timeout,
+                                                    const ExpertLoader& load = nullptr);
+
 // Removes this user's backups in `dir` whose creating process is gone (names
 // eplbx-backup-PID-..., a regular file owned by this user, PID not running): what a crash
 // between Create and Unlink leaves. Returns how many it removed; links and other users'

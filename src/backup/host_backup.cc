@@ -229,6 +229,42 @@ Result<std::unique_ptr<HostBackup>> ShareHostBackup(Bootstrap& boot, uint32_t cr
   return HostBackup::OpenShared(names[creator]);
 }
 
+Result<std::unique_ptr<HostBackup>> SetUpNodeBackup(Bootstrap& boot, const std::string& node,
+                                                    const std::string& dir,
+                                                    const RankLayout& layout, int experts,
+                                                    const Placement& placement,
+                                                    std::chrono::milliseconds timeout,
+                                                    const ExpertLoader& load) {
+  EPLBX_ASSIGN_OR_RETURN(std::vector<std::string> nodes, boot.AllGather(node, timeout));
+  const uint32_t rank = boot.rank();
+  uint32_t creator = rank;
+  for (uint32_t r = 0; r < rank && r < nodes.size(); ++r) {
+    if (nodes[r] == node) {
+      creator = r;
+      break;
+    }
+  }
+  std::unique_ptr<HostBackup> mine;
+  if (rank == creator) {
+    EPLBX_ASSIGN_OR_RETURN(mine, HostBackup::Create(dir, layout, experts));
+    for (int l = 0; load != nullptr && l < static_cast<int>(layout.layers.size()); ++l) {
+      for (int e = 0; e < experts; ++e) {
+        EPLBX_RETURN_IF_ERROR(
+            mine->Load(l, e, [&](const std::string& name, uint8_t* dst, uint64_t n) {
+              load(l, e, name, dst, n);
+            }));
+      }
+    }
+  }
+  EPLBX_ASSIGN_OR_RETURN(std::unique_ptr<HostBackup> b,
+                         ShareHostBackup(boot, creator, std::move(mine), timeout));
+  if (load == nullptr) EPLBX_RETURN_IF_ERROR(b->Capture(placement, layout));
+  // Once every rank has its file open the name goes.
+  EPLBX_RETURN_IF_ERROR(boot.Barrier(timeout));
+  EPLBX_RETURN_IF_ERROR(b->Unlink());
+  return b;
+}
+
 std::string HostBackup::ShareName() const { return StrCat(id_.device, ":", id_.inode, ":", path_); }
 
 Result<std::unique_ptr<HostBackup>> HostBackup::OpenShared(const std::string& share_name) {

@@ -219,47 +219,6 @@ nlohmann::json RecordJson(const RecoveryRecord& r) {
           {"restarts", r.restarts}};
 }
 
-// The node's host backup (a loss drill, or `eplbx worker --serve`): on one host rank 0
-// captures what every rank's slots hold under `initial`; across hosts each node's lowest
-// rank loads every expert (as from the checkpoint: the demo's weights are a function of
-// layer, expert and tensor), so a lost node's experts are in every other node's backup.
-// The node's ranks open the creator's file through the bootstrap (a collective).
-Result<std::unique_ptr<HostBackup>> NodeBackup(const DemoOptions& o, int rank, Bootstrap& boot,
-                                               const Weights& w, const Placement& initial,
-                                               std::chrono::milliseconds wait) {
-  int creator = 0;
-  if (o.survive) {
-    const std::string node = NodeName();
-    EPLBX_ASSIGN_OR_RETURN(std::vector<std::string> nodes, boot.AllGather(node, wait));
-    creator = rank;
-    for (int r = 0; r < rank; ++r) {
-      if (nodes[r] == node) {
-        creator = r;
-        break;
-      }
-    }
-  }
-  std::unique_ptr<HostBackup> mine;
-  if (rank == creator) {
-    EPLBX_ASSIGN_OR_RETURN(mine, HostBackup::Create(o.backup_dir, w.layout, o.experts));
-    for (int l = 0; l < o.layers && o.survive; ++l) {
-      const std::vector<TensorSpec>& tensors = w.layout.layers[l];
-      for (int e = 0; e < o.experts; ++e) {
-        EPLBX_RETURN_IF_ERROR(
-            mine->Load(l, e, [&](const std::string& name, uint8_t* dst, uint64_t n) {
-              uint32_t t = 0;
-              while (t + 1 < tensors.size() && tensors[t].name != name) ++t;
-              Pattern(dst, n, static_cast<uint32_t>(l), static_cast<uint32_t>(e), t);
-            }));
-      }
-    }
-  }
-  EPLBX_ASSIGN_OR_RETURN(std::unique_ptr<HostBackup> b,
-                         ShareHostBackup(boot, static_cast<uint32_t>(creator), std::move(mine), wait));
-  if (!o.survive) EPLBX_RETURN_IF_ERROR(b->Capture(initial, w.layout));
-  return b;
-}
-
 // The step's membership event on this rank, for a drill: a drain (`remove` at this step),
 // else the step's collective (ServingGroup::Sync), which settles any change of the member
 // set. Returns false when this rank stops (it left, or the group cannot go on: m.error).
@@ -388,7 +347,19 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann
     if (i == 0 && losses && !joiner) {
       // The node's backup (a joiner has none: experts count as recoverable only where every
       // member's backups hold them).
-      Result<std::unique_ptr<HostBackup>> b = NodeBackup(o, rank, boot, mode.w, *initial, round_wait);
+      // On one host rank 0's file holds what every rank's slots hold; `eplbx worker` loads
+      // every expert into each node's (as from the checkpoint: the demo's weights are a
+      // function of layer, expert and tensor).
+      const std::vector<TensorSpec>& tensors = mode.w.layout.layers[0];
+      ExpertLoader load = [&tensors](int l, int e, const std::string& name, uint8_t* dst,
+                                     uint64_t n) {
+        uint32_t t = 0;
+        while (t + 1 < tensors.size() && tensors[t].name != name) ++t;
+        Pattern(dst, n, static_cast<uint32_t>(l), static_cast<uint32_t>(e), t);
+      };
+      Result<std::unique_ptr<HostBackup>> b = SetUpNodeBackup(
+          boot, o.survive ? NodeName() : std::string("node"), o.backup_dir, mode.w.layout,
+          o.experts, *initial, round_wait, o.survive ? load : nullptr);
       if (!b.ok()) return fail(b.status().message());
       backup = std::move(*b);
     }
@@ -432,16 +403,12 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann
                                 mode.group->recoveries().back().recovery_s;
     }
   }
-  // The joiner joined the members where they are; the members start together. Then every
-  // rank of the node has the backup open: no name is left behind, even by a crash.
+  // The joiner joined the members where they are; the members start together.
   const int first_step = joiner ? static_cast<int>(modes[0].group->step()) : 0;
   drill_log.step_ns.assign(static_cast<size_t>(first_step), 0);  // steps before it joined
   if (!joiner) {
     Status ready = boot.Barrier(round_wait);
     if (!ready.ok()) return fail(ready.message());
-  }
-  if (backup != nullptr) {
-    if (Status gone = backup->Unlink(); !gone.ok()) return fail(gone.message());
   }
   const uint64_t row0 = modes[0].w.bytes[0];
   const uint64_t work = std::max<uint64_t>(8, std::min<uint64_t>(o.work_bytes_value, row0) & ~7ull);

@@ -6,8 +6,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
 #include <cstring>
 #include <memory>
+#include <thread>
 #include <optional>
 #include <string>
 #include <vector>
@@ -18,6 +20,7 @@
 #include "eplbx/migration.h"
 #include "eplbx/policy.h"
 #include "eplbx/rearrange.h"
+#include "eplbx/serving.h"
 #include "eplbx/transfer.h"
 #include "tools/measure.h"
 
@@ -399,6 +402,231 @@ class Communicator {
   std::unique_ptr<EplbCommunicator> comm_;
 };
 
+// The layout of this rank's weights from Python: per layer, per tensor (name, dtype, expert
+// shape, base address, bytes per expert, rows).
+RankLayout ToLayout(uint32_t rank, const py::list& layers) {
+  RankLayout layout;
+  layout.rank = rank;
+  for (auto l : layers) {
+    std::vector<TensorSpec> tensors;
+    for (auto t : l.cast<py::list>()) {
+      auto x = t.cast<py::tuple>();
+      TensorSpec s;
+      s.name = x[0].cast<std::string>();
+      s.dtype = x[1].cast<std::string>();
+      s.expert_shape = x[2].cast<std::vector<int64_t>>();
+      s.base = x[3].cast<uint64_t>();
+      s.bytes_per_expert = x[4].cast<uint64_t>();
+      s.rows = x[5].cast<uint32_t>();
+      tensors.push_back(std::move(s));
+    }
+    layout.layers.push_back(std::move(tensors));
+  }
+  return layout;
+}
+
+py::array_t<int32_t> Phy2Log(const Placement& p) {
+  py::array_t<int32_t> out({static_cast<size_t>(p.layers()), static_cast<size_t>(p.slots())});
+  std::memcpy(out.mutable_data(), p.phy2log().data(), p.phy2log().size() * sizeof(int32_t));
+  return out;
+}
+
+// The built-in coordinator (the TCP store with membership and epochs) served on a thread of
+// this process: one host, development, tests (docs/python.md, "Serving").
+class Store {
+ public:
+  Store(const std::string& addr, uint16_t port, const std::string& token, uint32_t world,
+        double deadline_s) {
+    auto s = Take(TcpStore::Listen(addr, port, token, world));
+    s->set_membership(true);
+    store_ = std::move(s);
+    const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(deadline_s * 1000));
+    thread_ = std::thread([this, deadline] {
+      status_ = store_->Serve(
+          deadline, deadline * 100, [](uint32_t, std::string) {}, [this] { return stop_.load(); },
+          deadline * 4 / 5);
+    });
+  }
+  ~Store() { Close(); }
+  void Close() {
+    stop_ = true;
+    if (thread_.joinable()) {
+      py::gil_scoped_release release;
+      thread_.join();
+    }
+  }
+
+ private:
+  std::unique_ptr<TcpStore> store_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  Status status_;
+};
+
+// eplbx.ServingGroup's C++ half: this rank's agent, registered weights, bootstrap (the
+// store) and ServingGroup, owned together. Every blocking call releases the GIL.
+class PyServingGroup {
+ public:
+  PyServingGroup(uint32_t rank, uint32_t world, const std::string& addr, uint16_t port,
+                 const std::string& token, const py::list& layers, const py::list& regions,
+                 const py::object& initial, int experts, int nodes, const std::string& policy,
+                 int window, int interval, const std::string& mode, double deadline_s,
+                 const std::string& backup_dir, const std::string& node) {
+    const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(deadline_s * 1000));
+    AgentConfig config;
+    config.peer_timeout = std::max(std::chrono::milliseconds(100),
+                                   std::min<std::chrono::milliseconds>(deadline / 2,
+                                                                       std::chrono::seconds(30)));
+    agent_ = Take(Agent::Create("serving" + std::to_string(rank), config));
+    for (auto r : regions) {
+      auto t = r.cast<py::tuple>();
+      regions_.push_back(Take(agent_->RegisterMemory(
+          reinterpret_cast<void*>(t[0].cast<uintptr_t>()), t[1].cast<size_t>())));
+    }
+    const RankLayout layout = ToLayout(rank, layers);
+    const int rows = layout.layers.empty() ? 0 : static_cast<int>(layout.slots(0));
+    ServingOptions o;
+    o.balancer.topology = {.ranks = static_cast<int>(world),
+                           .nodes = nodes,
+                           .slots = static_cast<int>(world) * rows,
+                           .groups = 1};
+    o.balancer.policy = Take(ParsePolicy(policy));
+    o.balancer.window = window;
+    o.balancer.trigger.interval = interval;
+    if (mode != "async" && mode != "sync") {
+      Throw(Status::InvalidArgument("mode is '" + mode + "': expected 'async' or 'sync'"));
+    }
+    o.balancer.mode = mode == "sync" ? BalancerMode::kSynchronous : BalancerMode::kAsynchronous;
+    uint64_t row_bytes = 0;
+    for (const std::vector<TensorSpec>& l : layout.layers) {
+      for (const TensorSpec& t : l) row_bytes += t.bytes_per_expert;
+    }
+    o.balancer.bytes_per_expert = layout.layers.empty() ? 0 : row_bytes / layout.layers.size();
+    o.rearrange.deadline = deadline;
+    o.round_wait = deadline * 2;
+    // The initial placement (a joiner's comes from the members; None is fine then).
+    std::optional<Placement> start;
+    if (!initial.is_none()) {
+      auto a = py::array_t<int32_t, py::array::c_style | py::array::forcecast>::ensure(initial);
+      if (!a || a.ndim() != 2) {
+        Throw(Status::InvalidArgument("initial must be a 2-D array (layers x slots)"));
+      }
+      start = Take(Placement::FromPhy2Log(static_cast<int>(a.shape(0)),
+                                          static_cast<int>(a.shape(1)), experts,
+                                          std::vector<int32_t>(a.data(), a.data() + a.size())));
+    }
+    Status set_up;
+    {
+      py::gil_scoped_release release;
+      set_up = SetUp(addr, port, token, rank, world, deadline, layout, experts, o, start,
+                     backup_dir, node);
+    }
+    Check(set_up);
+  }
+
+  // Joins the store, then joins the group (welcomed as a joiner) or creates it with the
+  // others (the node's backup first, when a directory is given). Without the GIL.
+  Status SetUp(const std::string& addr, uint16_t port, const std::string& token, uint32_t rank,
+               uint32_t world, std::chrono::milliseconds deadline, const RankLayout& layout,
+               int experts, const ServingOptions& o, std::optional<Placement>& start,
+               const std::string& backup_dir, const std::string& node) {
+    EPLBX_ASSIGN_OR_RETURN(boot_, JoinTcpStore(addr, port, token, rank, world, deadline * 5));
+    if (boot_->joining()) {
+      EPLBX_ASSIGN_OR_RETURN(group_,
+                             ServingGroup::Join(agent_.get(), boot_.get(), layout, experts, o));
+      return Status::OK();
+    }
+    if (!start) {
+      return Status::InvalidArgument(
+          "initial is None, but this process starts with the group (not a joiner): pass the "
+          "placement in force");
+    }
+    std::vector<const BackupSource*> backups;
+    if (!backup_dir.empty()) {
+      EPLBX_ASSIGN_OR_RETURN(
+          backup_, SetUpNodeBackup(*boot_, node, backup_dir, layout, experts, *start, deadline));
+      backups.push_back(backup_.get());
+    }
+    EPLBX_ASSIGN_OR_RETURN(group_, ServingGroup::Create(agent_.get(), boot_.get(), layout,
+                                                        std::move(*start), o, backups));
+    return Status::OK();
+  }
+
+  py::dict Step(const py::array_t<double, py::array::c_style | py::array::forcecast>& counts) {
+    ServingGroup& g = group();
+    Result<BalancerStep> r = Status::Internal("not stepped");
+    {
+      std::span<const double> c(counts.data(), counts.size());
+      py::gil_scoped_release release;
+      r = g.Step(c);
+    }
+    const BalancerStep st = Take(std::move(r));
+    return py::dict(py::arg("balancedness") = st.balancedness, py::arg("began") = st.began);
+  }
+  // [(layer, phy2log, row_of_slot)] in force from now on.
+  py::list Commit() {
+    ServingGroup& g = group();
+    BalancerCommit c;
+    {
+      py::gil_scoped_release release;
+      c = g.Commit();
+    }
+    py::list out;
+    for (const CommittedLayer& l : c.layers) {
+      out.append(py::make_tuple(l.layer, py::array_t<int32_t>(l.phy2log.size(), l.phy2log.data()),
+                                py::array_t<uint32_t>(l.row_of_slot.size(), l.row_of_slot.data())));
+    }
+    return out;
+  }
+  bool Sync() {
+    ServingGroup& g = group();
+    Result<bool> r = [&] {
+      py::gil_scoped_release release;
+      return g.Sync();
+    }();
+    return Take(std::move(r));
+  }
+  void Drain(uint32_t rank) {
+    ServingGroup& g = group();
+    Status s;
+    {
+      py::gil_scoped_release release;
+      s = g.Drain(rank);
+    }
+    Check(s);
+  }
+  void Close() {
+    py::gil_scoped_release release;
+    group_.reset();
+    boot_.reset();
+  }
+  py::list Recoveries() {
+    py::list out;
+    for (const RecoveryRecord& r : group().recoveries()) {
+      out.append(py::dict(py::arg("kind") = r.kind, py::arg("step") = r.step,
+                          py::arg("epoch") = r.epoch, py::arg("members") = r.members,
+                          py::arg("recovery_s") = r.recovery_s,
+                          py::arg("experts_recovered") = r.experts_recovered,
+                          py::arg("rows_recovered") = r.rows_recovered,
+                          py::arg("bytes_moved") = r.bytes_moved,
+                          py::arg("placements") = r.placements, py::arg("restarts") = r.restarts,
+                          py::arg("interrupted") = r.interrupted));
+    }
+    return out;
+  }
+  ServingGroup& group() {
+    if (group_ == nullptr) Throw(Status::InvalidArgument("the serving group was closed"));
+    return *group_;
+  }
+
+ private:
+  std::unique_ptr<Agent> agent_;
+  std::vector<RegisteredRegion> regions_;
+  std::unique_ptr<SocketBootstrap> boot_;
+  std::unique_ptr<HostBackup> backup_;
+  std::unique_ptr<ServingGroup> group_;
+};
+
 }  // namespace
 }  // namespace eplbx::python
 
@@ -484,6 +712,47 @@ PYBIND11_MODULE(_eplbx, m) {
       .def_property_readonly("phy2log", &PyBalancer::Phy2Log)
       .def_property_readonly("report", &PyBalancer::Report)
       .def("prometheus", &PyBalancer::Prometheus);
+
+  py::class_<Store>(m, "Store",
+                    "The built-in coordinator (a TCP store with membership and epochs) on a "
+                    "thread of this process (docs/python.md, \"Serving\").")
+      .def(py::init<const std::string&, uint16_t, const std::string&, uint32_t, double>(),
+           py::arg("addr"), py::arg("port"), py::arg("token"), py::arg("world"),
+           py::arg("deadline_s") = 10.0)
+      .def("close", &Store::Close);
+
+  py::class_<PyServingGroup>(m, "_ServingGroup")
+      .def(py::init<uint32_t, uint32_t, const std::string&, uint16_t, const std::string&,
+                    const py::list&, const py::list&, const py::object&, int, int,
+                    const std::string&, int, int, const std::string&, double, const std::string&,
+                    const std::string&>(),
+           py::arg("rank"), py::arg("world"), py::arg("addr"), py::arg("port"), py::arg("token"),
+           py::arg("layers"), py::arg("regions"), py::arg("initial"), py::arg("experts"),
+           py::arg("nodes"), py::arg("policy"), py::arg("window"), py::arg("interval"),
+           py::arg("mode"), py::arg("deadline_s"), py::arg("backup_dir"), py::arg("node"))
+      .def("step", &PyServingGroup::Step, py::arg("counts"))
+      .def("commit", &PyServingGroup::Commit)
+      .def("sync", &PyServingGroup::Sync)
+      .def("drain", &PyServingGroup::Drain, py::arg("rank"))
+      .def("close", &PyServingGroup::Close)
+      .def_property_readonly("recoveries", &PyServingGroup::Recoveries)
+      .def_property_readonly("placement",
+                             [](PyServingGroup& g) { return Phy2Log(g.group().placement()); })
+      .def("row_table",
+           [](PyServingGroup& g, uint32_t layer) { return g.group().RowTable(layer); })
+      .def_property_readonly("step_count", [](PyServingGroup& g) { return g.group().step(); })
+      .def_property_readonly("epoch", [](PyServingGroup& g) { return g.group().epoch(); })
+      .def_property_readonly("members", [](PyServingGroup& g) {
+        std::vector<int> out;
+        const std::vector<bool> m = g.group().members();
+        for (size_t r = 0; r < m.size(); ++r) {
+          if (m[r]) out.push_back(static_cast<int>(r));
+        }
+        return out;
+      })
+      .def_property_readonly("left", [](PyServingGroup& g) { return g.group().left(); })
+      .def_property_readonly("rebalancing",
+                             [](PyServingGroup& g) { return g.group().progress().rebalancing; });
 
   py::class_<Communicator>(m, "_Communicator")
       .def(py::init<uint32_t, uint32_t, py::function, const py::list&, const py::list&, double,

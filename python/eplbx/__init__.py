@@ -6,6 +6,7 @@
     b = eplbx.Balancer(p.phy2log, experts=256, ranks=32, window=1000, interval=1000)
     b.step(counts); new_maps = b.commit()                           # the EPLB loop
     from eplbx.vllm import EplbxCommunicator                        # vLLM's EPLB communicator
+    g = eplbx.ServingGroup(rank, world, store, weights, initial, experts=256)  # serving runtime
 
 Errors are eplbx.EplbxError subclasses named after the C++ status codes
 (InvalidArgumentError, MismatchError, TimeoutError, UnavailableError, ...); the ones that
@@ -25,17 +26,22 @@ from ._eplbx import (  # noqa: F401
     NotSupportedError,
     OutOfRangeError,
     PlanResult,
+    Store,
     TimeoutError,
     UnavailableError,
     migrate,
     plan,
 )
+from .serving import MembershipChangedError, ServingGroup  # noqa: F401,E402
 
 __all__ = [
     "plan",
     "Balancer",
     "migrate",
     "PlanResult",
+    "ServingGroup",
+    "Store",
+    "MembershipChangedError",
     "EplbxError",
     "AbortedError",
     "CorruptionError",

@@ -1,0 +1,173 @@
+"""eplbx.ServingGroup from Python (issue 35): four ranks spawned with torch.distributed (gloo),
+each serving over CPU tensors; rank 2 is killed mid-serving; the survivors recover (experts
+only rank 2 held come from the node's host backup) and serve on, every row each rank serves
+checked against the placement in force at every step. Then a new process for rank 2 joins
+where they are. Skips, saying why, where torch is absent."""
+import multiprocessing as mp
+import os
+import signal
+import socket
+import tempfile
+import unittest
+
+import numpy as np
+
+LAYERS, ROWS, EXPERTS, WORLD, ROW_FLOATS = 2, 5, 12, 4, 64
+STEPS, KILL_AT, JOIN_AT = 60, 15, 30
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def value(layer, expert):
+    return float(layer * 100 + expert + 1)
+
+
+def counts(step):
+    """Skewed, the same on every rank, moving so that rebalances happen."""
+    c = np.full((LAYERS, EXPERTS), 10.0)
+    for layer in range(LAYERS):
+        c[layer, (step // 7 + layer) % EXPERTS] = 500.0
+        c[layer, (step // 7 + layer + 1) % EXPERTS] = 300.0
+    return c
+
+
+def initial():
+    # Slots 0..11 hold experts 0..11, the others replicas of 0..7: experts 10 and 11 are on
+    # rank 2 only (slots 10, 11), so its loss needs the backup.
+    return np.array([[s if s < EXPERTS else (s - EXPERTS) % 8 for s in range(WORLD * ROWS)]
+                     for _ in range(LAYERS)], dtype=np.int32)
+
+
+def check_rows(torch, g, rank, weights):
+    """'' when every row this rank serves holds the expert the placement in force names."""
+    p = g.placement
+    for layer in range(LAYERS):
+        table = g.row_table(layer)
+        for slot in range(ROWS):
+            e = int(p[layer, rank * ROWS + slot])
+            if e < 0:
+                continue
+            row = weights[layer][0][table[slot] if len(table) else slot]
+            if not torch.all(row == value(layer, e)):
+                return f"rank {rank} layer {layer} slot {slot} does not hold expert {e}"
+    return ""
+
+
+def end(g, await_join):
+    """The step every member stops at: STEPS, or 5 steps after the join (all agree on its
+    step); a member waits for the join (at most 3000 steps)."""
+    for r in g.recoveries:
+        if r["kind"] == "join":
+            return max(STEPS, r["step"] + 5)
+    return 3000 if await_join else STEPS
+
+
+def serve(g, rank, weights, results, start, torch, die_at=None, await_join=True):
+    step = start
+    while step < end(g, await_join):
+        if die_at is not None and step == die_at:
+            os.kill(os.getpid(), signal.SIGKILL)  # as a crashed process would
+        g.step(counts(step))
+        g.commit()
+        bad = check_rows(torch, g, rank, weights)
+        if bad:
+            results.put((rank, "bad", bad))
+            return
+        g.sync()
+        bad = check_rows(torch, g, rank, weights)
+        if bad:
+            results.put((rank, "bad", bad))
+            return
+        step += 1
+    while g.rebalancing:
+        g.commit()
+    results.put((rank, "ok", {"epoch": g.epoch, "members": g.members, "steps": g.steps,
+                              "placement": g.placement.tolist(),
+                              "recoveries": [(r["kind"], r["members"]) for r in g.recoveries],
+                              "experts_recovered": sum(r["experts_recovered"] for r in g.recoveries)}))
+
+
+def worker(rank, world, gloo_port, results, backup_dir, joining=False):
+    try:
+        import torch
+        import torch.distributed as dist
+
+        import eplbx
+
+        weights = [[torch.zeros((ROWS, ROW_FLOATS), dtype=torch.float32)] for _ in range(LAYERS)]
+        if joining:
+            # A new process for rank 2: it finds the store's address in the file rank 0 wrote.
+            with open(os.path.join(backup_dir, "store")) as f:
+                port = int(f.read())
+            g = eplbx.ServingGroup(rank, world, ("127.0.0.1", port, "t"), weights, None, EXPERTS,
+                                   window=10, interval=10, deadline_s=3.0)
+            serve(g, rank, weights, results, g.steps, torch)
+            return
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank,
+                                world_size=world)
+        # Rank 0 serves the coordinator; its port reaches the others over the process group.
+        box = [None]
+        store = None
+        if rank == 0:
+            box[0] = free_port()
+            store = eplbx.Store("127.0.0.1", box[0], "t", world, deadline_s=3.0)
+            with open(os.path.join(backup_dir, "store"), "w") as f:
+                f.write(str(box[0]))
+        dist.broadcast_object_list(box, src=0)
+        p = initial()
+        for layer in range(LAYERS):
+            for slot in range(ROWS):
+                weights[layer][0][slot].fill_(value(layer, int(p[layer, rank * ROWS + slot])))
+        g = eplbx.ServingGroup(rank, world, ("127.0.0.1", box[0], "t"), weights, p, EXPERTS,
+                               window=10, interval=10, deadline_s=3.0, backup_dir=backup_dir)
+        serve(g, rank, weights, results, 0, torch, die_at=KILL_AT if rank == 2 else None)
+        g.close()
+        if store is not None:
+            store.close()
+    except Exception as e:  # noqa: BLE001 (reported to the test)
+        results.put((rank, "error", f"{type(e).__name__}: {e}"))
+
+
+@unittest.skipUnless(__import__("importlib").util.find_spec("torch"), "torch is not installed")
+class ServingGroupTest(unittest.TestCase):
+    def test_survivors_of_a_killed_rank_serve_on_and_it_comes_back(self):
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        backup_dir = tempfile.mkdtemp(prefix="eplbx-serving-")
+        gloo_port = free_port()
+        procs = [ctx.Process(target=worker, args=(r, WORLD, gloo_port, results, backup_dir))
+                 for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        procs[2].join(60)
+        self.assertEqual(procs[2].exitcode, -signal.SIGKILL)
+        # The lost rank's process comes back (as systemd would start it again).
+        again = ctx.Process(target=worker, args=(2, WORLD, gloo_port, results, backup_dir, True))
+        again.start()
+        out = {}
+        for _ in range(WORLD):
+            rank, status, detail = results.get(timeout=120)
+            self.assertEqual(status, "ok", f"rank {rank}: {detail}")
+            out[rank] = detail
+        for p in procs + [again]:
+            p.join(30)
+        self.assertEqual(sorted(out), [0, 1, 2, 3])
+        first = out[0]
+        self.assertEqual(first["members"], [0, 1, 2, 3])
+        self.assertEqual(first["epoch"], 3)
+        self.assertEqual(first["recoveries"][0], ("loss", [0, 1, 3]))
+        self.assertEqual(first["recoveries"][1], ("join", [0, 1, 2, 3]))
+        self.assertGreater(first["experts_recovered"], 0)  # rank 2's only experts, from the backup
+        for rank in (1, 2, 3):
+            self.assertEqual(out[rank]["placement"], first["placement"])
+            self.assertEqual(out[rank]["epoch"], first["epoch"])
+            self.assertEqual(out[rank]["steps"], first["steps"])
+        self.assertEqual(os.listdir(backup_dir), ["store"])  # the backup's name is gone
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,65 @@
+// Internal: one mode of `eplbx demo --serve` on one rank (serve_rank.cc): its weights, agent
+// and ServingGroup, the expert work of a step over the weights (every row it uses checked
+// against the map in force), and the mode's report.
+#ifndef EPLBX_SRC_CLI_SERVE_MODE_H_
+#define EPLBX_SRC_CLI_SERVE_MODE_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/demo.h"
+#include "eplbx/serving.h"
+
+namespace eplbx::cli {
+
+int64_t MonotonicNs();  // CLOCK_MONOTONIC: the same clock in every process
+
+struct ModeRun {
+  std::vector<double> cpu_s;  // steps x layers: this rank's work on each layer
+  std::vector<double> balancedness;
+  std::vector<int64_t> enter_ns, exit_ns;
+  std::vector<int> rebalancing;  // 1 while a rebalance was in flight during the step
+  std::vector<int> committed;    // layers whose map changed at this step's Commit
+  uint64_t rows_checked = 0, bad_rows = 0;
+  uint64_t checksum = 0;  // of the work (reported, so the compiler keeps it)
+  std::string first_bad, error;
+  bool verified = false;
+};
+
+// One mode's world on this rank: its own weights and agent, its ServingGroup (the Balancer,
+// the Rearranger, the settling of member-set changes), what it measured.
+struct Mode {
+  std::string name;
+  std::unique_ptr<Agent> agent;
+  Weights w;
+  std::unique_ptr<ServingGroup> group;
+  ModeRun m;
+  // The group's row tables (swap mode) into the weights the work reads.
+  void TakeRowTables();
+};
+
+// The expert work of one step on `mode`'s weights: every row this rank holds, each routed
+// token over `work` bytes of tensor 0 (which `segments` cycle through), checked against the
+// pattern of the expert the placement in force names.
+void Work(const DemoOptions& o, int rank, int step, std::span<const double> counts, Mode& mode,
+          uint64_t work, uint64_t segments);
+nlohmann::json ModeReport(Mode& mode);
+// What this rank saw of a drill's membership events (docs/cli.md, "Serving through a lost
+// rank"): the step times around the ServingGroup's records.
+struct DrillLog {
+  int detected_step = -1;        // the step of the first event this rank settled
+  double detect_wait_s = 0;      // from that step's start (a join: the request) until known here
+  std::vector<int64_t> step_ns;  // wall-clock time of every step here, recovery included
+};
+// The rank report's "drill": the first settling's figures (and its phases), the members and
+// epoch at the end, and every settling ("events").
+nlohmann::json DrillReport(const ServingGroup& g, const DrillLog& log, uint64_t backup_bytes);
+
+}  // namespace eplbx::cli
+
+#endif  // EPLBX_SRC_CLI_SERVE_MODE_H_

@@ -313,6 +313,29 @@ class PyBootstrap final : public Bootstrap {
   py::function fn_;
 };
 
+// The layout of this rank's weights from Python: per layer, per tensor (name, dtype, expert
+// shape, base address, bytes per expert, rows).
+RankLayout ToLayout(uint32_t rank, const py::list& layers) {
+  RankLayout layout;
+  layout.rank = rank;
+  for (auto l : layers) {
+    std::vector<TensorSpec> tensors;
+    for (auto t : l.cast<py::list>()) {
+      auto x = t.cast<py::tuple>();
+      TensorSpec s;
+      s.name = x[0].cast<std::string>();
+      s.dtype = x[1].cast<std::string>();
+      s.expert_shape = x[2].cast<std::vector<int64_t>>();
+      s.base = x[3].cast<uint64_t>();
+      s.bytes_per_expert = x[4].cast<uint64_t>();
+      s.rows = x[5].cast<uint32_t>();
+      tensors.push_back(std::move(s));
+    }
+    layout.layers.push_back(std::move(tensors));
+  }
+  return layout;
+}
+
 // Agent + registered regions + communicator, owned together.
 class Communicator {
  public:
@@ -337,23 +360,7 @@ class Communicator {
       regions_.push_back(Take(agent_->RegisterMemory(
           reinterpret_cast<void*>(t[0].cast<uintptr_t>()), t[1].cast<size_t>())));
     }
-    RankLayout layout;
-    layout.rank = rank;
-    for (auto l : layers) {
-      std::vector<TensorSpec> tensors;
-      for (auto t : l.cast<py::list>()) {
-        auto x = t.cast<py::tuple>();
-        TensorSpec s;
-        s.name = x[0].cast<std::string>();
-        s.dtype = x[1].cast<std::string>();
-        s.expert_shape = x[2].cast<std::vector<int64_t>>();
-        s.base = x[3].cast<uint64_t>();
-        s.bytes_per_expert = x[4].cast<uint64_t>();
-        s.rows = x[5].cast<uint32_t>();
-        tensors.push_back(std::move(s));
-      }
-      layout.layers.push_back(std::move(tensors));
-    }
+    const RankLayout layout = ToLayout(rank, layers);
     boot_ = std::make_unique<PyBootstrap>(rank, world, std::move(allgather));
     RearrangeOptions o;
     o.deadline = timeout;
@@ -401,29 +408,6 @@ class Communicator {
   std::unique_ptr<PyBootstrap> boot_;
   std::unique_ptr<EplbCommunicator> comm_;
 };
-
-// The layout of this rank's weights from Python: per layer, per tensor (name, dtype, expert
-// shape, base address, bytes per expert, rows).
-RankLayout ToLayout(uint32_t rank, const py::list& layers) {
-  RankLayout layout;
-  layout.rank = rank;
-  for (auto l : layers) {
-    std::vector<TensorSpec> tensors;
-    for (auto t : l.cast<py::list>()) {
-      auto x = t.cast<py::tuple>();
-      TensorSpec s;
-      s.name = x[0].cast<std::string>();
-      s.dtype = x[1].cast<std::string>();
-      s.expert_shape = x[2].cast<std::vector<int64_t>>();
-      s.base = x[3].cast<uint64_t>();
-      s.bytes_per_expert = x[4].cast<uint64_t>();
-      s.rows = x[5].cast<uint32_t>();
-      tensors.push_back(std::move(s));
-    }
-    layout.layers.push_back(std::move(tensors));
-  }
-  return layout;
-}
 
 py::array_t<int32_t> Phy2Log(const Placement& p) {
   py::array_t<int32_t> out({static_cast<size_t>(p.layers()), static_cast<size_t>(p.slots())});

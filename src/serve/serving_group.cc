@@ -51,6 +51,10 @@ struct ServingGroup::State {
   const Topology& topo() const { return o.balancer.topology; }
   int rank() const { return static_cast<int>(boot->rank()); }
 
+  // Before it serves: the options checked against the bootstrap and the layout.
+  Status Init(Agent* a, Bootstrap* b, RankLayout l, int e, ServingOptions opts,
+              std::vector<const BackupSource*> sources);
+
   // This rank's own slots as `p` has them: layers x rows.
   std::vector<int32_t> OwnSlots(const Placement& p) const {
     std::vector<int32_t> out;
@@ -287,20 +291,27 @@ Status CheckOptions(const Bootstrap* boot, const RankLayout& layout, const Servi
 
 }  // namespace
 
+Status ServingGroup::State::Init(Agent* a, Bootstrap* b, RankLayout l, int e, ServingOptions opts,
+                                 std::vector<const BackupSource*> sources) {
+  EPLBX_RETURN_IF_ERROR(CheckOptions(b, l, opts));
+  agent = a;
+  boot = b;
+  layout = std::move(l);
+  o = std::move(opts);
+  backups = std::move(sources);
+  rows = topo().slots_per_rank();
+  experts = e;
+  epoch = b->epoch();
+  return Status::OK();
+}
+
 Result<std::unique_ptr<ServingGroup>> ServingGroup::Create(Agent* agent, Bootstrap* bootstrap,
                                                            RankLayout layout, Placement initial,
                                                            ServingOptions options,
                                                            std::vector<const BackupSource*> backups) {
-  EPLBX_RETURN_IF_ERROR(CheckOptions(bootstrap, layout, options));
   auto s = std::make_unique<State>();
-  s->agent = agent;
-  s->boot = bootstrap;
-  s->layout = std::move(layout);
-  s->o = std::move(options);
-  s->backups = std::move(backups);
-  s->rows = s->topo().slots_per_rank();
-  s->experts = initial.experts();
-  s->epoch = bootstrap->epoch();
+  EPLBX_RETURN_IF_ERROR(s->Init(agent, bootstrap, std::move(layout), initial.experts(),
+                                std::move(options), std::move(backups)));
   if (s->o.balancer.live.empty()) {
     const std::vector<bool> m = bootstrap->members();
     if (!std::all_of(m.begin(), m.end(), [](bool b) { return b; })) s->o.balancer.live = m;
@@ -323,15 +334,9 @@ Result<std::unique_ptr<ServingGroup>> ServingGroup::Join(Agent* agent, Bootstrap
                                                          RankLayout layout, int experts,
                                                          ServingOptions options,
                                                          std::vector<const BackupSource*> backups) {
-  EPLBX_RETURN_IF_ERROR(CheckOptions(bootstrap, layout, options));
   auto s = std::make_unique<State>();
-  s->agent = agent;
-  s->boot = bootstrap;
-  s->layout = std::move(layout);
-  s->o = std::move(options);
-  s->backups = std::move(backups);
-  s->rows = s->topo().slots_per_rank();
-  s->experts = experts;
+  EPLBX_RETURN_IF_ERROR(s->Init(agent, bootstrap, std::move(layout), experts, std::move(options),
+                                std::move(backups)));
   RecoveryRecord rec;
   rec.kind = "join";
   rec.epoch_before = bootstrap->epoch();

@@ -76,6 +76,7 @@ class SocketBootstrap final : public Bootstrap {
 
 // The coordinator: reads frames from the members' sockets (index = rank), answers each
 // all-gather round once every member contributed, and hands other frames to `on_message`.
+// The rules are the pure state machine of src/bootstrap/coordinator.h; this drives it.
 // Returns when every member closed its socket, when `stop` (if set) returns true (checked
 // at least every 200 ms), or kTimeout when `idle_timeout` passed with no frame. A member
 // that closes before a round completes fails that round for the others with an error
@@ -105,13 +106,19 @@ class SocketBootstrap final : public Bootstrap {
 // again together. Until then it is not waited for (the members serve on while a new process
 // starts). A connection for a rank that is a member is refused by name and closed.
 using JoinSource = std::function<std::vector<std::pair<uint32_t, int>>()>;
-Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::milliseconds idle_timeout,
-                            const std::function<void(uint32_t, std::string)>& on_message,
-                            const std::function<bool()>& stop = nullptr,
-                            std::chrono::milliseconds round_timeout = std::chrono::milliseconds(0),
-                            const std::function<void(uint32_t)>& on_lost = nullptr,
-                            Env* env = nullptr, bool membership = false,
-                            const JoinSource& joins = nullptr);
+struct CoordinatorOptions {
+  // Return kTimeout when no frame came for this long.
+  std::chrono::milliseconds idle_timeout{30000};
+  std::function<void(uint32_t, std::string)> on_message;  // reports (null: dropped)
+  std::function<bool()> stop;                             // checked at least every 200 ms
+  // A round still incomplete after this long fails, naming the late (0: never).
+  std::chrono::milliseconds round_timeout{0};
+  std::function<void(uint32_t)> on_lost;
+  Env* env = nullptr;  // its clock measures the timeouts (null: Env::Default())
+  bool membership = false;
+  JoinSource joins;
+};
+Status ServeSocketBootstrap(const std::vector<int>& fds, const CoordinatorOptions& options);
 
 // ---- TCP rendezvous (multi-host) -------------------------------------------------------
 //

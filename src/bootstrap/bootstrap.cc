@@ -9,6 +9,7 @@
 #include <cstring>
 #include <optional>
 
+#include "bootstrap/coordinator.h"
 #include "bootstrap/frames.h"
 #include "common/bytes.h"
 #include "common/strings.h"
@@ -104,13 +105,6 @@ SocketBootstrap::SocketBootstrap(int fd, uint32_t rank, uint32_t size, Env* env)
 
 namespace {
 
-// [u64 epoch][u32 n][u8 member] x n: the membership head of kGatheredAt and kRefused.
-void WriteMembership(internal::ByteWriter& w, uint64_t epoch, const std::vector<bool>& members) {
-  w.U64(epoch);
-  w.U32(static_cast<uint32_t>(members.size()));
-  for (bool m : members) w.U8(m ? 1 : 0);
-}
-
 Status ReadMembership(internal::ByteReader& r, uint32_t size, uint64_t* epoch,
                       std::vector<bool>* members) {
   uint32_t n = 0;
@@ -125,15 +119,6 @@ Status ReadMembership(internal::ByteReader& r, uint32_t size, uint64_t* epoch,
     (*members)[i] = m != 0;
   }
   return Status::OK();
-}
-
-// "0, 1, 3"
-std::string MemberList(const std::vector<bool>& members) {
-  std::string out;
-  for (size_t i = 0; i < members.size(); ++i) {
-    if (members[i]) out += StrCat(out.empty() ? "" : ", ", i);
-  }
-  return out.empty() ? "none" : out;
 }
 
 }  // namespace
@@ -201,17 +186,9 @@ Result<std::vector<std::string>> SocketBootstrap::AllGather(std::string_view min
   return out;
 }
 
-Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::milliseconds idle_timeout,
-                            const std::function<void(uint32_t, std::string)>& on_message,
-                            const std::function<bool()>& stop,
-                            std::chrono::milliseconds round_timeout,
-                            const std::function<void(uint32_t)>& on_lost, Env* env, bool membership,
-                            const JoinSource& joins) {
-  env = EnvOrDefault(env);
+Status ServeSocketBootstrap(const std::vector<int>& fds, const CoordinatorOptions& options) {
+  Env* env = EnvOrDefault(options.env);
   const size_t n = fds.size();
-  auto lost = [&](size_t i) {
-    if (on_lost) on_lost(static_cast<uint32_t>(i));
-  };
   std::vector<int> fd = fds;
   // Joiners' connections are the coordinator's own: closed when it returns.
   struct Owned {
@@ -221,136 +198,40 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
     }
   } owned;
   std::vector<bool> open(n);
-  size_t open_count = 0;
-  for (size_t i = 0; i < n; ++i) {
-    open[i] = fd[i] >= 0;
-    open_count += open[i] ? 1 : 0;
-  }
-  if (!membership && open_count < n) {
+  for (size_t i = 0; i < n; ++i) open[i] = fd[i] >= 0;
+  if (!options.membership && std::count(open.begin(), open.end(), true) < static_cast<long>(n)) {
     return Status::InvalidArgument(
         "a coordinator without membership needs a connection for every rank");
   }
-  std::vector<std::optional<std::string>> round(n);
-  // Membership (when on): who is a member, since which epoch each non-member is out, which
-  // non-members have a new process that will ask to join.
-  uint64_t epoch = 1;
-  std::vector<bool> member = open;
-  std::vector<bool> joining(n, false);
-  std::vector<uint64_t> lost_at(n, 0);
-  auto take_joiners = [&] {
-    if (!joins) return;
-    for (const auto& [rank, f] : joins()) {
-      std::string refusal;
-      if (!membership) {
-        refusal = "this coordinator does not track membership: no rank can join";
-      } else if (rank >= n) {
-        refusal = StrCat("rank ", rank, " cannot join a group of ", n, " ranks");
-      } else if (member[rank] || joining[rank]) {
-        refusal =
-            StrCat("rank ", rank, " cannot join: it is ", member[rank] ? "a member" : "joining",
-                   " already (two processes for one rank?)");
-      }
-      if (!refusal.empty()) {
+  internal::CoordinatorCore core(open, options.membership, options.round_timeout);
+  // Carries out what the core decided: frames in order, lost ranks, messages.
+  auto act = [&] {
+    for (const internal::CoordinatorSend& s : core.TakeSends()) WriteFrame(fd[s.rank], s.type, s.body);
+    for (uint32_t r : core.TakeLost()) {
+      if (options.on_lost) options.on_lost(r);
+    }
+    for (auto& [r, body] : core.TakeMessages()) {
+      if (options.on_message) options.on_message(r, std::move(body));
+    }
+  };
+  auto last_frame = env->Now();
+  while (core.open_count() > 0) {
+    if (options.stop && options.stop()) return Status::OK();
+    for (const auto& [rank, f] : options.joins ? options.joins() : JoinSource::result_type{}) {
+      if (std::string refusal = core.Join(rank); !refusal.empty()) {
         WriteFrame(f, kFailed, refusal);
         close(f);
         continue;
       }
-      if (open[rank]) {  // the connection of a rank declared lost: not heard any more
-        open[rank] = false;
-        --open_count;
-      }
       owned.fds.push_back(f);
       fd[rank] = f;
-      open[rank] = true;
-      ++open_count;
-      joining[rank] = true;
     }
-  };
-  auto refuse = [&](size_t i, const std::string& why) {
-    internal::ByteWriter w;
-    WriteMembership(w, epoch, member);
-    w.Str32(why);
-    WriteFrame(fd[i], kRefused, w.Take());
-  };
-  auto fail_round = [&](const std::string& why) {
-    for (size_t i = 0; i < n; ++i) {
-      if (open[i] && round[i]) {
-        if (membership)
-          refuse(i, why);
-        else
-          WriteFrame(fd[i], kFailed, why);
-      }
-      round[i].reset();
-    }
-  };
-  // Membership: rank i is out from the next epoch on; a round in progress fails for the
-  // members in it, with the new epoch and member set.
-  auto declare_lost = [&](size_t i, const std::string& why) {
-    lost(i);
-    if (!member[i]) return;
-    member[i] = false;
-    lost_at[i] = ++epoch;
-    round[i].reset();
-    fail_round(StrCat(why, ": epoch ", epoch, ", members ", MemberList(member)));
-  };
-  auto last_frame = env->Now();
-  Clock::time_point round_started{};
-  auto check_round = [&] {
-    const bool pending =
-        std::any_of(round.begin(), round.end(), [](const auto& c) { return c.has_value(); });
-    if (!pending) {
-      round_started = {};
-      return;
-    }
-    if (round_started == Clock::time_point{}) round_started = env->Now();
-    if (round_timeout.count() <= 0 || env->Now() - round_started < round_timeout) return;
-    std::string missing;
-    std::vector<size_t> late;
-    for (size_t i = 0; i < n; ++i) {
-      if (round[i] || (membership && !member[i])) continue;
-      missing += StrCat(missing.empty() ? "" : ", ", "rank ", i);
-      late.push_back(i);
-    }
-    const std::string why =
-        StrCat(missing, " did not join the all-gather within ", round_timeout.count(), " ms");
-    if (membership) {
-      // Every late rank is out; the survivors hear of it once, at the last epoch.
-      for (size_t i : late) {
-        lost(i);
-        member[i] = false;
-        lost_at[i] = epoch + 1;
-      }
-      ++epoch;
-      fail_round(StrCat(why, ": epoch ", epoch, ", members ", MemberList(member)));
-    } else {
-      for (size_t i : late) lost(i);
-      fail_round(why);
-    }
-    round_started = {};
-  };
-  auto complete_round = [&] {
-    for (size_t j = 0; j < n; ++j) {
-      if ((!membership || member[j]) && !round[j]) return;
-    }
-    internal::ByteWriter w;
-    if (membership) WriteMembership(w, epoch, member);
-    w.U32(static_cast<uint32_t>(n));
-    for (auto& c : round) w.Str32(c ? *c : std::string());
-    const std::string all = w.Take();
-    for (size_t j = 0; j < n; ++j) {
-      if (open[j] && round[j]) WriteFrame(fd[j], membership ? kGatheredAt : kGathered, all);
-      round[j].reset();
-    }
-    round_started = {};
-  };
-  while (open_count > 0) {
-    if (stop && stop()) return Status::OK();
-    take_joiners();
-    check_round();
+    core.Tick(env->Now());
+    act();
     std::vector<pollfd> p;
     std::vector<size_t> who;
     for (size_t i = 0; i < n; ++i) {
-      if (open[i]) {
+      if (core.open(i)) {
         p.push_back({fd[i], POLLIN, 0});
         who.push_back(i);
       }
@@ -358,8 +239,9 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
     int r = poll(p.data(), p.size(), 200);
     if (r < 0 && errno != EINTR) return Status::IoError(StrCat("poll: ", std::strerror(errno)));
     if (r <= 0) {
-      if (env->Now() - last_frame > idle_timeout) {
-        return Status::Timeout(StrCat("no rank reported for ", idle_timeout.count(), " ms"));
+      if (env->Now() - last_frame > options.idle_timeout) {
+        return Status::Timeout(
+            StrCat("no rank reported for ", options.idle_timeout.count(), " ms"));
       }
       continue;
     }
@@ -371,75 +253,11 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, std::chrono::millisecon
       std::string body;
       bool timed_out = false;
       if (!ReadFrame(fd[i], env->Now() + std::chrono::seconds(5), &type, &body, &timed_out, env)) {
-        open[i] = false;
-        --open_count;
-        if (joining[i]) {  // went before it asked to join: it never was a member
-          joining[i] = false;
-          continue;
-        }
-        if (membership) {
-          declare_lost(i, StrCat("rank ", i, " left"));
-          complete_round();
-          continue;
-        }
-        lost(i);
-        if (std::any_of(round.begin(), round.end(), [](const auto& c) { return c.has_value(); })) {
-          fail_round(StrCat("rank ", i, " left before the all-gather completed"));
-        }
-        continue;
+        core.Closed(i);
+      } else {
+        core.Frame(i, type, std::move(body));
       }
-      if (joining[i] && type == kContributeAt) {
-        // Asks to join: a member from a new epoch; everyone contributes again at it.
-        joining[i] = false;
-        member[i] = true;
-        ++epoch;
-        const std::string members = MemberList(member);
-        fail_round(StrCat("rank ", i, " joined: epoch ", epoch, ", members ", members));
-        refuse(i, StrCat("rank ", i, " joined at epoch ", epoch, " (members ", members,
-                         "): contribute again at this epoch"));
-        continue;
-      }
-      if (membership && !member[i] && !joining[i]) {
-        // Declared lost (it missed a round, stopped): it is not heard any more.
-        WriteFrame(fd[i], kFailed,
-                   StrCat("rank ", i, " was declared lost at epoch ", lost_at[i],
-                          " (the group is at epoch ", epoch, ", members ", MemberList(member),
-                          "): rejoin as a new member"));
-        open[i] = false;
-        --open_count;
-        continue;
-      }
-      if (type == kMessage) {
-        on_message(static_cast<uint32_t>(i), std::move(body));
-        continue;
-      }
-      if (type != kContributeAt) continue;
-      internal::ByteReader at(body, "contribution");
-      uint64_t their = 0;
-      if (!at.U64("epoch", &their)) continue;
-      if (membership && their != epoch) {
-        refuse(i, StrCat("rank ", i, " contributed at epoch ", their, "; the group is at epoch ",
-                         epoch, " (members ", MemberList(member),
-                         "): learn the member set and contribute again"));
-        continue;
-      }
-      body.erase(0, 8);
-      round[i] = std::move(body);
-      if (!membership) {
-        bool complete = true;
-        for (size_t j = 0; j < n; ++j) complete = complete && round[j].has_value();
-        if (!complete) {
-          // A member that already left can never contribute.
-          for (size_t j = 0; j < n; ++j) {
-            if (!open[j] && !round[j]) {
-              fail_round(StrCat("rank ", j, " left before the all-gather completed"));
-              break;
-            }
-          }
-          continue;
-        }
-      }
-      complete_round();
+      act();
     }
   }
   return Status::OK();

@@ -347,8 +347,14 @@ Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
     return out;
   };
   Status served =
-      ServeSocketBootstrap(members_, idle_timeout, on_message, stop, round_timeout, on_lost, env_,
-                           membership_, membership_ ? joins : JoinSource());
+      ServeSocketBootstrap(members_, {.idle_timeout = idle_timeout,
+                                      .on_message = on_message,
+                                      .stop = stop,
+                                      .round_timeout = round_timeout,
+                                      .on_lost = on_lost,
+                                      .env = env_,
+                                      .membership = membership_,
+                                      .joins = membership_ ? joins : JoinSource()});
   for (const Pending& c : pending) close(c.fd);
   for (const auto& w : waiting) close(w.second);
   return served;

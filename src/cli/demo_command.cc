@@ -438,56 +438,65 @@ Status RunDemo(DemoOptions o) {
   }
   ReportCollector collector(o, !o.json);
   const auto t0 = Env::Default()->Now();
-  Status served = ServeSocketBootstrap(
-      fds, std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000) + 10000),
-      [&](uint32_t rank, std::string bytes) {
-        if (bytes.find("\"spawn\"") != std::string::npos) {
-          const nlohmann::json ask = nlohmann::json::parse(bytes, nullptr, false);
-          const int64_t r = ask.is_object() && ask.contains("spawn") &&
-                                    ask["spawn"].is_number_integer()
-                                ? ask["spawn"].get<int64_t>()
-                                : -1;
-          if (r >= 0 && r < o.ranks && adds[r] > 0) {
-            --adds[r];
-            if (pids[r] >= 0 && !reaped[r]) {  // the lost process: gone for good
-              kill(pids[r], SIGKILL);
-              kill(pids[r], SIGCONT);
-              waitpid(pids[r], nullptr, 0);
-            }
-            fds[r] = -1;  // (the coordinator closed the lost member's end)
-            gone[r] = reaped[r] = closed[r] = false;
-            Result<int> fd = start(static_cast<int>(r), true);
-            if (fd.ok()) {
-              joining.push_back({static_cast<uint32_t>(r), *fd});
-            } else {
-              start_error = fd.status().message();
-            }
-            return;
-          }
+  std::vector<int> retired;  // lost processes' ends, once their rank has a new process
+  CoordinatorOptions co;
+  co.idle_timeout = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000) + 10000);
+  co.on_message = [&](uint32_t rank, std::string bytes) {
+    if (bytes.find("\"spawn\"") != std::string::npos) {
+      const nlohmann::json ask = nlohmann::json::parse(bytes, nullptr, false);
+      const int64_t r = ask.is_object() && ask.contains("spawn") &&
+                                ask["spawn"].is_number_integer()
+                            ? ask["spawn"].get<int64_t>()
+                            : -1;
+      if (r >= 0 && r < o.ranks && adds[r] > 0) {
+        --adds[r];
+        if (pids[r] >= 0 && !reaped[r]) {  // the lost process: gone for good
+          kill(pids[r], SIGKILL);
+          kill(pids[r], SIGCONT);
+          waitpid(pids[r], nullptr, 0);
         }
-        collector.OnMessage(rank, bytes);
-      },
-      [&] {
-        // A rank that exited or is stopped never reports (a stopped one never will).
-        return collector.Settled([&](int r) {
-          if (gone[r]) return true;
-          if (pids[r] < 0) return !start_error.empty();  // not started (yet)
-          // An exited rank counts once its socket is drained to the end: a report it sent
-          // just before exiting is still read (issue 17, item 14).
-          int st = 0;
-          if (!reaped[r] && waitpid(pids[r], &st, WNOHANG | WUNTRACED) == pids[r]) {
-            reaped[r] = !WIFSTOPPED(st);
-            gone[r] = !reaped[r];  // stopped
-          }
-          if (reaped[r] && closed[r]) gone[r] = true;
-          return static_cast<bool>(gone[r]);
-        });
-      },
-      // The coordinator gives up on a setup round before the ranks do, so it can name who
-      // is missing.
-      std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 800)),
-      [&](uint32_t rank) { closed[rank] = true; }, nullptr,
-      /*membership=*/o.fault_step >= 0, [&] { return std::exchange(joining, {}); });
+        // The lost process's end is closed once the coordinator returns (it hears it no
+        // more; closing it now could hand its number to the new socket while still polled).
+        retired.push_back(fds[r]);
+        fds[r] = -1;
+        gone[r] = reaped[r] = closed[r] = false;
+        Result<int> fd = start(static_cast<int>(r), true);
+        if (fd.ok()) {
+          joining.push_back({static_cast<uint32_t>(r), *fd});
+        } else {
+          start_error = fd.status().message();
+        }
+        return;
+      }
+    }
+    collector.OnMessage(rank, bytes);
+  };
+  co.stop = [&] {
+    // A rank that exited or is stopped never reports (a stopped one never will).
+    return collector.Settled([&](int r) {
+      if (gone[r]) return true;
+      if (pids[r] < 0) return !start_error.empty();  // not started (yet)
+      // An exited rank counts once its socket is drained to the end: a report it sent
+      // just before exiting is still read (issue 17, item 14).
+      int st = 0;
+      if (!reaped[r] && waitpid(pids[r], &st, WNOHANG | WUNTRACED) == pids[r]) {
+        reaped[r] = !WIFSTOPPED(st);
+        gone[r] = !reaped[r];  // stopped
+      }
+      if (reaped[r] && closed[r]) gone[r] = true;
+      return static_cast<bool>(gone[r]);
+    });
+  };
+  // The coordinator gives up on a setup round before the ranks do, so it can name who is
+  // missing.
+  co.round_timeout = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 800));
+  co.on_lost = [&](uint32_t rank) { closed[rank] = true; };
+  co.membership = o.fault_step >= 0;
+  co.joins = [&] { return std::exchange(joining, {}); };
+  Status served = ServeSocketBootstrap(fds, co);
+  for (int f : retired) {
+    if (f >= 0) close(f);
+  }
   // Every rank has reported or left; a stopped one is removed now.
   for (int r = 0; r < o.ranks; ++r) {
     if (fds[r] >= 0) close(fds[r]);

@@ -146,8 +146,9 @@ int main() {
     fds[r] = sv[0];
   }
   eplbx::Status served = eplbx::ServeSocketBootstrap(
-      fds, std::chrono::seconds(20), [](uint32_t, std::string) {}, nullptr,
-      std::chrono::milliseconds(1600), nullptr, nullptr, /*membership=*/true);
+      fds, {.idle_timeout = std::chrono::seconds(20),
+            .round_timeout = std::chrono::milliseconds(1600),
+            .membership = true});
   int bad = 0;
   for (int r = 0; r < kRanks; ++r) {
     int st = 0;

@@ -36,6 +36,40 @@ class Bootstrap {
   virtual std::vector<bool> members() const { return std::vector<bool>(size(), true); }
 };
 
+// Membership an engine feeds (docs/architecture.md, "Serving: ServingGroup"): an engine that
+// owns its processes (torch.distributed groups rebuilt after a failure, Mooncake's active
+// ranks, MPI) tells eplbx the epoch and the members, and its own collective carries eplbx's
+// all-gathers; eplbx runs no coordinator of its own. Like torch's PrefixStore over a Store.
+//
+// `gather(epoch, mine, timeout)`: this rank's contribution to one round among the members of
+// `epoch` (every member calls it the same number of times per epoch); returns one entry per
+// rank of the group (empty for non-members), or an error (a member lost, the engine's
+// collective failed). When the engine's member set changes, every member calls Update() with
+// the same epoch and members, then ServingGroup::OnMembershipChanged() at the same step.
+class MembersView final : public Bootstrap {
+ public:
+  using Gather = std::function<Result<std::vector<std::string>>(
+      uint64_t epoch, std::string_view mine, std::chrono::milliseconds timeout)>;
+  // Starts at epoch 1 with `members` (empty: every rank).
+  MembersView(uint32_t rank, uint32_t size, Gather gather, std::vector<bool> members = {});
+  uint32_t rank() const override { return rank_; }
+  uint32_t size() const override { return size_; }
+  Result<std::vector<std::string>> AllGather(std::string_view mine,
+                                             std::chrono::milliseconds timeout) override;
+  uint64_t epoch() const override { return epoch_; }
+  std::vector<bool> members() const override { return members_; }
+  // The engine's member set changed: rounds from now on are at `epoch` among `members` (one
+  // flag per rank). Refused (kInvalidArgument) when the epoch does not go forward or the
+  // flags do not fit the group.
+  Status Update(uint64_t epoch, std::vector<bool> members);
+
+ private:
+  uint32_t rank_, size_;
+  Gather gather_;
+  uint64_t epoch_ = 1;
+  std::vector<bool> members_;
+};
+
 // A member of a group that talks to one coordinator over a connected stream socket: the
 // embedded rendezvous of `eplbx demo` (the coordinator runs ServeSocketBootstrap).
 class SocketBootstrap final : public Bootstrap {

@@ -100,6 +100,34 @@ using internal::kRefused;
 using internal::ReadFrame;
 using internal::WriteFrame;
 
+MembersView::MembersView(uint32_t rank, uint32_t size, Gather gather, std::vector<bool> members)
+    : rank_(rank),
+      size_(size),
+      gather_(std::move(gather)),
+      members_(members.empty() ? std::vector<bool>(size, true) : std::move(members)) {}
+
+Result<std::vector<std::string>> MembersView::AllGather(std::string_view mine,
+                                                        std::chrono::milliseconds timeout) {
+  EPLBX_ASSIGN_OR_RETURN(std::vector<std::string> all, gather_(epoch_, mine, timeout));
+  if (all.size() != size_) {
+    return Status::Corruption(StrCat("rank ", rank_, ": the engine's all-gather returned ",
+                                     all.size(), " contributions for ", size_, " ranks"));
+  }
+  return all;
+}
+
+Status MembersView::Update(uint64_t epoch, std::vector<bool> members) {
+  if (epoch <= epoch_ || members.size() != size_) {
+    return Status::InvalidArgument(StrCat("rank ", rank_, ": members of epoch ", epoch, " (",
+                                          members.size(), " flags) after epoch ", epoch_, " (",
+                                          size_, " ranks): the epoch must go forward, one flag "
+                                          "per rank"));
+  }
+  epoch_ = epoch;
+  members_ = std::move(members);
+  return Status::OK();
+}
+
 SocketBootstrap::SocketBootstrap(int fd, uint32_t rank, uint32_t size, Env* env)
     : fd_(fd), rank_(rank), size_(size), env_(EnvOrDefault(env)), members_(size, true) {}
 

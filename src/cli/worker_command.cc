@@ -36,10 +36,14 @@ class StoreThread {
       if (!seen[e.rank] && e.kind == "add") late[e.rank] = true;
       seen[e.rank] = true;
     }
-    if (o.serve && std::find(late.begin(), late.end(), true) != late.end()) {
+    if (o.serve) {
       store_->set_late_ranks(late);
       store_->set_admit([this, late](uint32_t rank) {
-        return !late[rank] || asked_.count(rank) != 0;
+        if (late[rank] && asked_.count(rank) == 0) return false;
+        // A new process for the rank: it will report (a lost one's report is not awaited).
+        std::lock_guard<std::mutex> lock(mu_);
+        lost_.erase(static_cast<int>(rank));
+        return true;
       });
     }
     thread_ = std::thread([this, deadline] {

@@ -1,16 +1,19 @@
 // ServingGroup (eplbx/serving.h) with ranks as threads on the real store with membership and
 // loopback agents: serving with rebalances in flight through a sequence of membership
-// changes (a loss, a later second loss, a lost rank's process coming back, a drain), every
-// row each rank serves checked against the placement in force at every step. The same with
+// changes (a loss, a later second loss, a lost rank's process coming back, a drain), and
+// with the membership an engine feeds (MembersView), every row each rank serves checked
+// against the placement in force at every step. The same with
 // processes: tests/cli/demo_test.cc (the demo's ranks are ServingGroups).
 #include "eplbx/serving.h"
 
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -342,6 +345,116 @@ TEST(ServingGroupTest, ADrainedRankLeavesAndTheOthersServeOn) {
   }
   EXPECT_EQ(w.out["rank 0"].recoveries[0].members, (std::vector<int>{0, 1, 3, 4}));
   for (int s = 2 * kRows; s < 3 * kRows; ++s) EXPECT_EQ(w.out["rank 0"].placement[s], -1);
+}
+
+// An engine's own collective among threads (what a torch.distributed group rebuilt after a
+// failure, or Mooncake's active ranks, give an engine): rounds per epoch among the engine's
+// members; when the engine drops a member, rounds of the old epoch fail for everyone.
+struct EngineGroup {
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t epoch = 1;
+  std::vector<bool> members = std::vector<bool>(kWorld, true);
+  std::map<std::pair<uint64_t, uint64_t>, std::vector<std::optional<std::string>>> rounds;
+  std::map<std::pair<uint64_t, uint32_t>, uint64_t> next;  // (epoch, rank) -> round
+
+  Result<std::vector<std::string>> Gather(uint32_t rank, uint64_t at, std::string_view mine,
+                                          std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu);
+    if (at != epoch) return Status::Aborted("the engine's group is at another epoch");
+    auto& slots = rounds[{at, next[{at, rank}]++}];
+    slots.resize(kWorld);
+    slots[rank] = std::string(mine);
+    cv.notify_all();
+    auto complete = [&] {
+      for (uint32_t r = 0; r < kWorld; ++r) {
+        if (members[r] && !slots[r]) return false;
+      }
+      return true;
+    };
+    if (!cv.wait_for(lock, timeout, [&] { return epoch != at || complete(); }))
+      return Status::Timeout("the engine's all-gather timed out");
+    if (epoch != at) return Status::Aborted("the engine's member set changed");
+    std::vector<std::string> out(kWorld);
+    for (uint32_t r = 0; r < kWorld; ++r) out[r] = slots[r].value_or("");
+    return out;
+  }
+  void Drop(uint32_t rank) {
+    std::lock_guard<std::mutex> lock(mu);
+    members[rank] = false;
+    ++epoch;
+    cv.notify_all();
+  }
+};
+
+// Membership the engine feeds (MembersView): no eplbx coordinator; the engine's collective
+// carries the all-gathers, and when the engine drops rank 1 every survivor updates its view
+// and calls OnMembershipChanged() at the same step. They settle (rank 1's only experts from
+// the backup) and serve on, every row checked.
+TEST(ServingGroupTest, AnEngineFeedsTheMembershipThroughAMembersView) {
+  World w;
+  ASSERT_TRUE(w.backup != nullptr);
+  EngineGroup engine;
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      Outcome o;
+      MembersView view(r, kWorld, [&engine, r](uint64_t at, std::string_view mine, auto timeout) {
+        return engine.Gather(r, at, mine, timeout);
+      });
+      auto g = ServingGroup::Create(w.ranks[r]->agent.get(), &view, w.ranks[r]->layout,
+                                    StartPlacement(), Options(), {w.backup.get()});
+      if (!g.ok()) o.status = g.status();
+      for (int step = 0; step < 24 && o.status.ok(); ++step) {
+        Result<BalancerStep> st = (*g)->Step(Counts(step));
+        (void)(*g)->Commit();
+        if (o.bad.empty()) o.bad = CheckRows(*w.ranks[r], **g);
+        if (!st.ok()) o.status = st.status();
+        if (r == 1 && step == 8) {
+          engine.Drop(1);  // its process is gone; the engine knows
+          o.status = Status::Aborted("dropped");
+          break;
+        }
+        // The engine's own collective for the step; it fails when the engine's group moved.
+        if (engine.Gather(r, view.epoch(), "", std::chrono::seconds(3)).ok()) continue;
+        std::vector<bool> members;
+        uint64_t epoch = 0;
+        {
+          std::lock_guard<std::mutex> lock(engine.mu);
+          members = engine.members;
+          epoch = engine.epoch;
+        }
+        o.status = view.Update(epoch, members);
+        if (o.status.ok()) o.status = (*g)->OnMembershipChanged();
+        if (o.bad.empty()) o.bad = CheckRows(*w.ranks[r], **g);
+      }
+      if (g.ok()) {
+        while (o.status.ok() && (*g)->progress().rebalancing) (void)(*g)->Commit();
+        if (o.status.ok() && o.bad.empty()) o.bad = CheckRows(*w.ranks[r], **g);
+        o.placement = (*g)->placement().phy2log();
+        o.recoveries = (*g)->recoveries();
+        o.epoch = (*g)->epoch();
+      }
+      std::lock_guard<std::mutex> lock(w.mu);
+      w.out["rank " + std::to_string(r)] = o;
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r : {0, 2, 3, 4}) {
+    const Outcome& o = w.out["rank " + std::to_string(r)];
+    ASSERT_TRUE(o.status.ok()) << r << ": " << o.status.ToString();
+    EXPECT_EQ(o.bad, "") << r;
+    EXPECT_EQ(o.epoch, 2u);
+    EXPECT_EQ(o.placement, w.out["rank 0"].placement);
+    ASSERT_EQ(o.recoveries.size(), 1u);
+    EXPECT_EQ(o.recoveries[0].kind, "loss");
+    EXPECT_EQ(o.recoveries[0].members, (std::vector<int>{0, 2, 3, 4}));
+  }
+  EXPECT_EQ(w.out["rank 0"].recoveries[0].experts_recovered, 4 * kLayers);
+  // The view refuses an epoch that does not go forward.
+  MembersView view(0, kWorld, nullptr);
+  EXPECT_FALSE(view.Update(1, std::vector<bool>(kWorld, true)).ok());
+  EXPECT_FALSE(view.Update(2, std::vector<bool>(kWorld - 1, true)).ok());
 }
 
 TEST(ServingGroupTest, OptionsThatDoNotFitTheBootstrapAreNamed) {

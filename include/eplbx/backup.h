@@ -173,6 +173,14 @@ Result<std::unique_ptr<HostBackup>> SetUpNodeBackup(Bootstrap& boot, const std::
                                                     std::chrono::milliseconds timeout,
                                                     const ExpertLoader& load = nullptr);
 
+// A backup of this process alone in `dir` (private, its name removed at once), every expert
+// filled through `load`: what a process that joins a group under way keeps (its node's file
+// can no longer be shared with it), so that experts stay recoverable after it joined (an
+// expert counts as recoverable only where every member's backups hold it).
+Result<std::unique_ptr<HostBackup>> LoadHostBackup(const std::string& dir,
+                                                   const RankLayout& layout, int experts,
+                                                   const ExpertLoader& load);
+
 // Removes this user's backups in `dir` whose creating process is gone (names
 // eplbx-backup-PID-..., a regular file owned by this user, PID not running): what a crash
 // between Create and Unlink leaves. Returns how many it removed; links and other users'

@@ -229,6 +229,32 @@ Result<std::unique_ptr<HostBackup>> ShareHostBackup(Bootstrap& boot, uint32_t cr
   return HostBackup::OpenShared(names[creator]);
 }
 
+namespace {
+
+// Every expert of every layer into `b` through `load`.
+Status LoadEvery(HostBackup& b, const RankLayout& layout, int experts, const ExpertLoader& load) {
+  for (int l = 0; l < static_cast<int>(layout.layers.size()); ++l) {
+    for (int e = 0; e < experts; ++e) {
+      EPLBX_RETURN_IF_ERROR(b.Load(l, e, [&](const std::string& name, uint8_t* dst, uint64_t n) {
+        load(l, e, name, dst, n);
+      }));
+    }
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<HostBackup>> LoadHostBackup(const std::string& dir,
+                                                   const RankLayout& layout, int experts,
+                                                   const ExpertLoader& load) {
+  if (load == nullptr) return Status::InvalidArgument("a backup of every expert needs a loader");
+  EPLBX_ASSIGN_OR_RETURN(std::unique_ptr<HostBackup> b, HostBackup::Create(dir, layout, experts));
+  EPLBX_RETURN_IF_ERROR(LoadEvery(*b, layout, experts, load));
+  EPLBX_RETURN_IF_ERROR(b->Unlink());
+  return b;
+}
+
 Result<std::unique_ptr<HostBackup>> SetUpNodeBackup(Bootstrap& boot, const std::string& node,
                                                     const std::string& dir,
                                                     const RankLayout& layout, int experts,
@@ -247,14 +273,7 @@ Result<std::unique_ptr<HostBackup>> SetUpNodeBackup(Bootstrap& boot, const std::
   std::unique_ptr<HostBackup> mine;
   if (rank == creator) {
     EPLBX_ASSIGN_OR_RETURN(mine, HostBackup::Create(dir, layout, experts));
-    for (int l = 0; load != nullptr && l < static_cast<int>(layout.layers.size()); ++l) {
-      for (int e = 0; e < experts; ++e) {
-        EPLBX_RETURN_IF_ERROR(
-            mine->Load(l, e, [&](const std::string& name, uint8_t* dst, uint64_t n) {
-              load(l, e, name, dst, n);
-            }));
-      }
-    }
+    if (load != nullptr) EPLBX_RETURN_IF_ERROR(LoadEvery(*mine, layout, experts, load));
   }
   EPLBX_ASSIGN_OR_RETURN(std::unique_ptr<HostBackup> b,
                          ShareHostBackup(boot, creator, std::move(mine), timeout));

@@ -164,12 +164,11 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann
     report["weights_created"] = true;
     // (A joiner's slots hold nothing until it joins: nothing to write.)
     for (int l = 0; l < o.layers && !joiner; ++l) FillLayer(mode.w, *initial, l, rank);
-    if (i == 0 && losses && !joiner) {
-      // The node's backup (a joiner has none: experts count as recoverable only where every
-      // member's backups hold them).
-      // On one host rank 0's file holds what every rank's slots hold; `eplbx worker` loads
-      // every expert into each node's (as from the checkpoint: the demo's weights are a
-      // function of layer, expert and tensor).
+    if (i == 0 && losses) {
+      // The node's backup. On one host rank 0's file holds what every rank's slots hold;
+      // `eplbx worker` loads every expert into each node's (as from the checkpoint: the demo's
+      // weights are a function of layer, expert and tensor). A joiner loads a backup of its
+      // own (experts count as recoverable only where every member's backups hold them).
       const std::vector<TensorSpec>& tensors = mode.w.layout.layers[0];
       ExpertLoader load = [&tensors](int l, int e, const std::string& name, uint8_t* dst,
                                      uint64_t n) {
@@ -177,9 +176,11 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann
         while (t + 1 < tensors.size() && tensors[t].name != name) ++t;
         Pattern(dst, n, static_cast<uint32_t>(l), static_cast<uint32_t>(e), t);
       };
-      Result<std::unique_ptr<HostBackup>> b = SetUpNodeBackup(
-          boot, o.survive ? NodeName() : std::string("node"), o.backup_dir, mode.w.layout,
-          o.experts, *initial, round_wait, o.survive ? load : nullptr);
+      Result<std::unique_ptr<HostBackup>> b =
+          joiner ? LoadHostBackup(o.backup_dir, mode.w.layout, o.experts, load)
+                 : SetUpNodeBackup(boot, o.survive ? NodeName() : std::string("node"),
+                                   o.backup_dir, mode.w.layout, o.experts, *initial, round_wait,
+                                   o.survive ? load : nullptr);
       if (!b.ok()) return fail(b.status().message());
       backup = std::move(*b);
     }

@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "eplbx/placement.h"
 #include "eplbx/backup.h"
+#include "eplbx/placement.h"
 
 namespace {
 

@@ -9,9 +9,9 @@
 #include <atomic>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "eplbx/balancer.h"
@@ -458,9 +458,9 @@ class PyServingGroup {
                  const std::string& backup_dir, const std::string& node) {
     const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(deadline_s * 1000));
     AgentConfig config;
-    config.peer_timeout = std::max(std::chrono::milliseconds(100),
-                                   std::min<std::chrono::milliseconds>(deadline / 2,
-                                                                       std::chrono::seconds(30)));
+    config.peer_timeout =
+        std::max(std::chrono::milliseconds(100),
+                 std::min<std::chrono::milliseconds>(deadline / 2, std::chrono::seconds(30)));
     agent_ = Take(Agent::Create("serving" + std::to_string(rank), config));
     for (auto r : regions) {
       auto t = r.cast<py::tuple>();
@@ -587,14 +587,13 @@ class PyServingGroup {
   py::list Recoveries() {
     py::list out;
     for (const RecoveryRecord& r : group().recoveries()) {
-      out.append(py::dict(py::arg("kind") = r.kind, py::arg("step") = r.step,
-                          py::arg("epoch") = r.epoch, py::arg("members") = r.members,
-                          py::arg("recovery_s") = r.recovery_s,
-                          py::arg("experts_recovered") = r.experts_recovered,
-                          py::arg("rows_recovered") = r.rows_recovered,
-                          py::arg("bytes_moved") = r.bytes_moved,
-                          py::arg("placements") = r.placements, py::arg("restarts") = r.restarts,
-                          py::arg("interrupted") = r.interrupted));
+      out.append(
+          py::dict(py::arg("kind") = r.kind, py::arg("step") = r.step, py::arg("epoch") = r.epoch,
+                   py::arg("members") = r.members, py::arg("recovery_s") = r.recovery_s,
+                   py::arg("experts_recovered") = r.experts_recovered,
+                   py::arg("rows_recovered") = r.rows_recovered,
+                   py::arg("bytes_moved") = r.bytes_moved, py::arg("placements") = r.placements,
+                   py::arg("restarts") = r.restarts, py::arg("interrupted") = r.interrupted));
     }
     return out;
   }
@@ -722,18 +721,18 @@ PYBIND11_MODULE(_eplbx, m) {
       .def_property_readonly("recoveries", &PyServingGroup::Recoveries)
       .def_property_readonly("placement",
                              [](PyServingGroup& g) { return Phy2Log(g.group().placement()); })
-      .def("row_table",
-           [](PyServingGroup& g, uint32_t layer) { return g.group().RowTable(layer); })
+      .def("row_table", [](PyServingGroup& g, uint32_t layer) { return g.group().RowTable(layer); })
       .def_property_readonly("step_count", [](PyServingGroup& g) { return g.group().step(); })
       .def_property_readonly("epoch", [](PyServingGroup& g) { return g.group().epoch(); })
-      .def_property_readonly("members", [](PyServingGroup& g) {
-        std::vector<int> out;
-        const std::vector<bool> m = g.group().members();
-        for (size_t r = 0; r < m.size(); ++r) {
-          if (m[r]) out.push_back(static_cast<int>(r));
-        }
-        return out;
-      })
+      .def_property_readonly("members",
+                             [](PyServingGroup& g) {
+                               std::vector<int> out;
+                               const std::vector<bool> m = g.group().members();
+                               for (size_t r = 0; r < m.size(); ++r) {
+                                 if (m[r]) out.push_back(static_cast<int>(r));
+                               }
+                               return out;
+                             })
       .def_property_readonly("left", [](PyServingGroup& g) { return g.group().left(); })
       .def_property_readonly("rebalancing",
                              [](PyServingGroup& g) { return g.group().progress().rebalancing; });

@@ -19,8 +19,8 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
-#include <optional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -33,7 +33,6 @@
 #include "eplbx/survivors.h"
 
 namespace eplbx {
-
 
 class BackupSource {
  public:
@@ -177,9 +176,8 @@ Result<std::unique_ptr<HostBackup>> SetUpNodeBackup(Bootstrap& boot, const std::
 // filled through `load`: what a process that joins a group under way keeps (its node's file
 // can no longer be shared with it), so that experts stay recoverable after it joined (an
 // expert counts as recoverable only where every member's backups hold it).
-Result<std::unique_ptr<HostBackup>> LoadHostBackup(const std::string& dir,
-                                                   const RankLayout& layout, int experts,
-                                                   const ExpertLoader& load);
+Result<std::unique_ptr<HostBackup>> LoadHostBackup(const std::string& dir, const RankLayout& layout,
+                                                   int experts, const ExpertLoader& load);
 
 // Removes this user's backups in `dir` whose creating process is gone (names
 // eplbx-backup-PID-..., a regular file owned by this user, PID not running): what a crash

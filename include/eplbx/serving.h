@@ -69,13 +69,13 @@ struct ServingOptions {
 
 // One settling of the group (a loss, a join, a drain), as this rank saw it.
 struct RecoveryRecord {
-  std::string kind;  // "loss", "join", "drain" (a change seen through a failed round: "loss"
-                     // when members left, "join" when members came)
-  int64_t step = -1;            // the step it happened at (settled at)
+  std::string kind;   // "loss", "join", "drain" (a change seen through a failed round: "loss"
+                      // when members left, "join" when members came)
+  int64_t step = -1;  // the step it happened at (settled at)
   uint64_t epoch_before = 0, epoch = 0;
-  std::vector<int> members;     // at `epoch`
-  std::string interrupted;      // how the rebalance in flight ended ("" when none was)
-  double recovery_s = 0;        // from the call that noticed it until serving again
+  std::vector<int> members;  // at `epoch`
+  std::string interrupted;   // how the rebalance in flight ended ("" when none was)
+  double recovery_s = 0;     // from the call that noticed it until serving again
   // Of recovery_s: ending the rebalance in flight, rounds of the members' maps, the
   // Rearranger over the members, planning, moving among members, restoring from backups,
   // the Balancer over the members.
@@ -83,7 +83,7 @@ struct RecoveryRecord {
          balancer_s = 0;
   int64_t experts_recovered = 0;  // experts no member held, restored from a backup
   int64_t rows_recovered = 0;
-  uint64_t bytes_moved = 0;       // read by this rank from members
+  uint64_t bytes_moved = 0;  // read by this rank from members
   int placements = 0;
   std::vector<std::string> restarts;  // why each placement after the first was needed
 };
@@ -94,10 +94,9 @@ class ServingGroup {
   // (other ranks' slots of non-members empty). Collective over the members (creates the
   // Rearranger). `backups`: where experts no member holds come from (a host backup, the
   // checkpoint); none: such experts are named unrecoverable and the settling fails.
-  static Result<std::unique_ptr<ServingGroup>> Create(Agent* agent, Bootstrap* bootstrap,
-                                                      RankLayout layout, Placement initial,
-                                                      ServingOptions options,
-                                                      std::vector<const BackupSource*> backups = {});
+  static Result<std::unique_ptr<ServingGroup>> Create(
+      Agent* agent, Bootstrap* bootstrap, RankLayout layout, Placement initial,
+      ServingOptions options, std::vector<const BackupSource*> backups = {});
   // A new process for a rank that is no member (never was, was drained, or was lost and
   // comes back): asks the coordinator to be taken in, then settles with the members where
   // they are (its slots are filled from them and from `backups`). Returns once serving;
@@ -136,7 +135,7 @@ class ServingGroup {
   std::vector<uint32_t> RowTable(uint32_t layer) const;
   const RankLayout& layout() const;  // with the row tables in force
   int64_t step() const;              // steps served by the group (a joiner's: the members')
-  uint64_t epoch() const;  // the placement's: at the start or the last settling
+  uint64_t epoch() const;            // the placement's: at the start or the last settling
   std::vector<bool> members() const;
   bool left() const;  // this rank was drained
   // Every settling so far, oldest first (empty: none).

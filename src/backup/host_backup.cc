@@ -245,9 +245,8 @@ Status LoadEvery(HostBackup& b, const RankLayout& layout, int experts, const Exp
 
 }  // namespace
 
-Result<std::unique_ptr<HostBackup>> LoadHostBackup(const std::string& dir,
-                                                   const RankLayout& layout, int experts,
-                                                   const ExpertLoader& load) {
+Result<std::unique_ptr<HostBackup>> LoadHostBackup(const std::string& dir, const RankLayout& layout,
+                                                   int experts, const ExpertLoader& load) {
   if (load == nullptr) return Status::InvalidArgument("a backup of every expert needs a loader");
   EPLBX_ASSIGN_OR_RETURN(std::unique_ptr<HostBackup> b, HostBackup::Create(dir, layout, experts));
   EPLBX_RETURN_IF_ERROR(LoadEvery(*b, layout, experts, load));

@@ -50,8 +50,8 @@ Result<Placement> PlanNext(const BalancerOptions& o, const LoadMatrix& window,
 Status CheckLive(const Topology& t, const Placement& initial, const std::vector<bool>& live) {
   if (live.empty()) return Status::OK();
   if (live.size() != static_cast<size_t>(t.ranks)) {
-    return Status::InvalidArgument(StrCat(live.size(), " liveness flags (live) for ",
-                                          t.ranks, " ranks (one per rank, or none)"));
+    return Status::InvalidArgument(StrCat(live.size(), " liveness flags (live) for ", t.ranks,
+                                          " ranks (one per rank, or none)"));
   }
   const Topology members = MembersTopology(t, live);
   if (members.slots < initial.experts()) {
@@ -64,8 +64,8 @@ Status CheckLive(const Topology& t, const Placement& initial, const std::vector<
     for (int slot = 0; slot < initial.slots(); ++slot) {
       if (!live[slot / per_rank] && initial.phy2log(l, slot) >= 0) {
         return Status::InvalidArgument(
-            StrCat("the initial placement puts expert ", initial.phy2log(l, slot), " of layer ",
-                   l, " in slot ", slot, " of rank ", slot / per_rank,
+            StrCat("the initial placement puts expert ", initial.phy2log(l, slot), " of layer ", l,
+                   " in slot ", slot, " of rank ", slot / per_rank,
                    ", which does not serve (live); its slots must be empty (-1)"));
       }
     }
@@ -230,8 +230,8 @@ Result<std::unique_ptr<Balancer>> Balancer::Create(Placement initial, BalancerOp
       std::make_unique<State>(std::move(options), rearranger, std::move(initial), std::move(rec))));
 }
 
-Status Balancer::SetMembers(Placement placement, std::vector<bool> live,
-                            const LoadMatrix& window, int64_t steps) {
+Status Balancer::SetMembers(Placement placement, std::vector<bool> live, const LoadMatrix& window,
+                            int64_t steps) {
   State& s = *state_;
   if (s.active || s.next) {
     return Status::InProgress(
@@ -246,8 +246,8 @@ Status Balancer::SetMembers(Placement placement, std::vector<bool> live,
                s.current.layers(), " x ", s.current.slots(), " x ", s.current.experts()));
   }
   EPLBX_RETURN_IF_ERROR(CheckLive(s.o.topology, placement, live));
-  EPLBX_ASSIGN_OR_RETURN(LoadRecorder rec, LoadRecorder::Create(placement.layers(),
-                                                                placement.experts(), s.o.window));
+  EPLBX_ASSIGN_OR_RETURN(LoadRecorder rec,
+                         LoadRecorder::Create(placement.layers(), placement.experts(), s.o.window));
   EPLBX_RETURN_IF_ERROR(rec.Seed(window));
   if (s.planning.valid()) (void)s.planning.get();  // dropped (it planned for the old members)
   s.recorder = std::move(rec);

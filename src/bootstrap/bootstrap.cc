@@ -120,7 +120,8 @@ Status MembersView::Update(uint64_t epoch, std::vector<bool> members) {
   if (epoch <= epoch_ || members.size() != size_) {
     return Status::InvalidArgument(StrCat("rank ", rank_, ": members of epoch ", epoch, " (",
                                           members.size(), " flags) after epoch ", epoch_, " (",
-                                          size_, " ranks): the epoch must go forward, one flag "
+                                          size_,
+                                          " ranks): the epoch must go forward, one flag "
                                           "per rank"));
   }
   epoch_ = epoch;
@@ -234,7 +235,8 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, const CoordinatorOption
   internal::CoordinatorCore core(open, options.membership, options.round_timeout);
   // Carries out what the core decided: frames in order, lost ranks, messages.
   auto act = [&] {
-    for (const internal::CoordinatorSend& s : core.TakeSends()) WriteFrame(fd[s.rank], s.type, s.body);
+    for (const internal::CoordinatorSend& s : core.TakeSends())
+      WriteFrame(fd[s.rank], s.type, s.body);
     for (uint32_t r : core.TakeLost()) {
       if (options.on_lost) options.on_lost(r);
     }

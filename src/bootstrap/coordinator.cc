@@ -138,8 +138,8 @@ void CoordinatorCore::Frame(size_t rank, uint8_t type, std::string body) {
     // Declared lost (it missed a round, stopped): it is not heard any more.
     sends_.push_back({rank, kFailed,
                       StrCat("rank ", rank, " was declared lost at epoch ", lost_at_[rank],
-                             " (the group is at epoch ", epoch_, ", members ",
-                             MemberList(member_), "): rejoin as a new member")});
+                             " (the group is at epoch ", epoch_, ", members ", MemberList(member_),
+                             "): rejoin as a new member")});
     Shut(rank);
     return;
   }

@@ -346,15 +346,14 @@ Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
     waiting.swap(still);
     return out;
   };
-  Status served =
-      ServeSocketBootstrap(members_, {.idle_timeout = idle_timeout,
-                                      .on_message = on_message,
-                                      .stop = stop,
-                                      .round_timeout = round_timeout,
-                                      .on_lost = on_lost,
-                                      .env = env_,
-                                      .membership = membership_,
-                                      .joins = membership_ ? joins : JoinSource()});
+  Status served = ServeSocketBootstrap(members_, {.idle_timeout = idle_timeout,
+                                                  .on_message = on_message,
+                                                  .stop = stop,
+                                                  .round_timeout = round_timeout,
+                                                  .on_lost = on_lost,
+                                                  .env = env_,
+                                                  .membership = membership_,
+                                                  .joins = membership_ ? joins : JoinSource()});
   for (const Pending& c : pending) close(c.fd);
   for (const auto& w : waiting) close(w.second);
   return served;

@@ -69,7 +69,7 @@ struct DemoOptions {
   struct Event {
     std::string kind;  // kill, stop, remove, add
     int rank = -1;
-    int step = -1;  // -1: during the recovery from the event before it (kill and stop)
+    int step = -1;   // -1: during the recovery from the event before it (kill and stop)
     int after = -1;  // @recovery: the index among the stepped events it strikes after
   };
   std::vector<Event> events;

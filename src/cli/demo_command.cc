@@ -115,10 +115,9 @@ Status ParseServeEvents(DemoOptions& o) {
                                           o.modes, "')"));
   }
   if (o.ranks < 3) {
-    return Status::InvalidArgument(StrCat(flags, " with --serve needs at least 3 ranks (two ",
-                                          stepped.size() == 1 && stepped[0].kind == "add"
-                                              ? "serve before it joins)"
-                                              : "go on)"));
+    return Status::InvalidArgument(StrCat(
+        flags, " with --serve needs at least 3 ranks (two ",
+        stepped.size() == 1 && stepped[0].kind == "add" ? "serve before it joins)" : "go on)"));
   }
   // In step order (the @recovery ones after the event they follow); one event per step.
   std::vector<int> order(stepped.size());
@@ -139,10 +138,9 @@ Status ParseServeEvents(DemoOptions& o) {
   }
   const int at_start = static_cast<int>(std::count(member.begin(), member.end(), true));
   if (static_cast<int64_t>(at_start) * o.slots_per_rank < o.experts) {
-    return Status::InvalidArgument(StrCat(flags, ": the ", at_start,
-                                          " members at the start would have ",
-                                          at_start * o.slots_per_rank, " slots for --experts ",
-                                          o.experts, "; raise --ranks or --slots-per-rank"));
+    return Status::InvalidArgument(StrCat(
+        flags, ": the ", at_start, " members at the start would have ", at_start * o.slots_per_rank,
+        " slots for --experts ", o.experts, "; raise --ranks or --slots-per-rank"));
   }
   o.events.clear();
   int prev_step = -1;
@@ -155,20 +153,21 @@ Status ParseServeEvents(DemoOptions& o) {
     }
     prev_step = e.step;
     if (e.kind == "add" ? member[e.rank] : !member[e.rank]) {
-      return Status::InvalidArgument(StrCat(
-          flags, ": ", spec, ": rank ", e.rank,
-          e.kind == "add" ? " is a member then (add a rank that was lost, removed or never "
-                            "started)"
-                          : " is no member then (lost or removed earlier, not added back)"));
+      return Status::InvalidArgument(
+          StrCat(flags, ": ", spec, ": rank ", e.rank,
+                 e.kind == "add" ? " is a member then (add a rank that was lost, removed or never "
+                                   "started)"
+                                 : " is no member then (lost or removed earlier, not added back)"));
     }
     member[e.rank] = e.kind == "add";
     o.events.push_back(e);
     for (const auto& [d, after] : during) {
       if (after != order[k]) continue;
       if (!member[d.rank] || d.rank == e.rank) {
-        return Status::InvalidArgument(
-            StrCat(flags, ": ", d.kind, ":", d.rank, "@recovery must strike a member other than "
-                   "the one of ", spec));
+        return Status::InvalidArgument(StrCat(flags, ": ", d.kind, ":", d.rank,
+                                              "@recovery must strike a member other than "
+                                              "the one of ",
+                                              spec));
       }
       Event x = d;
       x.after = static_cast<int>(k);
@@ -444,8 +443,7 @@ Status RunDemo(DemoOptions o) {
   co.on_message = [&](uint32_t rank, std::string bytes) {
     if (bytes.find("\"spawn\"") != std::string::npos) {
       const nlohmann::json ask = nlohmann::json::parse(bytes, nullptr, false);
-      const int64_t r = ask.is_object() && ask.contains("spawn") &&
-                                ask["spawn"].is_number_integer()
+      const int64_t r = ask.is_object() && ask.contains("spawn") && ask["spawn"].is_number_integer()
                             ? ask["spawn"].get<int64_t>()
                             : -1;
       if (r >= 0 && r < o.ranks && adds[r] > 0) {

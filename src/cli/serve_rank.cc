@@ -42,8 +42,8 @@ using internal::StrCat;
 // The step's membership event on this rank, for a drill: a drain (`remove` at this step),
 // else the step's collective (ServingGroup::Sync), which settles any change of the member
 // set. Returns false when this rank stops (it left, or the group cannot go on: m.error).
-bool Membership(const DemoOptions& o, int step, int64_t step_t0, int64_t asked_ns,
-                Mode& mode, DrillLog& log, bool* left, bool* coordinator_gone) {
+bool Membership(const DemoOptions& o, int step, int64_t step_t0, int64_t asked_ns, Mode& mode,
+                DrillLog& log, bool* left, bool* coordinator_gone) {
   ServingGroup& g = *mode.group;
   const size_t before = g.recoveries().size();
   const auto removal = std::find_if(o.events.begin(), o.events.end(), [&](const auto& e) {
@@ -55,8 +55,8 @@ bool Membership(const DemoOptions& o, int step, int64_t step_t0, int64_t asked_n
     mode.TakeRowTables();
     if (log.detected_step < 0) log.detected_step = step;
     if (!drained.ok()) {
-      mode.m.error = StrCat("removing rank ", removal->rank, " at step ", step, ": ",
-                            drained.message());
+      mode.m.error =
+          StrCat("removing rank ", removal->rank, " at step ", step, ": ", drained.message());
       return false;
     }
     *left = g.left();
@@ -87,7 +87,8 @@ bool Membership(const DemoOptions& o, int step, int64_t step_t0, int64_t asked_n
                      ? StrCat("step ", step,
                               ": the coordinator (rank 0's store) did not answer the step's "
                               "collective within ",
-                              o.deadline_s * 2, " s (2 x --deadline): rank 0 stopped, hung or "
+                              o.deadline_s * 2,
+                              " s (2 x --deadline): rank 0 stopped, hung or "
                               "unreachable")
                      : StrCat("step ", step, ": ", why.message());
   return false;
@@ -143,10 +144,9 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann
   if (!initial.ok()) return fail(initial.status().message());
   Result<Policy> policy = ParsePolicy(o.policy);
   if (!policy.ok()) return fail(policy.status().message());
-  const bool losses =
-      o.survive || std::any_of(o.events.begin(), o.events.end(), [](const auto& e) {
-        return e.kind == "kill" || e.kind == "stop";
-      });
+  const bool losses = o.survive || std::any_of(o.events.begin(), o.events.end(), [](const auto& e) {
+                        return e.kind == "kill" || e.kind == "stop";
+                      });
   std::unique_ptr<HostBackup> backup;
   DrillLog drill_log;
   // Every mode has its own weights, agent and ServingGroup: the modes run step by step
@@ -178,8 +178,8 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann
       };
       Result<std::unique_ptr<HostBackup>> b =
           joiner ? LoadHostBackup(o.backup_dir, mode.w.layout, o.experts, load)
-                 : SetUpNodeBackup(boot, o.survive ? NodeName() : std::string("node"),
-                                   o.backup_dir, mode.w.layout, o.experts, *initial, round_wait,
+                 : SetUpNodeBackup(boot, o.survive ? NodeName() : std::string("node"), o.backup_dir,
+                                   mode.w.layout, o.experts, *initial, round_wait,
                                    o.survive ? load : nullptr);
       if (!b.ok()) return fail(b.status().message());
       backup = std::move(*b);
@@ -209,9 +209,9 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann
     if (backup != nullptr) backups.push_back(backup.get());
     const int64_t t0 = MonotonicNs();
     Result<std::unique_ptr<ServingGroup>> g =
-        joiner ? ServingGroup::Join(mode.agent.get(), &boot, mode.w.layout, o.experts, so, backups)
-               : ServingGroup::Create(mode.agent.get(), &boot, mode.w.layout, *initial, so,
-                                      backups);
+        joiner
+            ? ServingGroup::Join(mode.agent.get(), &boot, mode.w.layout, o.experts, so, backups)
+            : ServingGroup::Create(mode.agent.get(), &boot, mode.w.layout, *initial, so, backups);
     if (!g.ok()) {
       return fail(joiner ? StrCat("joining: ", g.status().message())
                          : StrCat(mode.name, ": ", g.status().message()));
@@ -289,13 +289,14 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann
       if (c.finished && !c.status.ok() && !drill && m.error.empty()) m.error = c.status.message();
     }
     if (drill && !stopped) {
-      stopped = !Membership(o, step, step_t0, asked_ns, modes[0], drill_log, &left,
-                            &coordinator_gone);
+      stopped =
+          !Membership(o, step, step_t0, asked_ns, modes[0], drill_log, &left, &coordinator_gone);
       drill_log.step_ns.push_back(MonotonicNs() - step_t0);
     }
     if (rank == 0 && (step + 1) % 100 == 0) {
       (void)boot.SendMessage(nlohmann::json{
-          {"progress", StrCat("step ", step + 1, "/", o.steps, " served in every mode")}}.dump());
+          {"progress", StrCat("step ", step + 1, "/", o.steps, " served in every mode")}}
+                                 .dump());
     }
   }
   bool all_ok = true;

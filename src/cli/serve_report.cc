@@ -147,16 +147,16 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
   auto joined = [&](int r) {
     const auto it = reports.find(r);
     return (it != reports.end() && it->second.value("joined", false)) ||
-           std::any_of(o.events.begin(), o.events.end(), [&](const DemoOptions::Event& e) {
-             return e.kind == "add" && e.rank == r;
-           });
+           std::any_of(o.events.begin(), o.events.end(),
+                       [&](const DemoOptions::Event& e) { return e.kind == "add" && e.rank == r; });
   };
   // Several events (or a process that joined): a joined rank's first event is its join.
-  const bool several = o.events.size() > 1 || std::any_of(survivors.begin(), survivors.end(),
-                                                           [&](int r) { return found && joined(r); });
+  const bool several =
+      o.events.size() > 1 ||
+      std::any_of(survivors.begin(), survivors.end(), [&](int r) { return found && joined(r); });
   for (const DemoOptions::Event& e : o.events) {  // a drained rank reports before it leaves
-    if (e.kind != "remove" || std::find(survivors.begin(), survivors.end(), e.rank) !=
-                                  survivors.end()) {
+    if (e.kind != "remove" ||
+        std::find(survivors.begin(), survivors.end(), e.rank) != survivors.end()) {
       continue;
     }
     const auto it = reports.find(e.rank);
@@ -173,8 +173,8 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
     return j.contains(key) && j[key].is_number() ? j[key].get<double>() : -1.0;
   };
   std::vector<double> step_s;
-  double recovery_s = 0, detect_wait_s = 0, drain_s = 0, setup_s = 0, plan_s = 0,
-         move_s = 0, restore_s = 0, balancer_s = 0, backup_bytes = 0;
+  double recovery_s = 0, detect_wait_s = 0, drain_s = 0, setup_s = 0, plan_s = 0, move_s = 0,
+         restore_s = 0, balancer_s = 0, backup_bytes = 0;
   double detected = -1, epoch = -1, experts_recovered = -1, placements = 0;
   json restarts = json::array();
   uint64_t rows_recovered = 0, bytes_moved = 0, rows_checked = 0, bad_rows = 0;
@@ -215,9 +215,9 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
       if (failed.empty() && error.empty() &&
           (number(d, "epoch") != epoch || d.value("members", json::array()) != members) &&
           detected >= 0) {
-        error = StrCat("rank ", r, " (joined) ended at epoch ", number(d, "epoch"), " with members ",
-                       d.value("members", json::array()).dump(), "; the others at epoch ", epoch,
-                       " with ", members.dump());
+        error = StrCat("rank ", r, " (joined) ended at epoch ", number(d, "epoch"),
+                       " with members ", d.value("members", json::array()).dump(),
+                       "; the others at epoch ", epoch, " with ", members.dump());
       }
     } else if (detected < 0) {
       detected = det;
@@ -397,8 +397,8 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
           "Rearranger rebuilt over the members %.3f, plan %.3f, move among survivors %.3f "
           "(%.1f MiB), restore from the host backup %.3f (%llu rows of %.0f experts; backup "
           "holds %.1f MiB), Balancer over the members %.3f\n",
-          detected, detect_wait_s, epoch, members.dump().c_str(), recovery_s, drain_s,
-          setup_s, plan_s, move_s, static_cast<double>(bytes_moved) / 1048576.0, restore_s,
+          detected, detect_wait_s, epoch, members.dump().c_str(), recovery_s, drain_s, setup_s,
+          plan_s, move_s, static_cast<double>(bytes_moved) / 1048576.0, restore_s,
           static_cast<unsigned long long>(rows_recovered), experts_recovered,
           backup_bytes / 1048576.0, balancer_s);
       if (interrupted.is_string() && !interrupted.get<std::string>().empty())
@@ -416,11 +416,12 @@ Status ReportServingDrill(const DemoOptions& o, const std::map<int, json>& repor
     if (events.size() > 1) {
       std::printf("  membership events:\n");
       for (const json& e : events) {
-        std::printf("    step %.0f: %s, epoch %.0f, members %s, settled in %.3f s (%.0f experts "
-                    "from the backup)\n",
-                    number(e, "step"), e.value("kind", "").c_str(), number(e, "epoch"),
-                    e.value("members", json::array()).dump().c_str(), number(e, "recovery_s"),
-                    number(e, "experts_recovered"));
+        std::printf(
+            "    step %.0f: %s, epoch %.0f, members %s, settled in %.3f s (%.0f experts "
+            "from the backup)\n",
+            number(e, "step"), e.value("kind", "").c_str(), number(e, "epoch"),
+            e.value("members", json::array()).dump().c_str(), number(e, "recovery_s"),
+            number(e, "experts_recovered"));
       }
     }
     if (found && lost.empty()) {

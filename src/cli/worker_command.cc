@@ -114,9 +114,8 @@ Status RunWorker(DemoOptions o, bool ranks_given) {
           "eplbx worker --serve prints the serving drill's report; --plot draws the demo's "
           "comparison of modes (eplbx demo --serve)");
     }
-    if (std::any_of(o.events.begin(), o.events.end(), [](const auto& e) {
-          return e.rank == 0 && e.kind != "add";
-        })) {
+    if (std::any_of(o.events.begin(), o.events.end(),
+                    [](const auto& e) { return e.rank == 0 && e.kind != "add"; })) {
       return Status::InvalidArgument(
           StrCat("eplbx worker --serve: rank 0 serves the rendezvous store, so it cannot be the "
                  "rank lost or removed; pick another rank"));

@@ -100,9 +100,9 @@ Result<MembersRound> DecodeMembersRound(const std::vector<std::string>& all, int
     if (!in.U32("window", &w)) return in.status();
     const uint64_t want = static_cast<uint64_t>(layers) * static_cast<uint64_t>(experts);
     if ((w != 0 && w != want) || in.remaining() < uint64_t{w} * 8 + 4) {
-      return Status::Corruption(StrCat(what, " has a window of ", w, " loads in ",
-                                       in.remaining(), " bytes; 0 or ", want, " expected (",
-                                       layers, " layers x ", experts, " experts)"));
+      return Status::Corruption(StrCat(what, " has a window of ", w, " loads in ", in.remaining(),
+                                       " bytes; 0 or ", want, " expected (", layers, " layers x ",
+                                       experts, " experts)"));
     }
     std::vector<double> window(w);
     for (uint32_t i = 0; i < w; ++i) {

@@ -36,16 +36,17 @@ struct MembersRound {
   Placement in_force;  // assembled from every member's own slots
   int step = -1;       // the members' (they are in step: the step's collective)
   bool all_placed = true;
-  uint64_t placed_at = 0;  // the epoch they all placed at (when all_placed)
-  std::string not_placed;  // "rank 2" of those that did not
-  std::vector<double> window;  // the lowest member's that sent one (empty: none did)
+  uint64_t placed_at = 0;       // the epoch they all placed at (when all_placed)
+  std::string not_placed;       // "rank 2" of those that did not
+  std::vector<double> window;   // the lowest member's that sent one (empty: none did)
   std::vector<uint8_t> backed;  // layers x experts: 1 where every member's backups hold it
 };
 
 // Decodes an all-gather of EncodeMembersMap blobs, one per rank of the group (empty: not a
 // member), each member holding `rows` slots of each of `layers` layers of `experts` experts.
 // A malformed or inconsistent blob (version, size, a step beyond 2^31, an expert out of
-// range, a load that is negative or not finite, members not in step) is a named Corruption or Internal error.
+// range, a load that is negative or not finite, members not in step) is a named Corruption or
+// Internal error.
 Result<MembersRound> DecodeMembersRound(const std::vector<std::string>& all, int layers, int rows,
                                         int experts);
 

@@ -41,8 +41,8 @@ struct ServingGroup::State {
   std::vector<const BackupSource*> backups;
   std::unique_ptr<Rearranger> rearranger;
   std::unique_ptr<Balancer> balancer;
-  int rows = 0;     // slots per rank
-  int experts = 0;  // logical experts per layer
+  int rows = 0;        // slots per rank
+  int experts = 0;     // logical experts per layer
   uint64_t epoch = 0;  // at the start or the last settling
   bool left = false;
   std::vector<bool> members;  // as of the last settling (or the start)
@@ -188,8 +188,7 @@ struct ServingGroup::State {
       return Status::Internal(StrCat("the members' maps came from ", all.size(),
                                      " ranks; the group has ", topo().ranks));
     }
-    return internal::DecodeMembersRound(all, static_cast<int>(layout.layers.size()), rows,
-                                        experts);
+    return internal::DecodeMembersRound(all, static_cast<int>(layout.layers.size()), rows, experts);
   }
 
   // Settles the group over the bootstrap's member set (docs: eplbx/serving.h), from `own`
@@ -271,15 +270,15 @@ Status CheckOptions(const Bootstrap* boot, const RankLayout& layout, const Servi
   if (boot == nullptr) return Status::InvalidArgument("a ServingGroup needs a bootstrap");
   const Topology& t = o.balancer.topology;
   if (t.ranks != static_cast<int>(boot->size())) {
-    return Status::InvalidArgument(StrCat("the topology has ", t.ranks,
-                                          " ranks; the bootstrap's group ", boot->size()));
+    return Status::InvalidArgument(
+        StrCat("the topology has ", t.ranks, " ranks; the bootstrap's group ", boot->size()));
   }
   if (layout.layers.empty() || t.ranks < 1 || t.slots % t.ranks != 0 ||
       layout.slots(0) != static_cast<uint32_t>(t.slots / t.ranks)) {
     return Status::InvalidArgument(
         StrCat("rank ", boot->rank(), "'s layout has ", layout.layers.empty() ? 0 : layout.slots(0),
-               " slots per rank; the topology ", t.ranks < 1 ? 0 : t.slots / t.ranks,
-               " (", t.slots, " slots over ", t.ranks, " ranks)"));
+               " slots per rank; the topology ", t.ranks < 1 ? 0 : t.slots / t.ranks, " (", t.slots,
+               " slots over ", t.ranks, " ranks)"));
   }
   if (o.round_wait.count() <= 0 || o.max_placements < 1) {
     return Status::InvalidArgument(StrCat("round_wait (", o.round_wait.count(),
@@ -305,10 +304,9 @@ Status ServingGroup::State::Init(Agent* a, Bootstrap* b, RankLayout l, int e, Se
   return Status::OK();
 }
 
-Result<std::unique_ptr<ServingGroup>> ServingGroup::Create(Agent* agent, Bootstrap* bootstrap,
-                                                           RankLayout layout, Placement initial,
-                                                           ServingOptions options,
-                                                           std::vector<const BackupSource*> backups) {
+Result<std::unique_ptr<ServingGroup>> ServingGroup::Create(
+    Agent* agent, Bootstrap* bootstrap, RankLayout layout, Placement initial,
+    ServingOptions options, std::vector<const BackupSource*> backups) {
   auto s = std::make_unique<State>();
   EPLBX_RETURN_IF_ERROR(s->Init(agent, bootstrap, std::move(layout), initial.experts(),
                                 std::move(options), std::move(backups)));
@@ -316,8 +314,8 @@ Result<std::unique_ptr<ServingGroup>> ServingGroup::Create(Agent* agent, Bootstr
     const std::vector<bool> m = bootstrap->members();
     if (!std::all_of(m.begin(), m.end(), [](bool b) { return b; })) s->o.balancer.live = m;
   }
-  s->members = s->o.balancer.live.empty() ? std::vector<bool>(bootstrap->size(), true)
-                                          : s->o.balancer.live;
+  s->members =
+      s->o.balancer.live.empty() ? std::vector<bool>(bootstrap->size(), true) : s->o.balancer.live;
   Result<std::unique_ptr<Rearranger>> r =
       Rearranger::Create(agent, bootstrap, s->layout, s->o.rearrange);
   if (!r.ok()) return r.status().WithPrefix("the Rearranger");
@@ -391,8 +389,8 @@ Status ServingGroup::OnMembershipChanged() {
   rec.recovery_s = Since(t0);
   s.recoveries.push_back(rec);
   if (!settled.ok()) {
-    return settled.WithPrefix(StrCat(rec.kind == "join" ? "taking in a member" : "recovery",
-                                     " at step ", rec.step));
+    return settled.WithPrefix(
+        StrCat(rec.kind == "join" ? "taking in a member" : "recovery", " at step ", rec.step));
   }
   return Status::OK();
 }
@@ -429,9 +427,9 @@ Status ServingGroup::Drain(uint32_t rank) {
       kept[static_cast<size_t>(l) * slots + slot] = plan->sources.phy2log(l, slot);
     }
   }
-  EPLBX_ASSIGN_OR_RETURN(Placement interim,
-                         Placement::FromPhy2Log(plan->placement.layers(), slots,
-                                                plan->placement.experts(), kept));
+  EPLBX_ASSIGN_OR_RETURN(
+      Placement interim,
+      Placement::FromPhy2Log(plan->placement.layers(), slots, plan->placement.experts(), kept));
   RearrangeReport moved = s.rearranger->Rearrange(plan->sources, interim, plan->migration);
   rec.bytes_moved = moved.bytes_read;
   s.TakeRowTables();

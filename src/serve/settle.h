@@ -27,10 +27,10 @@ namespace eplbx::internal {
 
 // What a gathered round said (DecodeMembersRound's summary).
 struct SettleRound {
-  int step = -1;             // the members' step (-1: no member said one)
-  bool all_placed = false;   // every member placed, all at `placed_at`
+  int step = -1;            // the members' step (-1: no member said one)
+  bool all_placed = false;  // every member placed, all at `placed_at`
   uint64_t placed_at = 0;
-  std::string not_placed;    // "rank 2, 3"
+  std::string not_placed;  // "rank 2, 3"
 };
 
 enum class SettleActionKind {

@@ -511,8 +511,7 @@ TEST(DemoTest, ServingGoesOnThroughLossesAndALostRankComingBack) {
   EXPECT_EQ(drill["members"].get<std::vector<int>>(), (std::vector<int>{0, 1, 2}));
   const auto& events = drill["events"];
   ASSERT_EQ(events.size(), 4u) << drill.dump();
-  const std::vector<std::vector<int>> members = {
-      {0, 2, 3, 4}, {0, 2, 4}, {0, 1, 2, 4}, {0, 1, 2}};
+  const std::vector<std::vector<int>> members = {{0, 2, 3, 4}, {0, 2, 4}, {0, 1, 2, 4}, {0, 1, 2}};
   const char* kinds[] = {"loss", "loss", "join", "loss"};
   for (size_t k = 0; k < 4; ++k) {
     EXPECT_EQ(events[k]["kind"], kinds[k]) << events.dump();

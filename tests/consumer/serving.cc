@@ -67,8 +67,12 @@ int Rank(int rank, int fd) {
       for (uint64_t i = 0; i < kBytes; ++i)
         base[row * kBytes + i] = Byte(l, initial->phy2log(l, rank * kRows + row), i);
     }
-    layout.layers.push_back({eplbx::TensorSpec{"w", "u8", {static_cast<int64_t>(kBytes)},
-                                               reinterpret_cast<uint64_t>(base), kBytes, kRows}});
+    layout.layers.push_back({eplbx::TensorSpec{"w",
+                                               "u8",
+                                               {static_cast<int64_t>(kBytes)},
+                                               reinterpret_cast<uint64_t>(base),
+                                               kBytes,
+                                               kRows}});
   }
   eplbx::ServingOptions o;
   o.balancer.topology = {.ranks = kRanks, .nodes = 1, .slots = kRanks * kRows, .groups = 1};
@@ -92,8 +96,8 @@ int Rank(int rank, int fd) {
   if (auto ready = boot.Barrier(std::chrono::seconds(4)); !ready.ok())
     return Fail(rank, ready.ToString());
   if (rank == 0) (void)(*backup)->Unlink();
-  auto group = eplbx::ServingGroup::Create(agent->get(), &boot, layout, *initial, o,
-                                           {backup->get()});
+  auto group =
+      eplbx::ServingGroup::Create(agent->get(), &boot, layout, *initial, o, {backup->get()});
   if (!group.ok()) return Fail(rank, group.status().ToString());
   eplbx::ServingGroup& g = **group;
   for (int step = 0; step < kSteps; ++step) {
@@ -145,10 +149,10 @@ int main() {
     close(sv[1]);
     fds[r] = sv[0];
   }
-  eplbx::Status served = eplbx::ServeSocketBootstrap(
-      fds, {.idle_timeout = std::chrono::seconds(20),
-            .round_timeout = std::chrono::milliseconds(1600),
-            .membership = true});
+  eplbx::Status served =
+      eplbx::ServeSocketBootstrap(fds, {.idle_timeout = std::chrono::seconds(20),
+                                        .round_timeout = std::chrono::milliseconds(1600),
+                                        .membership = true});
   int bad = 0;
   for (int r = 0; r < kRanks; ++r) {
     int st = 0;

@@ -6,8 +6,8 @@
 #include <string>
 
 #include "common/bytes.h"
-#include "eplbx/layout.h"
 #include "eplbx/backup.h"
+#include "eplbx/layout.h"
 #include "protocol/records.h"
 #include "serve/members_map.h"
 #include "transfer/metadata.h"

@@ -529,16 +529,15 @@ TEST(CoordinatorTest, ANewProcessJoinsUnderANewEpoch) {
   std::set<uint32_t> lost;
   Status served = Status::Internal("unset");
   std::thread coordinator([&] {
-    served = ServeSocketBootstrap({c0, c1, -1},
-                                  {.idle_timeout = milliseconds(20000),
-                                   .stop = [&] { return done.load(); },
-                                   .on_lost = [&](uint32_t r) { lost.insert(r); },
-                                   .membership = true,
-                                   .joins =
-                                       [&] {
-                                         std::lock_guard<std::mutex> lock(mu);
-                                         return std::exchange(pending, {});
-                                       }});
+    served = ServeSocketBootstrap({c0, c1, -1}, {.idle_timeout = milliseconds(20000),
+                                                 .stop = [&] { return done.load(); },
+                                                 .on_lost = [&](uint32_t r) { lost.insert(r); },
+                                                 .membership = true,
+                                                 .joins =
+                                                     [&] {
+                                                       std::lock_guard<std::mutex> lock(mu);
+                                                       return std::exchange(pending, {});
+                                                     }});
   });
   auto gather = [&](const std::vector<uint32_t>& ranks) { return GatherAmong(m, ranks); };
   // Epoch 1: rank 2 is no member; rounds complete without it.

@@ -98,8 +98,8 @@ TEST(CoordinatorTest, RoundsAndMembershipHoldInRandomWorlds) {
         ++completed;
         for (size_t r = 0; r < n; ++r) {
           ASSERT_EQ(got[r], static_cast<bool>(core.members()[r]))
-              << where << ": a round's result went to rank " << r << " (member " << core.members()[r]
-              << ")";
+              << where << ": a round's result went to rank " << r << " (member "
+              << core.members()[r] << ")";
         }
       }
       for (uint32_t r : core.TakeLost()) {

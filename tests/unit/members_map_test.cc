@@ -63,9 +63,8 @@ TEST(MembersMapTest, TheLowestMembersWindowIsTheOneEveryMemberPlansFrom) {
   ASSERT_TRUE(round.ok()) << round.status().ToString();
   EXPECT_EQ(round->window, w0);
   EXPECT_EQ(round->step, 12);
-  Result<MembersRound> none =
-      DecodeMembersRound({EncodeMembersMap(-1, 0, std::vector<int32_t>(6, -1))}, kLayers, kRows,
-                         kExperts);
+  Result<MembersRound> none = DecodeMembersRound(
+      {EncodeMembersMap(-1, 0, std::vector<int32_t>(6, -1))}, kLayers, kRows, kExperts);
   ASSERT_TRUE(none.ok()) << none.status().ToString();
   EXPECT_TRUE(none->window.empty());
   EXPECT_EQ(none->step, -1);
@@ -113,7 +112,7 @@ TEST(MembersMapTest, EveryMalformedMapIsANamedError) {
   };
   const std::vector<uint32_t> six(6, 1);
   const std::vector<double> ten(10, 1.0), nan_load = {1, 1, 1, 1, 1, 1, 1, std::nan(""), 1, 1},
-                                        negative = {1, 1, 1, 1, 1, 1, 1, 1, 1, -3};
+                                          negative = {1, 1, 1, 1, 1, 1, 1, 1, 1, -3};
   const std::pair<std::string, std::string> cases[] = {
       {raw(1, 8, 6, six), "rank 1's map is version 1; this build reads version 2"},
       {raw(2, 8, 5, six), "rank 1's map has 5 slots in 49 bytes; 6 expected (2 layers x 3 rows)"},

@@ -10,11 +10,11 @@
 
 #include <gtest/gtest.h>
 
+#include "eplbx/backup.h"
 #include "eplbx/layout.h"
 #include "eplbx/migration.h"
 #include "eplbx/rearrange.h"
 #include "eplbx/survivors.h"
-#include "eplbx/backup.h"
 #include "joined_store.h"
 #include "protocol/records.h"
 #include "rank_fixture.h"

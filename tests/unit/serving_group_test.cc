@@ -185,8 +185,9 @@ struct World {
 };
 
 // Rank 1 is lost at step 6, rank 3 at step 14; at step 20 a new process for rank 1 starts and
-// joins where the members are; they all go on to step 34 (or 8 steps past the join). Every member ends at one epoch with one placement, the rows it
-// serves checked at every step, experts only a lost rank held restored from the backup.
+// joins where the members are; they all go on to step 34 (or 8 steps past the join). Every member
+// ends at one epoch with one placement, the rows it serves checked at every step, experts only a
+// lost rank held restored from the backup.
 TEST(ServingGroupTest, ServesThroughALossASecondLossAndALostRankComingBack) {
   World w;
   ASSERT_TRUE(w.store.joined() && w.backup != nullptr);
@@ -198,8 +199,8 @@ TEST(ServingGroupTest, ServesThroughALossASecondLossAndALostRankComingBack) {
   for (uint32_t r = 0; r < kWorld; ++r) {
     threads.emplace_back([&, r] {
       std::vector<const BackupSource*> backups{w.backup.get()};
-      auto g = ServingGroup::Create(w.ranks[r]->agent.get(), w.store.m[r].get(),
-                                    w.ranks[r]->layout, StartPlacement(), Options(), backups);
+      auto g = ServingGroup::Create(w.ranks[r]->agent.get(), w.store.m[r].get(), w.ranks[r]->layout,
+                                    StartPlacement(), Options(), backups);
       if (!g.ok()) {
         std::lock_guard<std::mutex> lock(w.mu);
         w.out["rank " + std::to_string(r)].status = g.status();
@@ -218,7 +219,8 @@ TEST(ServingGroupTest, ServesThroughALossASecondLossAndALostRankComingBack) {
   std::thread joiner([&] {
     while (!spawn && !members_done) std::this_thread::sleep_for(std::chrono::milliseconds(5));
     if (!spawn) return;  // the members never reached the step (their outcomes say why)
-    again = MakeRank(1, std::vector<std::vector<int32_t>>(kLayers, std::vector<int32_t>(kSlots, 0)));
+    again =
+        MakeRank(1, std::vector<std::vector<int32_t>>(kLayers, std::vector<int32_t>(kSlots, 0)));
     auto b = JoinTcpStore("127.0.0.1", w.store.port, "t", 1, kWorld, std::chrono::seconds(5));
     Outcome failed;
     if (!b.ok()) {
@@ -297,8 +299,8 @@ TEST(ServingGroupTest, ADrainedRankLeavesAndTheOthersServeOn) {
   std::vector<std::thread> threads;
   for (uint32_t r = 0; r < kWorld; ++r) {
     threads.emplace_back([&, r] {
-      auto g = ServingGroup::Create(w.ranks[r]->agent.get(), w.store.m[r].get(),
-                                    w.ranks[r]->layout, StartPlacement(), Options());
+      auto g = ServingGroup::Create(w.ranks[r]->agent.get(), w.store.m[r].get(), w.ranks[r]->layout,
+                                    StartPlacement(), Options());
       Outcome o;
       if (!g.ok()) {
         o.status = g.status();

@@ -24,15 +24,15 @@ namespace {
 
 struct Member {
   Settle settle{4};
-  SettleAction next;          // what it does when it is its turn
-  uint64_t epoch = 0;         // the epoch it knows
-  int step = -1;              // -1: a joiner
-  bool contributed = false;   // its contribution is in the round in progress
+  SettleAction next;         // what it does when it is its turn
+  uint64_t epoch = 0;        // the epoch it knows
+  int step = -1;             // -1: a joiner
+  bool contributed = false;  // its contribution is in the round in progress
   uint64_t contributed_at = 0, placed_at = 0;
   bool placing = false;
-  uint64_t place_round = 0;    // the round its placement in progress is from
-  uint64_t last_round = 0;     // the last round it gathered
-  uint64_t placed_round = 0;   // the round its last successful placement was from
+  uint64_t place_round = 0;   // the round its placement in progress is from
+  uint64_t last_round = 0;    // the last round it gathered
+  uint64_t placed_round = 0;  // the round its last successful placement was from
   int actions = 0;
   std::optional<SettleAction> end;
 };
@@ -40,7 +40,7 @@ struct Member {
 struct World {
   std::mt19937_64 rng;
   uint64_t epoch = 1;
-  uint64_t round = 0;  // rounds completed
+  uint64_t round = 0;             // rounds completed
   std::map<int, Member> members;  // the coordinator's member set
   std::set<int> gone;             // lost or failed (may come back)
   int next_rank = 0;
@@ -110,7 +110,8 @@ struct World {
     out.all_placed = true;
     for (auto& [r, m] : members) {
       if (m.step >= 0) out.step = m.step;
-      if (m.contributed_at == 0 || (!first && m.contributed_at != out.placed_at)) out.all_placed = false;
+      if (m.contributed_at == 0 || (!first && m.contributed_at != out.placed_at))
+        out.all_placed = false;
       if (m.contributed_at == 0) out.not_placed += "rank " + std::to_string(r) + " ";
       if (first) out.placed_at = m.contributed_at;
       first = false;
@@ -137,7 +138,8 @@ struct World {
       const bool fails = (moved && Chance(0.7)) || Chance(0.03);
       if (moved && Chance(0.5)) m.epoch = epoch;
       if (!fails) m.placed_round = m.place_round;
-      m.next = m.settle.OnPlaced(fails ? Status::Unavailable("move failed") : Status::OK(), m.epoch);
+      m.next =
+          m.settle.OnPlaced(fails ? Status::Unavailable("move failed") : Status::OK(), m.epoch);
       Finish(m);
       return;
     }

@@ -275,12 +275,15 @@ TEST(ServingGroupTest, ServesThroughALossASecondLossAndALostRankComingBack) {
   EXPECT_EQ(first.recoveries[1].members, (std::vector<int>{0, 2, 4}));
   EXPECT_EQ(first.recoveries[2].kind, "join");
   EXPECT_EQ(first.recoveries[2].members, (std::vector<int>{0, 1, 2, 4}));
-  // Experts only rank 1 held (4-7 of every layer) came back from the backup.
-  EXPECT_EQ(first.recoveries[0].experts_recovered, 4 * kLayers);
+  // Experts only rank 1 held came back from the backup: 4-7 of every layer at the start (a
+  // rebalance that committed layers before the loss may have replicated some of them).
+  const int64_t recovered = first.recoveries[0].experts_recovered;
+  EXPECT_GT(recovered, 0);
+  EXPECT_LE(recovered, 4 * kLayers);
   int64_t restored = 0;
   for (const char* m : {"rank 0", "rank 2", "rank 3", "rank 4"})
     restored += w.out[m].recoveries.empty() ? 0 : w.out[m].recoveries[0].rows_recovered;
-  EXPECT_GE(restored, 4 * kLayers * 2);  // two tensors each (a replica or more)
+  EXPECT_GE(restored, recovered * 2);  // two tensors each (a replica or more)
   // The joined process serves its share, and the group rebalanced around the changes.
   const Outcome& joined = w.out["rank 1 again"];
   ASSERT_EQ(joined.recoveries.size(), 1u);
@@ -452,7 +455,10 @@ TEST(ServingGroupTest, AnEngineFeedsTheMembershipThroughAMembersView) {
     EXPECT_EQ(o.recoveries[0].kind, "loss");
     EXPECT_EQ(o.recoveries[0].members, (std::vector<int>{0, 2, 3, 4}));
   }
-  EXPECT_EQ(w.out["rank 0"].recoveries[0].experts_recovered, 4 * kLayers);
+  // Rank 1's only experts (4-7 of every layer at the start, fewer if a rebalance replicated
+  // some before the drop) came from the backup.
+  EXPECT_GT(w.out["rank 0"].recoveries[0].experts_recovered, 0);
+  EXPECT_LE(w.out["rank 0"].recoveries[0].experts_recovered, 4 * kLayers);
   // The view refuses an epoch that does not go forward.
   MembersView view(0, kWorld, nullptr);
   EXPECT_FALSE(view.Update(1, std::vector<bool>(kWorld, true)).ok());

@@ -2,6 +2,7 @@
 // serve_mode.h.
 #include "cli/serve_mode.h"
 
+#include <signal.h>
 #include <time.h>
 
 #include <algorithm>
@@ -167,6 +168,66 @@ nlohmann::json ModeReport(Mode& mode) {
           {"failed", br.failed},
           {"error", m.error},
           {"verified", m.verified}};
+}
+
+Result<std::unique_ptr<HostBackup>> DemoBackup(const DemoOptions& o, Bootstrap& boot,
+                                               const Weights& w, const Placement& initial,
+                                               bool joiner, std::chrono::milliseconds wait) {
+  const std::vector<TensorSpec>& tensors = w.layout.layers[0];
+  ExpertLoader load = [&tensors](int l, int e, const std::string& name, uint8_t* dst, uint64_t n) {
+    uint32_t t = 0;
+    while (t + 1 < tensors.size() && tensors[t].name != name) ++t;
+    Pattern(dst, n, static_cast<uint32_t>(l), static_cast<uint32_t>(e), t);
+  };
+  if (joiner) return LoadHostBackup(o.backup_dir, w.layout, o.experts, load);
+  return SetUpNodeBackup(boot, o.survive ? NodeName() : std::string("node"), o.backup_dir, w.layout,
+                         o.experts, initial, wait, o.survive ? load : nullptr);
+}
+
+ServingOptions ModeOptions(const DemoOptions& o, int rank, const std::string& mode, Policy policy,
+                           const std::vector<bool>& live, const std::vector<Mode>& modes) {
+  ServingOptions so;
+  BalancerOptions& bo = so.balancer;
+  bo.topology = Topology{o.ranks, 1, o.ranks * o.slots_per_rank, 1};
+  bo.policy = policy;
+  bo.window = o.interval;
+  bo.trigger.interval = mode == "off" ? o.steps + 1 : o.interval;
+  bo.mode = mode == "sync" ? BalancerMode::kSynchronous : BalancerMode::kAsynchronous;
+  bo.bytes_per_expert = o.expert_bytes_value;
+  bo.live = live;
+  so.rearrange.deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
+  so.round_wait = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 2000));
+  // `--inject ...,KIND:RANK@recovery`: strikes as the first move of the recovery from the
+  // event before it begins.
+  so.before_move = [&o, &modes, rank](int placement) {
+    if (placement != 1 || modes.empty() || modes[0].group == nullptr) return;
+    const int settled = static_cast<int>(modes[0].group->recoveries().size());
+    for (const DemoOptions::Event& e : o.events) {
+      if (e.step < 0 && e.rank == rank && e.after == settled)
+        raise(e.kind == "kill" ? SIGKILL : SIGSTOP);
+    }
+  };
+  return so;
+}
+
+Status StrikeEvents(const DemoOptions& o, int rank, int step, int64_t step_t0,
+                    SocketBootstrap& boot, int64_t* asked_ns) {
+  for (const DemoOptions::Event& e : o.events) {
+    if (e.step != step) continue;
+    if ((e.kind == "kill" || e.kind == "stop") && e.rank == rank) {
+      raise(e.kind == "kill" ? SIGKILL : SIGSTOP);  // as a crash or a hung host would
+    }
+    if (e.kind != "add") continue;
+    // The operator scales up: the coordinator starts the new rank's process; the members
+    // serve on until it asks to join. The lowest member asks.
+    *asked_ns = step_t0;
+    const std::vector<bool> now = MembersAt(o, step);
+    const int asker = static_cast<int>(std::find(now.begin(), now.end(), true) - now.begin());
+    if (rank != asker) continue;
+    if (Status asked = boot.SendMessage(nlohmann::json{{"spawn", e.rank}}.dump()); !asked.ok())
+      return Status::Unavailable(StrCat("asking for rank ", e.rank, ": ", asked.message()));
+  }
+  return Status::OK();
 }
 
 nlohmann::json DrillReport(const ServingGroup& g, const DrillLog& log, uint64_t backup_bytes) {

@@ -4,6 +4,7 @@
 #ifndef EPLBX_SRC_CLI_SERVE_MODE_H_
 #define EPLBX_SRC_CLI_SERVE_MODE_H_
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -13,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/demo.h"
+#include "eplbx/backup.h"
 #include "eplbx/serving.h"
 
 namespace eplbx::cli {
@@ -49,6 +51,22 @@ struct Mode {
 void Work(const DemoOptions& o, int rank, int step, std::span<const double> counts, Mode& mode,
           uint64_t work, uint64_t segments);
 nlohmann::json ModeReport(Mode& mode);
+// The node's host backup for a drill with losses (`joiner`: a backup of its own, every
+// expert loaded). On one host rank 0's file holds what every rank's slots hold under
+// `initial`; `eplbx worker` (o.survive) loads every expert into each node's, as from the
+// checkpoint: the demo's weights are a function of layer, expert and tensor.
+Result<std::unique_ptr<HostBackup>> DemoBackup(const DemoOptions& o, Bootstrap& boot,
+                                               const Weights& w, const Placement& initial,
+                                               bool joiner, std::chrono::milliseconds wait);
+// The ServingGroup options of mode `mode` (off, sync, async) from the demo's flags; the
+// drill's `KIND:RANK@recovery` faults strike through its before_move (`modes[0]`'s group).
+ServingOptions ModeOptions(const DemoOptions& o, int rank, const std::string& mode, Policy policy,
+                           const std::vector<bool>& live, const std::vector<Mode>& modes);
+// The drill's events of `step` on this rank: a kill or stop of this rank strikes; an `add`
+// makes the lowest member ask the coordinator for the new process (*asked_ns: when).
+Status StrikeEvents(const DemoOptions& o, int rank, int step, int64_t step_t0,
+                    SocketBootstrap& boot, int64_t* asked_ns);
+
 // What this rank saw of a drill's membership events (docs/cli.md, "Serving through a lost
 // rank"): the step times around the ServingGroup's records.
 struct DrillLog {

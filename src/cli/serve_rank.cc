@@ -165,46 +165,13 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann
     // (A joiner's slots hold nothing until it joins: nothing to write.)
     for (int l = 0; l < o.layers && !joiner; ++l) FillLayer(mode.w, *initial, l, rank);
     if (i == 0 && losses) {
-      // The node's backup. On one host rank 0's file holds what every rank's slots hold;
-      // `eplbx worker` loads every expert into each node's (as from the checkpoint: the demo's
-      // weights are a function of layer, expert and tensor). A joiner loads a backup of its
-      // own (experts count as recoverable only where every member's backups hold them).
-      const std::vector<TensorSpec>& tensors = mode.w.layout.layers[0];
-      ExpertLoader load = [&tensors](int l, int e, const std::string& name, uint8_t* dst,
-                                     uint64_t n) {
-        uint32_t t = 0;
-        while (t + 1 < tensors.size() && tensors[t].name != name) ++t;
-        Pattern(dst, n, static_cast<uint32_t>(l), static_cast<uint32_t>(e), t);
-      };
       Result<std::unique_ptr<HostBackup>> b =
-          joiner ? LoadHostBackup(o.backup_dir, mode.w.layout, o.experts, load)
-                 : SetUpNodeBackup(boot, o.survive ? NodeName() : std::string("node"), o.backup_dir,
-                                   mode.w.layout, o.experts, *initial, round_wait,
-                                   o.survive ? load : nullptr);
+          DemoBackup(o, boot, mode.w, *initial, joiner, round_wait);
       if (!b.ok()) return fail(b.status().message());
       backup = std::move(*b);
     }
-    ServingOptions so;
-    BalancerOptions& bo = so.balancer;
-    bo.topology = topo;
-    bo.policy = *policy;
-    bo.window = o.interval;
-    bo.trigger.interval = mode.name == "off" ? o.steps + 1 : o.interval;
-    bo.mode = mode.name == "sync" ? BalancerMode::kSynchronous : BalancerMode::kAsynchronous;
-    bo.bytes_per_expert = o.expert_bytes_value;
-    if (!all_live) bo.live = live;
-    so.rearrange.deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
-    so.round_wait = round_wait;
-    // `--inject ...,KIND:RANK@recovery`: strikes as the first move of the recovery from the
-    // event before it begins.
-    so.before_move = [&o, &modes, rank](int placement) {
-      if (placement != 1 || modes.empty() || modes[0].group == nullptr) return;
-      const int settled = static_cast<int>(modes[0].group->recoveries().size());
-      for (const DemoOptions::Event& e : o.events) {
-        if (e.step < 0 && e.rank == rank && e.after == settled)
-          raise(e.kind == "kill" ? SIGKILL : SIGSTOP);
-      }
-    };
+    const ServingOptions so =
+        ModeOptions(o, rank, mode.name, *policy, all_live ? std::vector<bool>{} : live, modes);
     std::vector<const BackupSource*> backups;
     if (backup != nullptr) backups.push_back(backup.get());
     const int64_t t0 = MonotonicNs();
@@ -240,25 +207,9 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann
   int64_t asked_ns = 0;           // when the last `add` was asked for
   for (int step = first_step; step < o.steps && !stopped; ++step) {
     const int64_t step_t0 = MonotonicNs();
-    for (const DemoOptions::Event& e : o.events) {
-      if (e.step != step) continue;
-      if ((e.kind == "kill" || e.kind == "stop") && e.rank == rank) {
-        raise(e.kind == "kill" ? SIGKILL : SIGSTOP);  // as a crash or a hung host would
-      }
-      if (e.kind == "add") {
-        // The operator scales up: the coordinator starts the new rank's process; the members
-        // serve on until it asks to join. The lowest member asks.
-        asked_ns = step_t0;
-        const std::vector<bool> now = MembersAt(o, step);
-        const int asker = static_cast<int>(std::find(now.begin(), now.end(), true) - now.begin());
-        if (rank == asker) {
-          if (Status asked = boot.SendMessage(nlohmann::json{{"spawn", e.rank}}.dump());
-              !asked.ok()) {
-            modes[0].m.error = StrCat("asking for rank ", e.rank, ": ", asked.message());
-            stopped = true;
-          }
-        }
-      }
+    if (Status struck = StrikeEvents(o, rank, step, step_t0, boot, &asked_ns); !struck.ok()) {
+      modes[0].m.error = struck.message();
+      stopped = true;
     }
     if (stopped) break;
     const std::span<const double> counts = trace->step(step);

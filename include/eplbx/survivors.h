@@ -107,6 +107,10 @@ struct ResizePlan {
   Placement sources;
   Placement placement;
   MigrationPlan migration;
+  // What the span holds once `migration` ran: `placement`, except that the removed ranks'
+  // rows keep what they held (they were only read; nothing serves from them any more).
+  // Rearrange(sources, interim, migration) is the drain (as SurvivorPlan::interim).
+  Placement interim;
   // `placement` over the ranks after the resize, renumbered by `members`.
   Placement after;
 };

@@ -318,6 +318,18 @@ Result<ResizePlan> PlanResize(const Placement& in_force, const LoadMatrix& load,
   EPLBX_ASSIGN_OR_RETURN(plan.placement,
                          Placement::FromPhy2Log(layers, span_slots, experts, planned->span));
   plan.after = std::move(planned->compact);
+  // During the move the removed ranks' rows keep what they hold (they are only read).
+  std::vector<int32_t> interim = planned->span;
+  for (int r : plan.removed_ranks) {
+    for (int l = 0; l < layers; ++l) {
+      for (int i = 0; i < per_rank; ++i) {
+        const size_t at = static_cast<size_t>(l) * span_slots + r * per_rank + i;
+        interim[at] = held[at];
+      }
+    }
+  }
+  EPLBX_ASSIGN_OR_RETURN(plan.interim,
+                         Placement::FromPhy2Log(layers, span_slots, experts, std::move(interim)));
   MigrationOptions mo = options.migration;
   mo.ranks = span_ranks;
   mo.nodes = whole ? span_ranks / rpn : 1;

@@ -417,20 +417,7 @@ Status ServingGroup::Drain(uint32_t rank) {
   if (!plan.ok()) return plan.status().WithPrefix(StrCat("draining rank ", rank));
   rec.plan_s = Since(t);
   t = Clock::now();
-  // The leaving rank's rows are only read: through the move they keep what they hold (the
-  // placement after has them empty, since nobody will serve from them).
-  std::vector<int32_t> kept = plan->placement.phy2log();
-  const int slots = s.topo().slots;
-  for (int l = 0; l < plan->placement.layers(); ++l) {
-    for (int i = 0; i < s.rows; ++i) {
-      const int slot = static_cast<int>(rank) * s.rows + i;
-      kept[static_cast<size_t>(l) * slots + slot] = plan->sources.phy2log(l, slot);
-    }
-  }
-  EPLBX_ASSIGN_OR_RETURN(
-      Placement interim,
-      Placement::FromPhy2Log(plan->placement.layers(), slots, plan->placement.experts(), kept));
-  RearrangeReport moved = s.rearranger->Rearrange(plan->sources, interim, plan->migration);
+  RearrangeReport moved = s.rearranger->Rearrange(plan->sources, plan->interim, plan->migration);
   rec.bytes_moved = moved.bytes_read;
   s.TakeRowTables();
   rec.move_s = Since(t);

@@ -371,15 +371,18 @@ struct EngineGroup {
     slots.resize(kWorld);
     slots[rank] = std::string(mine);
     cv.notify_all();
+    const std::vector<bool> of_epoch = members;  // the members of the round's epoch
     auto complete = [&] {
       for (uint32_t r = 0; r < kWorld; ++r) {
-        if (members[r] && !slots[r]) return false;
+        if (of_epoch[r] && !slots[r]) return false;
       }
       return true;
     };
-    if (!cv.wait_for(lock, timeout, [&] { return epoch != at || complete(); }))
+    // (A round every member of its epoch completed stands, even if a member leaves after.)
+    bool done = false;
+    if (!cv.wait_for(lock, timeout, [&] { return (done = complete()) || epoch != at; }))
       return Status::Timeout("the engine's all-gather timed out");
-    if (epoch != at) return Status::Aborted("the engine's member set changed");
+    if (!done) return Status::Aborted("the engine's member set changed");
     std::vector<std::string> out(kWorld);
     for (uint32_t r = 0; r < kWorld; ++r) out[r] = slots[r].value_or("");
     return out;

@@ -271,6 +271,15 @@ TEST(ResizeTest, ALeavingRankIsDrainedFirst) {
   for (const RemoteRead& r : p->migration.layers[0].transfers)
     drained |= r.src == 2 && r.expert == 5;
   EXPECT_TRUE(drained) << "an expert only rank 2 held must be read from rank 2";
+  // The drain's interim: the placement after, with rank 2's rows as they were (only read);
+  // ApplyMigration from the sources lands on it.
+  for (int l = 0; l < 2; ++l) {
+    for (int s = 0; s < 16; ++s) {
+      EXPECT_EQ(p->interim.phy2log(l, s),
+                s / 4 == 2 ? p->sources.phy2log(l, s) : p->placement.phy2log(l, s))
+          << "layer " << l << " slot " << s;
+    }
+  }
   // Adding and removing in one plan: rank 0 leaves, two join.
   Result<ResizePlan> q = PlanResize(w.in_force, w.load, w.topo, {.add = 2, .remove = {0}});
   ASSERT_TRUE(q.ok()) << q.status().ToString();

@@ -233,13 +233,14 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, const CoordinatorOption
         "a coordinator without membership needs a connection for every rank");
   }
   internal::CoordinatorCore core(open, options.membership, options.round_timeout);
-  // Carries out what the core decided: frames in order, lost ranks, messages.
+  // Carries out what the core decided: the lost ranks first (whoever hears of a loss from a
+  // round's answer finds on_lost already called), then the frames in order, then messages.
   auto act = [&] {
-    for (const internal::CoordinatorSend& s : core.TakeSends())
-      WriteFrame(fd[s.rank], s.type, s.body);
     for (uint32_t r : core.TakeLost()) {
       if (options.on_lost) options.on_lost(r);
     }
+    for (const internal::CoordinatorSend& s : core.TakeSends())
+      WriteFrame(fd[s.rank], s.type, s.body);
     for (auto& [r, body] : core.TakeMessages()) {
       if (options.on_message) options.on_message(r, std::move(body));
     }

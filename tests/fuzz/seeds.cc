@@ -125,11 +125,13 @@ int main(int argc, char** argv) {
   }
 #endif
   {
-    // Three ranks' maps (2 layers x 3 rows of 5 experts): a member, no member, a joiner.
+    // Three ranks' maps (2 layers x 3 rows of 5 experts): a member (with its window and
+    // backup flags), no member, a joiner.
     const std::string cut = "\xff\xfe";
     Put(root / "fuzz_members_map", "member_none_joiner",
-        internal::EncodeMembersMap(7, 2, {0, 1, 2, 3, 4, 0}) + cut + cut +
-            internal::EncodeMembersMap(-1, 0, {-1, -1, -1, -1, -1, -1}));
+        internal::EncodeMembersMap(7, 2, {0, 1, 2, 3, 4, 0}, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10.5},
+                                   {1, 1, 0, 1, 1, 1, 1, 0, 1, 1}) +
+            cut + cut + internal::EncodeMembersMap(-1, 0, {-1, -1, -1, -1, -1, -1}));
   }
   {
     // A host backup of two layers (two tensors, then one) of 8 experts, the whole file.

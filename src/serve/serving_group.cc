@@ -167,20 +167,27 @@ struct ServingGroup::State {
     return Status::OK();
   }
 
-  // One round of the members' maps; `window` sent when this rank has a Balancer.
-  Result<internal::MembersRound> Gather(int step, uint64_t placed_at,
-                                        const std::vector<int32_t>& own,
-                                        std::chrono::milliseconds wait) {
-    std::vector<double> window;
-    if (balancer != nullptr) {
-      EPLBX_ASSIGN_OR_RETURN(LoadMatrix w, balancer->window());
-      window = w.values();
-    }
+  // Which (layer, expert) this rank's backups hold: once per settling (a host backup's
+  // Holds() reads the file).
+  std::vector<uint8_t> Backed() const {
     std::vector<uint8_t> backed(static_cast<size_t>(layout.layers.size()) * experts, 0);
     for (size_t i = 0; i < backed.size() && !backups.empty(); ++i) {
       const int l = static_cast<int>(i / experts), e = static_cast<int>(i % experts);
       backed[i] = std::any_of(backups.begin(), backups.end(),
                               [&](const BackupSource* b) { return b->Holds(l, e); });
+    }
+    return backed;
+  }
+
+  // One round of the members' maps; `window` sent when this rank has a Balancer.
+  Result<internal::MembersRound> Gather(int step, uint64_t placed_at,
+                                        const std::vector<int32_t>& own,
+                                        const std::vector<uint8_t>& backed,
+                                        std::chrono::milliseconds wait) {
+    std::vector<double> window;
+    if (balancer != nullptr) {
+      EPLBX_ASSIGN_OR_RETURN(LoadMatrix w, balancer->window());
+      window = w.values();
     }
     const std::string mine = internal::EncodeMembersMap(step, placed_at, own, window, backed);
     EPLBX_ASSIGN_OR_RETURN(std::vector<std::string> all, boot->AllGather(mine, wait));
@@ -199,6 +206,7 @@ struct ServingGroup::State {
     internal::MembersRound round;
     Placement placed;
     const int my_step = joiner ? -1 : static_cast<int>(balancer->report().steps);
+    const std::vector<uint8_t> backed = Backed();
     bool first = true;
     for (;;) {
       switch (a.kind) {
@@ -207,7 +215,7 @@ struct ServingGroup::State {
           const uint64_t before = boot->epoch();
           const auto wait = o.round_wait * (joiner && first ? std::max(1, o.join_wait_rounds) : 1);
           first = false;
-          Result<internal::MembersRound> got = Gather(my_step, a.placed_at, own, wait);
+          Result<internal::MembersRound> got = Gather(my_step, a.placed_at, own, backed, wait);
           rec.gather_s += Since(t);
           Result<internal::SettleRound> summary = got.status();
           if (got.ok()) {

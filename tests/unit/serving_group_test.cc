@@ -171,14 +171,22 @@ struct World {
       }
       if (*synced && o.bad.empty()) o.bad = CheckRows(rank, g);
     }
-    // A rebalance still in flight ends on every member at the same step.
-    while (o.status.ok() && g.progress().rebalancing) (void)g.Commit();
-    if (o.status.ok() && o.bad.empty()) o.bad = CheckRows(rank, g);
-    o.steps = g.step();
-    o.epoch = g.epoch();
-    o.placement = g.placement().phy2log();
-    o.recoveries = g.recoveries();
-    o.rebalances = static_cast<int64_t>(g.report().rebalances.size());
+    Finish(name, rank, &g, std::move(o));
+  }
+
+  // A rank's end (`g` null: it never served): a rebalance still in flight ends on every
+  // member at the same step, its rows checked once more (unless it left), what it saw kept.
+  void Finish(const std::string& name, const Rank& rank, ServingGroup* g, Outcome o) {
+    if (g != nullptr) {
+      const bool serving = o.status.ok() && !g->left();
+      while (serving && g->progress().rebalancing) (void)g->Commit();
+      if (serving && o.bad.empty()) o.bad = CheckRows(rank, *g);
+      o.steps = g->step();
+      o.epoch = g->epoch();
+      o.placement = g->placement().phy2log();
+      o.recoveries = g->recoveries();
+      o.rebalances = static_cast<int64_t>(g->report().rebalances.size());
+    }
     std::lock_guard<std::mutex> lock(mu);
     out[name] = std::move(o);
   }
@@ -326,14 +334,8 @@ TEST(ServingGroupTest, ADrainedRankLeavesAndTheOthersServeOn) {
           Result<bool> synced = (*g)->Sync();
           if (!synced.ok()) o.status = synced.status();
         }
-        while (o.status.ok() && !(*g)->left() && (*g)->progress().rebalancing) (void)(*g)->Commit();
-        if (!(*g)->left() && o.bad.empty()) o.bad = CheckRows(*w.ranks[r], **g);
-        o.placement = (*g)->placement().phy2log();
-        o.recoveries = (*g)->recoveries();
-        o.epoch = (*g)->epoch();
       }
-      std::lock_guard<std::mutex> lock(w.mu);
-      w.out["rank " + std::to_string(r)] = o;
+      w.Finish("rank " + std::to_string(r), *w.ranks[r], g.ok() ? g->get() : nullptr, std::move(o));
     });
   }
   for (auto& t : threads) t.join();
@@ -436,15 +438,7 @@ TEST(ServingGroupTest, AnEngineFeedsTheMembershipThroughAMembersView) {
         if (o.status.ok()) o.status = (*g)->OnMembershipChanged();
         if (o.bad.empty()) o.bad = CheckRows(*w.ranks[r], **g);
       }
-      if (g.ok()) {
-        while (o.status.ok() && (*g)->progress().rebalancing) (void)(*g)->Commit();
-        if (o.status.ok() && o.bad.empty()) o.bad = CheckRows(*w.ranks[r], **g);
-        o.placement = (*g)->placement().phy2log();
-        o.recoveries = (*g)->recoveries();
-        o.epoch = (*g)->epoch();
-      }
-      std::lock_guard<std::mutex> lock(w.mu);
-      w.out["rank " + std::to_string(r)] = o;
+      w.Finish("rank " + std::to_string(r), *w.ranks[r], g.ok() ? g->get() : nullptr, std::move(o));
     });
   }
   for (auto& t : threads) t.join();

@@ -278,40 +278,34 @@ py::dict DoMigrate(const py::object& old_obj, const py::object& new_obj, int ran
                   py::arg("time_lower_bound_s") = s.time_lower_bound_s);
 }
 
-// All-gather through a Python callable (bytes -> list of bytes), e.g. one built on
-// torch.distributed.all_gather_object. Called without the GIL; takes it for the call.
-class PyBootstrap final : public Bootstrap {
- public:
-  PyBootstrap(uint32_t rank, uint32_t size, py::function fn)
-      : rank_(rank), size_(size), fn_(std::move(fn)) {}
-  ~PyBootstrap() override {
+// An all-gather through a Python callable (bytes -> list of bytes, one per rank of the
+// group; empty for a rank that is not a member), e.g. one built on
+// torch.distributed.all_gather_object, or on a key-value store among the live ranks: the
+// gather of a MembersView (the library's engine-fed membership). Called without the GIL; takes
+// it for the call. The callable is released with the GIL held, whichever thread drops it.
+MembersView::Gather PyGather(uint32_t rank, py::function fn) {
+  std::shared_ptr<py::function> held(new py::function(std::move(fn)), [](py::function* f) {
     py::gil_scoped_acquire gil;
-    fn_ = py::function();
-  }
-  uint32_t rank() const override { return rank_; }
-  uint32_t size() const override { return size_; }
-  Result<std::vector<std::string>> AllGather(std::string_view mine,
-                                             std::chrono::milliseconds) override {
+    delete f;
+  });
+  return [rank, held](uint64_t, std::string_view mine,
+                      std::chrono::milliseconds) -> Result<std::vector<std::string>> {
     py::gil_scoped_acquire gil;
     try {
-      py::list got = fn_(py::bytes(std::string(mine)));
+      py::list got = (*held)(py::bytes(std::string(mine)));
       std::vector<std::string> out;
       for (auto item : got) out.push_back(item.cast<std::string>());
-      if (out.size() != size_) {
-        return Status::Corruption("all-gather returned " + std::to_string(out.size()) +
-                                  " blobs for " + std::to_string(size_) + " ranks");
-      }
       return out;
     } catch (py::error_already_set& e) {
-      return Status::Unavailable("rank " + std::to_string(rank_) +
+      return Status::Unavailable("rank " + std::to_string(rank) +
                                  ": all-gather failed: " + e.what());
+    } catch (py::cast_error& e) {
+      return Status::Corruption(
+          "rank " + std::to_string(rank) +
+          ": the all-gather returned something other than bytes: " + e.what());
     }
-  }
-
- private:
-  uint32_t rank_, size_;
-  py::function fn_;
-};
+  };
+}
 
 // The layout of this rank's weights from Python: per layer, per tensor (name, dtype, expert
 // shape, base address, bytes per expert, rows).
@@ -339,9 +333,12 @@ RankLayout ToLayout(uint32_t rank, const py::list& layers) {
 // Agent + registered regions + communicator, owned together.
 class Communicator {
  public:
+  // `members` (optional, one flag per rank): the ranks that take part (an engine's live
+  // ranks); the others are neither connected to nor read from, and the all-gather returns
+  // nothing for them.
   Communicator(uint32_t rank, uint32_t world, py::function allgather, const py::list& layers,
                const py::list& regions, double timeout_s, const std::string& transport,
-               const std::string& paths) {
+               const std::string& paths, const std::optional<std::vector<bool>>& members) {
     AgentConfig config;
     config.transport = Take(ParseTransport(transport));
     // "shm,cma,ucx": the data paths in order (docs/transfer.md); the agent checks the names.
@@ -361,7 +358,16 @@ class Communicator {
           reinterpret_cast<void*>(t[0].cast<uintptr_t>()), t[1].cast<size_t>())));
     }
     const RankLayout layout = ToLayout(rank, layers);
-    boot_ = std::make_unique<PyBootstrap>(rank, world, std::move(allgather));
+    if (members && members->size() != world) {
+      Throw(Status::InvalidArgument("members has " + std::to_string(members->size()) +
+                                    " flags for a group of " + std::to_string(world) + " ranks"));
+    }
+    if (members && !(*members)[rank]) {
+      Throw(Status::InvalidArgument("rank " + std::to_string(rank) +
+                                    " is not among the members it was given"));
+    }
+    boot_ = std::make_unique<MembersView>(rank, world, PyGather(rank, std::move(allgather)),
+                                          members.value_or(std::vector<bool>{}));
     RearrangeOptions o;
     o.deadline = timeout;
     Result<std::unique_ptr<EplbCommunicator>> comm = [&] {
@@ -401,11 +407,16 @@ class Communicator {
     if (!s.ok() && s.code() != Code::kAborted) Check(s);
   }
   bool failed() const { return comm_->failed(); }
+  // Registers memory this rank only receives into (scratch rows): local, no exchange with the
+  // peers, so any rank may call it at any time.
+  void RegisterLocal(uintptr_t addr, size_t bytes) {
+    regions_.push_back(Take(agent_->RegisterMemory(reinterpret_cast<void*>(addr), bytes)));
+  }
 
  private:
   std::unique_ptr<Agent> agent_;
   std::vector<RegisteredRegion> regions_;
-  std::unique_ptr<PyBootstrap> boot_;
+  std::unique_ptr<MembersView> boot_;
   std::unique_ptr<EplbCommunicator> comm_;
 };
 
@@ -739,15 +750,17 @@ PYBIND11_MODULE(_eplbx, m) {
 
   py::class_<Communicator>(m, "_Communicator")
       .def(py::init<uint32_t, uint32_t, py::function, const py::list&, const py::list&, double,
-                    const std::string&, const std::string&>(),
+                    const std::string&, const std::string&,
+                    const std::optional<std::vector<bool>>&>(),
            py::arg("rank"), py::arg("world"), py::arg("allgather"), py::arg("layers"),
            py::arg("regions"), py::arg("timeout_s"), py::arg("transport") = "auto",
-           py::arg("paths") = "")
+           py::arg("paths") = "", py::arg("members") = py::none())
       .def("set_transfer_context", &Communicator::SetTransferContext, py::arg("old"),
            py::arg("layer"), py::arg("new_map") = py::none(), py::arg("kept_rows_copied") = false)
       .def("add_send", &Communicator::AddSend)
       .def("add_recv", &Communicator::AddRecv)
       .def("abort", &Communicator::Abort)
       .def("execute", &Communicator::Execute)
+      .def("register_local", &Communicator::RegisterLocal, py::arg("addr"), py::arg("bytes"))
       .def_property_readonly("failed", &Communicator::failed);
 }

@@ -111,12 +111,18 @@ class EplbxCommunicator:
     """vLLM's EplbCommunicator interface on eplbx (host or CUDA tensors)."""
 
     def __init__(self, cpu_group, all_expert_weights, expert_buffer, timeout_s: float = 300.0,
-                 transport: str = "auto", paths: str = "", defer_setup: bool = False, **_ignored):
+                 transport: str = "auto", paths: str = "", defer_setup: bool = False,
+                 allgather=None, members=None, **_ignored):
         """Registers the weights and the buffer. The exchange with the peers (a collective over
         `cpu_group`: agent metadata and layouts, checked on every rank) happens here, or with
         `defer_setup=True` at the first set_transfer_context, as vLLM's NIXL communicator
         defers its remote setup (elastic EP builds communicators before every peer is up).
-        Keyword arguments a newer vLLM may add are accepted and ignored."""
+        Keyword arguments a newer vLLM may add are accepted and ignored.
+
+        `cpu_group` None: the default process group's rank and size. `allgather` (bytes ->
+        list of bytes, one per rank, empty for a rank not taking part) replaces the collective
+        over `cpu_group`; `members` (one flag per rank): only those ranks take part, the others
+        are neither connected to nor read from (eplbx.sglang: an engine's live ranks)."""
         import torch.distributed as dist
 
         self._group = cpu_group
@@ -147,14 +153,15 @@ class EplbxCommunicator:
             _check_tensor(b, f"expert_buffer tensor {index}", self._device)
             tensors.append(b)
 
-        def allgather(blob: bytes) -> list:
+        def gather(blob: bytes) -> list:
             out = [None] * world
             dist.all_gather_object(out, blob, group=cpu_group)
             return out
 
         self._comm = None
-        self._setup_args = (rank, world, allgather, layers, _merged_regions(tensors), float(timeout_s),
-                            transport, paths)
+        self._setup_args = (rank, world, gather if allgather is None else allgather, layers,
+                            _merged_regions(tensors), float(timeout_s), transport, paths,
+                            None if members is None else [bool(m) for m in members])
         if not defer_setup:
             self._setup()
 
@@ -264,13 +271,11 @@ class EplbxCommunicator:
         of the buffer. `old_maps` / `new_maps`: layers x slots phy2log (the same on every rank);
         `all_expert_weights` and `expert_buffer`: the tensors this communicator registered.
 
-        Per layer, every rank computes the same transfers (eplbx.migrate: fewest, best-sourced).
-        Local moves from old rows go first (into free rows directly, into rows still needed
-        through the buffer), so no row's old content is needed here afterwards. Then two
-        execute() rounds, split alike on every rank: in phase 1 rows no peer reads receive
-        their experts directly; in phase 2, once every phase-1 read is done, the rows peers
-        read, unless the source row is itself a phase-2 target (those go through the buffer row
-        of the same index in phase 1). Then the buffer rows, then second replicas of rows just
+        Per layer, every rank computes the same transfers (eplbx.migrate: fewest, best-sourced),
+        and eplbx._inplace (the executor SGLang's update on eplbx uses too) runs them: local
+        moves from old rows first, then up to two execute() rounds (rows no peer reads first,
+        then the rows peers read), through the buffer row of the same index only where a row
+        is still read or in a cycle; then the buffer rows, then second replicas of rows just
         received. Returns this rank's figures, also kept as `last_rearrange` (vLLM drops the
         return value): {"direct_rows" (local copies written straight into their rows count
         too), "buffered_rows", "local_copies", "layers", "bytes_received", "seconds"}.
@@ -278,9 +283,6 @@ class EplbxCommunicator:
         If a layer fails (a peer lost, a timeout), that layer's rows named in the error may hold
         partial data and every later layer is untouched: the error says so (vLLM's own loop
         leaves earlier layers moved and its map uncommitted, as here)."""
-        import numpy as np
-        from ._eplbx import migrate
-
         old = np.stack([_check_map(m, f"old map of layer {i}") for i, m in enumerate(old_maps)])
         new = np.stack([_check_map(m, f"new map of layer {i}") for i, m in enumerate(new_maps)])
         layers = len(self._rows)
@@ -290,90 +292,10 @@ class EplbxCommunicator:
                 f"eplbx: the maps are {old.shape[0]} x {old.shape[1]} (old) and {new.shape[0]} x "
                 f"{new.shape[1]} (new); this communicator has {layers} layers x {rows * self._world} "
                 f"slots ({self._world} ranks x {rows} rows)")
-        import time
+        from . import _inplace
 
-        t0 = time.perf_counter()
-        plan = migrate(old, new, ranks=self._world)
-        me = self._rank
-        stats = {"direct_rows": 0, "buffered_rows": 0, "local_copies": 0, "layers": 0,
-                 "bytes_received": 0, "seconds": 0.0}
-        for layer in range(layers):
-            if np.array_equal(old[layer], new[layer]):
-                continue  # every rank skips the same layers (the maps are the same everywhere)
-            weights = all_expert_weights[layer]
-            o, n = old[layer], new[layer]
-            transfers = [tuple(int(x) for x in t[:5]) for t in plan["layers"][layer]["transfers"]]
-            copies = [tuple(int(x) for x in c) for c in plan["layers"][layer]["local_copies"] if int(c[0]) == me]
-
-            def first_row(rank, expert):  # the row a peer's READ of `expert` reads on `rank`
-                return int(np.flatnonzero(o[rank * rows:(rank + 1) * rows] == expert)[0])
-
-            served = set()  # (rank, row) some peer reads during the layer
-            for src, _, _, _, expert in transfers:
-                served.add((src, first_row(src, expert)))
-            keeps = set(int(e) for e in n[me * rows:(me + 1) * rows] if e >= 0)
-
-            def free(row):  # no peer reads it and its old expert does not stay on this rank
-                return (me, row) not in served and int(o[me * rows + row]) not in keeps
-
-            # Local moves from old rows first, before any READ can land: into free rows directly,
-            # into rows still needed through the buffer row of the same index. Afterwards no
-            # row's old content is needed here any more ("kept rows copied").
-            back, direct, news = [], [], []  # buffer rows to copy in; rows written directly
-            for _, s_row, d_row, _, from_new in copies:
-                if from_new:
-                    news.append((s_row, d_row))  # a second replica of a row received now
-                elif free(d_row):
-                    for w in weights:
-                        w[d_row].copy_(w[s_row])
-                    direct.append(d_row)
-                else:
-                    for w, b in zip(weights, expert_buffer):
-                        b[d_row].copy_(w[s_row])
-                    back.append(d_row)
-            # Phase 1 reads straight into rows no peer reads; phase 2, once every phase-1 read
-            # is done, into rows peers read in phase 1, unless the source row is itself a
-            # phase-2 target (then through the buffer in phase 1). Every rank computes the
-            # same split.
-            second = [t for t in transfers if (t[2], t[3]) in served]
-            targets = {(t[2], t[3]) for t in second}
-            second = {t for t in second if (t[0], first_row(t[0], t[4])) not in targets}
-            for phase in (1, 2):
-                if phase == 2 and not second:
-                    break  # the same on every rank
-                self.set_transfer_context(o, layer, new_indices=n, kept_rows_copied=True)
-                for t in transfers:
-                    src, _, dst, row, expert = t
-                    if (t in second) != (phase == 2):
-                        continue
-                    if src == me:
-                        self.add_send(None, dst, expert)
-                    elif dst == me:
-                        stats["bytes_received"] += sum(nbytes for _, _, nbytes in self._rows[layer])
-                        if phase == 2 or (me, row) not in served:
-                            self.add_recv([w[row] for w in weights], src, expert)
-                            direct.append(row)
-                        else:
-                            self.add_recv([b[row] for b in expert_buffer], src, expert)
-                            back.append(row)
-                try:
-                    self.execute()
-                except Exception as e:
-                    raise type(e)(f"{e}; rank {me}: layer {layer} (phase {phase} of its reads) was being "
-                                  f"written straight into weight rows {sorted(direct)} (their contents are "
-                                  f"not valid now), layers after {layer} are untouched") from e
-            # Then the buffer, then copies of rows just filled.
-            for d_row in back:
-                for w, b in zip(weights, expert_buffer):
-                    w[d_row].copy_(b[d_row])
-            for s_row, d_row in news:
-                for w in weights:
-                    w[d_row].copy_(w[s_row])
-            stats["direct_rows"] += len(direct)
-            stats["buffered_rows"] += len(back)
-            stats["local_copies"] += len(copies)
-            stats["layers"] += 1
-        stats["seconds"] = time.perf_counter() - t0
+        stats = _inplace.rearrange(self, old, new, all_expert_weights,
+                                   lambda layer, rows: {r: [b[r] for b in expert_buffer] for r in rows})
         self.last_rearrange = stats
         return stats
 

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -408,14 +409,23 @@ class Communicator {
   }
   bool failed() const { return comm_->failed(); }
   // Registers memory this rank only receives into (scratch rows): local, no exchange with the
-  // peers, so any rank may call it at any time.
-  void RegisterLocal(uintptr_t addr, size_t bytes) {
-    regions_.push_back(Take(agent_->RegisterMemory(reinterpret_cast<void*>(addr), bytes)));
+  // peers, so any rank may call it at any time. Returns a handle for UnregisterLocal (before
+  // the memory is freed).
+  uint64_t RegisterLocal(uintptr_t addr, size_t bytes) {
+    local_[++last_local_] = Take(agent_->RegisterMemory(reinterpret_cast<void*>(addr), bytes));
+    return last_local_;
+  }
+  void UnregisterLocal(uint64_t handle) {
+    if (local_.erase(handle) == 0) {
+      Throw(Status::NotFound("no local region " + std::to_string(handle) + " is registered"));
+    }
   }
 
  private:
   std::unique_ptr<Agent> agent_;
   std::vector<RegisteredRegion> regions_;
+  std::map<uint64_t, RegisteredRegion> local_;
+  uint64_t last_local_ = 0;
   std::unique_ptr<MembersView> boot_;
   std::unique_ptr<EplbCommunicator> comm_;
 };
@@ -762,5 +772,6 @@ PYBIND11_MODULE(_eplbx, m) {
       .def("abort", &Communicator::Abort)
       .def("execute", &Communicator::Execute)
       .def("register_local", &Communicator::RegisterLocal, py::arg("addr"), py::arg("bytes"))
+      .def("unregister_local", &Communicator::UnregisterLocal, py::arg("handle"))
       .def_property_readonly("failed", &Communicator::failed);
 }

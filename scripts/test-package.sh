@@ -48,4 +48,4 @@ print(f"ok: eplbx {md.version('eplbx')} from {where}; entry point {eps[0].value}
 PY
 echo "== the Python test suites against the installed package =="
 cd "$root/tests/python"
-env -u PYTHONPATH "$venv/bin/python" -m unittest test_plan test_serving test_vllm_install test_vllm_communicator
+env -u PYTHONPATH "$venv/bin/python" -m unittest test_plan test_serving test_inplace test_sglang test_vllm_install test_vllm_communicator

@@ -175,6 +175,7 @@ def worker(rank, world, port, cfg, seed, results):
                     out["errors"].append(f"{kind}: transition {i}: {len(bad)} wrong rows, first {bad[:3]}")
                 if kind == "eplbx" and first is None:
                     first = seconds
+                    out["eplbx_first_stats"] = dict(eplbx.sglang._MOVER.last_update)
                 else:
                     times[kind].append(seconds)
         out["times"] = times
@@ -300,6 +301,8 @@ def main():
         s, x = slowest("sglang"), slowest("eplbx")
         report.update({
             "sglang_s": s, "eplbx_s": x, "eplbx_first_s": max(o["eplbx_first"] for o in live),
+            "eplbx_first_build_s": max(o["eplbx_first_stats"]["build_seconds"] for o in live),
+            "eplbx_first_move_s": max(o["eplbx_first_stats"]["seconds"] for o in live),
             "sglang_median_s": statistics.median(s), "eplbx_median_s": statistics.median(x) if x else None,
             "speedup": statistics.median(s) / statistics.median(x) if x else None,
             "dead_rank": cfg["dead"],

@@ -8,10 +8,9 @@ of ranks that take no part are -1 in both maps, so nothing is read from or writt
 `plan_layer` (pure) orders this rank's share:
 - local moves from old rows first, into free rows directly, into rows still needed through a
   buffer row; afterwards no row's old content is needed here any more ("kept rows copied");
-- then up to two rounds of reads, split alike on every rank: in round 1 rows no peer reads
-  receive their experts directly; in round 2, once every round-1 read is done, the rows peers
-  read in round 1, unless the source row is itself a round-2 target (those go through a
-  buffer row in round 1);
+- then rounds of reads, split alike on every rank (`schedule`): a row some peer reads is
+  written only in a round after every read of it; rows in a cycle, or that would need more
+  than MAX_ROUNDS rounds, are received into a buffer row in the first round;
 - then the buffer rows into their weight rows, then second replicas of rows just received.
 Only the buffered rows need memory beside the weights: usually few, never a copy of the layer
 unless every row is in a cycle.
@@ -25,26 +24,81 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+#: Rounds of reads per layer at most (each is one execute(): one agreement among the ranks).
+MAX_ROUNDS = 4
+
+
 @dataclass
 class LayerMoves:
     """One layer's moves on one rank (plan_layer)."""
 
     local: list = field(default_factory=list)  # (src_row, dst_row, via_buffer), old rows
-    rounds: list = field(default_factory=lambda: [[], []])  # (src, dst, row, expert, via_buffer)
-    second_round: bool = False  # the same on every rank
+    rounds: list = field(default_factory=list)  # per round: (src, dst, row, expert, via_buffer)
     news: list = field(default_factory=list)  # (src_row, dst_row): replicas of rows received
     buffered: list = field(default_factory=list)  # rows that go through a buffer row, in order
     copies: int = 0
 
 
-def plan_layer(o, n, transfers, copies, me: int, rows: int) -> LayerMoves:
+def schedule(o, transfers, rows: int, max_rounds: int = MAX_ROUNDS):
+    """Pure, the same on every rank: the round of each transfer and which go through a buffer.
+    A transfer that writes a row some other transfer reads must come in a later round than
+    every such read; rows in a cycle, or that would need round `max_rounds` or later, are
+    received into a buffer row in round 0 and copied into place after the last round.
+    Deterministic: ties and cycles are broken by transfer order. Returns (round per transfer,
+    set of buffered transfer indices, number of rounds)."""
+
+    def first_row(rank, expert):  # the row a READ of `expert` from `rank` reads
+        return int(np.flatnonzero(o[rank * rows:(rank + 1) * rows] == expert)[0])
+
+    writer = {(t[2], t[3]): i for i, t in enumerate(transfers)}
+    # Edge a -> b: a reads the row b writes, so a comes first.
+    succ = [[] for _ in transfers]
+    preds = [0] * len(transfers)
+    for a, t in enumerate(transfers):
+        b = writer.get((t[0], first_row(t[0], t[4])))
+        if b is not None and b != a:
+            succ[a].append(b)
+            preds[b] += 1
+    rnd = [0] * len(transfers)
+    buffered = set()
+    left = preds[:]
+    ready = [i for i in range(len(transfers)) if left[i] == 0]
+    done = 0
+    seen = [False] * len(transfers)
+    while done < len(transfers):
+        if not ready:  # only cycles remain: the first one not placed goes through a buffer
+            b = next(i for i in range(len(transfers)) if not seen[i])
+            buffered.add(b)
+            rnd[b] = 0
+            ready.append(b)
+            left[b] = 0
+        ready.sort()
+        i = ready.pop(0)
+        if seen[i]:
+            continue
+        seen[i] = True
+        done += 1
+        if rnd[i] >= max_rounds:
+            buffered.add(i)
+            rnd[i] = 0
+        for b in succ[i]:
+            if b in buffered or seen[b]:
+                continue
+            rnd[b] = max(rnd[b], rnd[i] + 1)
+            left[b] -= 1
+            if left[b] == 0:
+                ready.append(b)
+    return rnd, buffered, (max(rnd) + 1) if transfers else 0
+
+
+def plan_layer(o, n, transfers, copies, me: int, rows: int, max_rounds: int = MAX_ROUNDS) -> LayerMoves:
     """Pure: the order of one layer's moves on rank `me`. `o`, `n`: the layer's old and new
     phy2log (ranks x rows slots, -1 for a slot that holds nothing or takes no part);
     `transfers`: (src, src_row, dst, dst_row, expert) of every rank; `copies`: this rank's
     local copies (rank, src_row, dst_row, expert, from_new)."""
     moves = LayerMoves(copies=len(copies))
 
-    def first_row(rank, expert):  # the row a peer's READ of `expert` reads on `rank`
+    def first_row(rank, expert):
         return int(np.flatnonzero(o[rank * rows:(rank + 1) * rows] == expert)[0])
 
     served = {(src, first_row(src, expert)) for src, _, _, _, expert in transfers}
@@ -60,19 +114,14 @@ def plan_layer(o, n, transfers, copies, me: int, rows: int) -> LayerMoves:
             moves.local.append((s_row, d_row, not free(d_row)))
             if not free(d_row):
                 moves.buffered.append(d_row)
-    second = [t for t in transfers if (t[2], t[3]) in served]
-    targets = {(t[2], t[3]) for t in second}
-    second = {t for t in second if (t[0], first_row(t[0], t[4])) not in targets}
-    moves.second_round = bool(second)
-    for t in transfers:
-        src, _, dst, row, expert = t
-        if src != me and dst != me:
-            continue
-        phase = 1 if t in second else 0
-        via = dst == me and phase == 0 and (me, row) in served
-        moves.rounds[phase].append((src, dst, row, expert, via))
-        if via:
-            moves.buffered.append(row)
+    rnd, buffered, count = schedule(o, transfers, rows, max_rounds)
+    moves.rounds = [[] for _ in range(count)]
+    for i, (src, _, dst, row, expert) in enumerate(transfers):
+        if src == me or dst == me:
+            via = dst == me and i in buffered
+            moves.rounds[rnd[i]].append((src, dst, row, expert, via))
+            if via:
+                moves.buffered.append(row)
     return moves
 
 
@@ -118,9 +167,7 @@ def rearrange(comm, old, new, weights, buffer_rows, layers=None, nodes: int = 1,
                 (buf[d_row][i] if via else t[d_row]).copy_(t[s_row])
             (back if via else direct).append(d_row)
         row_bytes = sum(int(t[0].numel()) * t.element_size() for t in w) if len(w) and w[0].shape[0] else 0
-        for phase in (0, 1):
-            if phase == 1 and not m.second_round:
-                break  # the same on every rank
+        for phase in range(len(m.rounds)):  # the same number on every rank
             comm.set_transfer_context(o, layer, new_indices=n, kept_rows_copied=True)
             for src, dst, row, expert, via in m.rounds[phase]:
                 if src == me:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 
 import numpy as np
 
@@ -157,7 +158,7 @@ class Mover:
         self._comm = None
         self._key = None
         self._scratch = {}  # (dtype, row shape) per tensor -> [tensors], rows = capacity
-        self._registered = set()  # (comm id, data_ptr) of scratch registered with it
+        self._registered = {}  # data_ptr of scratch -> its handle in the communicator
         self._canary = {}  # layer id -> int64 tensor (rows x 1): the expert each row holds
         self.last_update = None  # figures of the last update
 
@@ -183,7 +184,7 @@ class Mover:
                                        transport=self.transport, paths=self.paths,
                                        allgather=_store_gather(store, prefix, rank, live, self.timeout_s),
                                        members=live)
-        self._registered = set()
+        self._registered = {}
 
     def _reserve(self, layers, count: int):
         """Scratch rows for `count` buffered rows of every layer shape in `layers`."""
@@ -193,12 +194,16 @@ class Mover:
             sig = tuple((t.dtype, tuple(t.shape[1:]), str(t.device)) for t in tensors)
             have = self._scratch.get(sig)
             if have is None or have[0].shape[0] < count:
+                for s in have or []:  # unregistered before it is freed
+                    handle = self._registered.pop(s.data_ptr(), None)
+                    if handle is not None:
+                        self._comm._comm.unregister_local(handle)
                 self._scratch[sig] = [torch.empty((max(count, 1),) + tuple(t.shape[1:]), dtype=t.dtype,
                                                   device=t.device) for t in tensors]
             for s in self._scratch[sig]:
-                if (id(self._comm), s.data_ptr()) not in self._registered:
-                    self._comm._comm.register_local(s.data_ptr(), s.element_size() * s.numel())
-                    self._registered.add((id(self._comm), s.data_ptr()))
+                if s.data_ptr() not in self._registered:
+                    self._registered[s.data_ptr()] = self._comm._comm.register_local(
+                        s.data_ptr(), s.element_size() * s.numel())
 
     def update(self, weights: dict, old_cpu, new_cpu, update_layer_ids, rank: int, world: int,
                nodes: int = 1, active=None) -> dict:
@@ -236,9 +241,12 @@ class Mover:
         old, new, missing = mask_dead(old, wanted, live, rows, rank)
         key = (tuple((i, tuple((t.data_ptr(), tuple(t.shape), str(t.dtype)) for t in weights[i]))
                      for i in ids), tuple(live))
+        built = 0.0
         if self._comm is None or self._key != key or self._comm.failed:
             self._key = None
+            t0 = time.perf_counter()
             self._build(weights, ids, live, rank, world, old_cpu)
+            built = time.perf_counter() - t0
             self._key = key
         at = {i: k for k, i in enumerate(ids)}
         layers = [list(weights[i]) + ([self._canary[i]] if self.canary else []) for i in ids]
@@ -256,6 +264,7 @@ class Mover:
         if self.canary:
             self._check_canary(ids, work, new, wanted, rank, rows)
         stats["missing"] = sum(len(v) for v in out.values())
+        stats["build_seconds"] = built  # the communicator built (or rebuilt) by this update
         self.last_update = stats
         return out
 

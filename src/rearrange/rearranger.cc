@@ -159,7 +159,7 @@ Status RearrangerImpl::Setup() {
     connected.push_back(*p);
     rank_of_name[agent->Peer(*p)->name] = r;
   }
-  if (staging.empty()) {
+  if (staging.empty() && !caller_rows) {
     Result<RegisteredRegion> s = agent->AllocateShared(StagingBytes());
     if (!s.ok())
       return s.status().WithPrefix(StrCat("rank ", self(), ": staging buffer of one layer"));
@@ -793,6 +793,7 @@ Result<std::unique_ptr<EplbCommunicator>> EplbCommunicator::Create(Agent* agent,
   state->impl->layout = std::move(layout);
   state->impl->options = options;
   state->impl->env = EnvOrDefault(options.env);
+  state->impl->caller_rows = true;  // reads land in the rows given to AddRecv
   EPLBX_RETURN_IF_ERROR(state->impl->Setup());
   return std::unique_ptr<EplbCommunicator>(new EplbCommunicator(std::move(state)));
 }

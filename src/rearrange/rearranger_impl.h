@@ -37,6 +37,8 @@ class RearrangerImpl {
   std::map<std::string, uint32_t> rank_of_name;
   // Staging buffers of one layer each: [0] for the synchronous loop, more for the pipeline.
   std::vector<RegisteredRegion> staging;
+  // EplbCommunicator reads into the caller's rows: no staging buffer (Setup allocates none).
+  bool caller_rows = false;
   bool failed = false;
   std::string failure;
   uint64_t generation = 0;

@@ -39,12 +39,14 @@ assert "torch" not in sys.modules, "import eplbx imported torch"
 eps = [e for e in md.entry_points(group="vllm.general_plugins") if e.name == "eplbx"]
 assert len(eps) == 1 and eps[0].value == "eplbx.vllm:_plugin", eps
 assert eps[0].load().__name__ == "_plugin"
+sgl = [e for e in md.entry_points(group="sglang.srt.plugins") if e.name == "eplbx"]
+assert len(sgl) == 1 and sgl[0].value == "eplbx.sglang:_plugin", sgl
 assert md.version("eplbx") == "0.1.0", md.version("eplbx")
 import numpy as np
 
 p = eplbx.plan(np.ones((2, 12)), slots=16, ranks=4)
 assert p.phy2log.shape == (2, 16)
-print(f"ok: eplbx {md.version('eplbx')} from {where}; entry point {eps[0].value}; plan {p.phy2log.shape}")
+print(f"ok: eplbx {md.version('eplbx')} from {where}; entry points {eps[0].value}, {sgl[0].value}; plan {p.phy2log.shape}")
 PY
 echo "== the Python test suites against the installed package =="
 cd "$root/tests/python"

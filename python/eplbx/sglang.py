@@ -444,25 +444,56 @@ def _wrap(module, name, wrapper) -> None:
     setattr(module, name, wrapped)
 
 
-def install() -> str:
+def install(updater: bool = True, algorithms: bool = True) -> str:
     """Switches SGLang's expert-weight update to eplbx (ExpertLocationUpdater.update, see the
-    module's docstring) and adds "eplbx" / "eplbx_balanced" to the EPLB algorithms SGLang
-    accepts (`--eplb-algorithm eplbx`). Call once per rank process after torch.distributed is
-    initialised; idempotent. An SGLang laid out otherwise raises SglangLayoutError naming its
-    version and what was not found, before anything is changed. Options are read at the first
-    update (EPLBX_TIMEOUT_S, EPLBX_TRANSPORT, EPLBX_PATHS; SGLang's canary variable). Returns
-    the SGLang version."""
+    module's docstring; `updater`) and adds "eplbx" / "eplbx_balanced" to the EPLB algorithms
+    SGLang accepts (`--eplb-algorithm eplbx`; `algorithms`). Call once per rank process
+    (before SGLang's first rebalance; torch.distributed need not be up yet); idempotent.
+    SGLang's plugin loading does it without a call (the `sglang.srt.plugins` entry point,
+    `_plugin`). An SGLang laid out otherwise raises SglangLayoutError naming its version and
+    what was not found, before anything is changed. Options are read at the first update
+    (EPLBX_TIMEOUT_S, EPLBX_TRANSPORT, EPLBX_PATHS; SGLang's canary variable); a variable that
+    does not parse is named here already. Returns the SGLang version."""
     version = _sglang_version()
     layout = _find_layout(version)
     _options_from_env()  # a bad variable is named now, not at the first rebalance
-    cls = layout["sglang.srt.eplb.expert_location_updater"].ExpertLocationUpdater
-    if not getattr(cls.update, "_eplbx", False):
-        update._eplbx_original = cls.update
-        cls.update = update
-    algorithms = layout["sglang.srt.eplb.eplb_algorithms"]
-    _wrap(algorithms, "compute_algorithm", _compute)
-    _wrap(algorithms, "rebalance_experts", _rebalance)
+    if updater:
+        cls = layout["sglang.srt.eplb.expert_location_updater"].ExpertLocationUpdater
+        if not getattr(cls.update, "_eplbx", False):
+            update._eplbx_original = cls.update
+            cls.update = update
+    if algorithms:
+        module = layout["sglang.srt.eplb.eplb_algorithms"]
+        _wrap(module, "compute_algorithm", _compute)
+        _wrap(module, "rebalance_experts", _rebalance)
     return version
+
+
+#: EPLBX_SGLANG_UPDATER=1: SGLang's plugin loading also switches the updater (default: only
+#: the algorithms, which SGLang uses only when --eplb-algorithm names them).
+_UPDATER_ENV = "EPLBX_SGLANG_UPDATER"
+
+
+def _plugin() -> None:
+    """SGLang's `sglang.srt.plugins` entry point (run in every SGLang process): install() with
+    the updater when EPLBX_SGLANG_UPDATER=1, else the algorithms only (a value other than 0 or
+    1 is named in a warning and counts as 0). Where this SGLang is laid
+    out otherwise, a warning naming the version and what was not found instead of stopping
+    SGLang (its own updater and algorithms keep working)."""
+    import logging
+
+    log = logging.getLogger("eplbx")
+    try:
+        raw = os.environ.get(_UPDATER_ENV, "0").strip()
+        if raw not in ("0", "1"):
+            log.warning("eplbx: environment variable %s=%r is not 0 or 1; SGLang keeps its own "
+                        "updater (eplbx's EPLB algorithms are added)", _UPDATER_ENV, raw)
+        install(updater=raw == "1")
+    except SglangLayoutError as e:
+        log.warning("%s", e)
+    except Exception as e:  # noqa: BLE001 - SGLang's plugin loader must never see it
+        log.warning("eplbx.sglang: switching eplbx on failed (%s: %s); SGLang goes on with its own "
+                    "updater and algorithms", type(e).__name__, e)
 
 
 def uninstall() -> None:

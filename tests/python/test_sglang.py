@@ -181,13 +181,50 @@ class WithSglangTest(unittest.TestCase):
             print(ExpertLocationUpdater.update is es.update,
                   eplb_algorithms.compute_algorithm("eplbx", None, 1),
                   eplb_algorithms.compute_algorithm("auto", None, 1))
+            import argparse
+            from sglang.srt.server_args import ServerArgs
+            parser = argparse.ArgumentParser()
+            ServerArgs.add_cli_args(parser)  # `sglang serve` takes the name
+            print("cli", parser.parse_args(["--model-path", "m", "--enable-eplb",
+                                            "--eplb-algorithm", "eplbx"]).eplb_algorithm)
             es.uninstall()
             print(ExpertLocationUpdater.update is es.update)
         """, [package_root()], python=python)
         self.assertEqual(out.returncode, 0, out.stderr)
         self.assertIn("0.5.23 0.5.23", out.stdout)
         self.assertIn("True EplbxAlgorithm('eplbx') EplbAlgorithm.deepseek", out.stdout)
+        self.assertIn("cli eplbx", out.stdout)
         self.assertTrue(out.stdout.strip().endswith("False"), out.stdout)
+
+    def test_sglangs_plugin_loading_switches_eplbx_on(self):
+        python, why = sglang_python()
+        if python is None:
+            self.skipTest(f"SKIPPED: SGLang is not importable by {why}")
+        code = """
+            import logging
+            logging.basicConfig(level=logging.WARNING)
+            from sglang.srt.plugins import load_plugins
+            load_plugins()  # what every SGLang scheduler process does first
+            import eplbx.sglang as es
+            from sglang.srt.eplb.expert_location_updater import ExpertLocationUpdater
+            from sglang.srt.eplb import eplb_algorithms
+            print("updater", ExpertLocationUpdater.update is es.update)
+            print("algorithm", eplb_algorithms.compute_algorithm("eplbx_balanced", 8, 2))
+        """
+        for flag, updater in (("1", "True"), ("0", "False"), (None, "False")):
+            env = {k: v for k, v in os.environ.items() if k != "EPLBX_SGLANG_UPDATER"}
+            if flag is not None:
+                env["EPLBX_SGLANG_UPDATER"] = flag
+            out = run_python(code, [package_root()], python=python, env=env)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertIn(f"updater {updater}", out.stdout)
+            self.assertIn("algorithm EplbxAlgorithm('eplbx_balanced')", out.stdout)
+        env = dict(os.environ, EPLBX_SGLANG_UPDATER="yes")
+        out = run_python(code, [package_root()], python=python, env=env)
+        self.assertEqual(out.returncode, 0, out.stderr)  # a warning, SGLang goes on
+        self.assertIn("EPLBX_SGLANG_UPDATER='yes' is not 0 or 1; SGLang keeps its own updater", out.stderr)
+        self.assertIn("updater False", out.stdout)
+        self.assertIn("algorithm EplbxAlgorithm('eplbx_balanced')", out.stdout)
 
 
 if __name__ == "__main__":

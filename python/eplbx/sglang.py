@@ -150,8 +150,9 @@ class Mover:
     the live ranks (rebuilt when either changes), scratch rows, the optional canary."""
 
     def __init__(self, timeout_s: float = 300.0, transport: str = "auto", paths: str = "",
-                 canary: bool = False, store=None):
+                 canary: bool = False, share: bool = False, store=None):
         self.timeout_s = _check_timeout(timeout_s)
+        self.share = share
         self.transport, self.paths = transport, paths
         self.canary = canary
         self._store = store
@@ -173,6 +174,12 @@ class Mover:
                 c = old_cpu[i, rank * rows:(rank + 1) * rows].to(torch.int64).reshape(rows, 1).clone()
                 self._canary[i] = c.to(weights[i][0].device)
         layers = [list(weights[i]) + ([self._canary[i]] if self.canary else []) for i in ids]
+        if self.share:
+            from .vllm import _share_memory
+
+            # EPLBX_SHARE_MEMORY=1: host rows in shared memory (in place; every view follows):
+            # peers map them and READs are plain copies (GPU rows are left alone).
+            _share_memory([t for layer in layers for t in layer])
         store = self._store if self._store is not None else _default_store()
         signature = "".join("1" if x else "0" for x in live)
         # Every live rank adds 1 per build with this live set: the same round on every rank,
@@ -296,12 +303,19 @@ _MOVER = None  # this process's Mover (install() builds it; one per rank process
 
 def _options_from_env(environ=None) -> dict:
     """Mover keywords from EPLBX_TIMEOUT_S, EPLBX_TRANSPORT, EPLBX_PATHS (eplbx.vllm's
-    parser: a value that does not parse is named) and SGLang's canary variable."""
+    parser: a value that does not parse is named), EPLBX_SHARE_MEMORY (0 or 1) and SGLang's
+    canary variable."""
     from .vllm import options_from_env
 
     environ = os.environ if environ is None else environ
     out = {k: v for k, v in options_from_env(environ).items() if k in ("timeout_s", "transport", "paths")}
     out["canary"] = environ.get(_CANARY_ENV, "").strip().lower() in ("1", "true", "yes", "y")
+    # Off by default here (unlike eplbx.vllm): moving the weights to shared memory costs more
+    # at the first update than it saves over the next few (docs/perf.md, SGLang).
+    share = environ.get("EPLBX_SHARE_MEMORY", "0").strip()
+    if share not in ("0", "1"):
+        raise InvalidArgumentError(f"eplbx: environment variable EPLBX_SHARE_MEMORY={share!r} is not 0 or 1")
+    out["share"] = share == "1"
     return out
 
 

@@ -99,7 +99,10 @@ class InstallWithoutSglangTest(unittest.TestCase):
         got = es._options_from_env({"EPLBX_TIMEOUT_S": "12", "EPLBX_PATHS": "cma",
                                     "SGLANG_EXPERT_LOCATION_UPDATER_CANARY": "true",
                                     "EPLBX_DEFER_SETUP": "1"})
-        self.assertEqual(got, {"timeout_s": 12.0, "paths": "cma", "canary": True})
+        self.assertEqual(got, {"timeout_s": 12.0, "paths": "cma", "canary": True, "share": False})
+        self.assertTrue(es._options_from_env({"EPLBX_SHARE_MEMORY": "1"})["share"])
+        with self.assertRaisesRegex(eplbx.InvalidArgumentError, "EPLBX_SHARE_MEMORY='no' is not 0 or 1"):
+            es._options_from_env({"EPLBX_SHARE_MEMORY": "no"})
         self.assertFalse(es._options_from_env({})["canary"])
         with self.assertRaisesRegex(eplbx.InvalidArgumentError, "EPLBX_TIMEOUT_S='soon'"):
             es._options_from_env({"EPLBX_TIMEOUT_S": "soon"})

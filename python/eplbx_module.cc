@@ -743,6 +743,7 @@ PYBIND11_MODULE(_eplbx, m) {
       .def_property_readonly("placement",
                              [](PyServingGroup& g) { return Phy2Log(g.group().placement()); })
       .def("row_table", [](PyServingGroup& g, uint32_t layer) { return g.group().RowTable(layer); })
+      .def("prometheus", [](PyServingGroup& g) { return PrometheusText(g.group()); })
       .def_property_readonly("step_count", [](PyServingGroup& g) { return g.group().step(); })
       .def_property_readonly("epoch", [](PyServingGroup& g) { return g.group().epoch(); })
       .def_property_readonly("members",

@@ -173,6 +173,8 @@ def worker(rank, world, port, cfg, seed, results):
                 bad = wrong_rows(torch, weights, cfg, rank, new)
                 if bad:
                     out["errors"].append(f"{kind}: transition {i}: {len(bad)} wrong rows, first {bad[:3]}")
+                if kind == "eplbx":
+                    out.setdefault("eplbx_bytes", []).append(eplbx.sglang._MOVER.last_update["bytes_received"])
                 if kind == "eplbx" and first is None:
                     first = seconds
                     out["eplbx_first_stats"] = dict(eplbx.sglang._MOVER.last_update)
@@ -275,11 +277,14 @@ def main():
         print(f"SKIP: SGLang is not importable by {sys.executable} ({type(e).__name__}: {e}); "
               "scripts/sglang-env.sh makes an environment with it")
         return 0
+    import eplbx
     import eplbx.sglang
 
     version = eplbx.sglang.install()
     eplbx.sglang.uninstall()
     cfg = dict(CHECK if args.check else BENCH)
+    # The physical limit: this machine's copy rate (two threads, streaming stores), measured now.
+    limit_gbps = None if args.check else eplbx._eplbx._copy_limit_gbps(2)
     if args.check:
         cfg["algorithm"] = cfg["canary"] = True
     for k in ("world", "transitions"):
@@ -314,6 +319,12 @@ def main():
             "dead_sglang_wrong_rows": sum(o.get("dead_sglang_wrong_rows", 0) for o in live),
             "eplbx_last_update": live[0].get("eplbx_stats"),
         })
+        moved = [sum(o["eplbx_bytes"][i] for o in live) for i in range(len(live[0]["eplbx_bytes"]))]
+        report["bytes_moved_per_update"] = moved
+        if limit_gbps:
+            # Every moved byte copied once at the copy limit: no implementation beats it.
+            report["copy_limit_gbps"] = limit_gbps
+            report["copy_once_floor_s"] = statistics.median(moved) / (limit_gbps * 1e9)
         if report["speedup"] is not None:
             report["end_to_end_speedup_first_included"] = (
                 sum(s) / (sum(x) + report["eplbx_first_s"]) * (len(x) + 1) / len(s))

@@ -150,6 +150,12 @@ class ServingGroup {
   std::unique_ptr<State> state_;
 };
 
+// The Balancer's metrics (PrometheusText(report, progress), docs/architecture.md) and the
+// serving runtime's: eplbx_recoveries_total{kind="loss"|"join"|"drain"}, the
+// eplbx_recovery_seconds summary, eplbx_experts_recovered_total, eplbx_membership_epoch and
+// eplbx_members.
+std::string PrometheusText(const ServingGroup& group);
+
 }  // namespace eplbx
 
 #endif  // EPLBX_SERVING_H_

@@ -115,6 +115,12 @@ class ServingGroup:
     def row_table(self, layer):
         return self._g.row_table(layer)
 
+    def prometheus(self):
+        """The Balancer's metrics and the serving runtime's (eplbx_recoveries_total{kind},
+        eplbx_recovery_seconds, eplbx_experts_recovered_total, eplbx_membership_epoch,
+        eplbx_members) as Prometheus text (docs/architecture.md)."""
+        return self._g.prometheus()
+
     @property
     def recoveries(self):
         """Every settling so far: kind (loss, join, drain), step, epoch, members, recovery_s, ..."""

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
+#include <string>
 
 #include "common/strings.h"
 #include "eplbx/survivors.h"
@@ -470,5 +472,39 @@ const std::vector<RecoveryRecord>& ServingGroup::recoveries() const { return sta
 const BalancerReport& ServingGroup::report() const { return state_->balancer->report(); }
 BalancerProgress ServingGroup::progress() const { return state_->balancer->progress(); }
 Balancer& ServingGroup::balancer() { return *state_->balancer; }
+
+std::string PrometheusText(const ServingGroup& g) {
+  std::string out = PrometheusText(g.report(), g.progress());
+  std::map<std::string, int64_t> kinds{{"drain", 0}, {"join", 0}, {"loss", 0}};  // sorted
+  double seconds = 0;
+  int64_t experts = 0;
+  for (const RecoveryRecord& r : g.recoveries()) {
+    ++kinds[r.kind];
+    seconds += r.recovery_s;
+    experts += r.experts_recovered;
+  }
+  out +=
+      "# HELP eplbx_recoveries_total Settlings after the member set changed, per kind "
+      "(a loss, a join, a drain).\n# TYPE eplbx_recoveries_total counter\n";
+  for (const auto& [kind, n] : kinds)
+    out += StrCat("eplbx_recoveries_total{kind=\"", kind, "\"} ", n, "\n");
+  out +=
+      "# HELP eplbx_recovery_seconds Seconds from noticing a membership change until serving "
+      "again.\n# TYPE eplbx_recovery_seconds summary\n";
+  out += StrCat("eplbx_recovery_seconds_sum ", seconds, "\neplbx_recovery_seconds_count ",
+                g.recoveries().size(), "\n");
+  const std::vector<bool> members = g.members();
+  out += StrCat(
+      "# HELP eplbx_experts_recovered_total Experts no member held, restored from a backup.\n"
+      "# TYPE eplbx_experts_recovered_total counter\neplbx_experts_recovered_total ",
+      experts,
+      "\n# HELP eplbx_membership_epoch The membership epoch the placement in force was planned "
+      "at.\n# TYPE eplbx_membership_epoch gauge\neplbx_membership_epoch ",
+      g.epoch(),
+      "\n# HELP eplbx_members Ranks serving in the group.\n# TYPE eplbx_members gauge\n"
+      "eplbx_members ",
+      std::count(members.begin(), members.end(), true), "\n");
+  return out;
+}
 
 }  // namespace eplbx

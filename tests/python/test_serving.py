@@ -88,7 +88,8 @@ def serve(g, rank, weights, results, start, torch, die_at=None, await_join=True)
     results.put((rank, "ok", {"epoch": g.epoch, "members": g.members, "steps": g.steps,
                               "placement": g.placement.tolist(),
                               "recoveries": [(r["kind"], r["members"]) for r in g.recoveries],
-                              "experts_recovered": sum(r["experts_recovered"] for r in g.recoveries)}))
+                              "experts_recovered": sum(r["experts_recovered"] for r in g.recoveries),
+                              "metrics": g.prometheus()}))
 
 
 def worker(rank, world, gloo_port, results, backup_dir, joining=False):
@@ -162,6 +163,10 @@ class ServingGroupTest(unittest.TestCase):
         self.assertEqual(first["recoveries"][0], ("loss", [0, 1, 3]))
         self.assertEqual(first["recoveries"][1], ("join", [0, 1, 2, 3]))
         self.assertGreater(first["experts_recovered"], 0)  # rank 2's only experts, from the backup
+        for line in ('eplbx_recoveries_total{kind="loss"} 1\n', 'eplbx_recoveries_total{kind="join"} 1\n',
+                     "eplbx_recovery_seconds_count 2\n", "eplbx_membership_epoch 3\n", "eplbx_members 4\n",
+                     f"eplbx_experts_recovered_total {first['experts_recovered']}\n"):
+            self.assertIn(line, first["metrics"])
         for rank in (1, 2, 3):
             self.assertEqual(out[rank]["placement"], first["placement"])
             self.assertEqual(out[rank]["epoch"], first["epoch"])

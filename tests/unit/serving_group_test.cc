@@ -114,6 +114,7 @@ struct Outcome {
   std::string bad;
   int64_t rows_checked = 0;
   int64_t rebalances = 0;
+  std::string metrics;  // PrometheusText(group) at the end
 };
 
 struct World {
@@ -186,6 +187,7 @@ struct World {
       o.placement = g->placement().phy2log();
       o.recoveries = g->recoveries();
       o.rebalances = static_cast<int64_t>(g->report().rebalances.size());
+      o.metrics = PrometheusText(*g);
     }
     std::lock_guard<std::mutex> lock(mu);
     out[name] = std::move(o);
@@ -283,6 +285,19 @@ TEST(ServingGroupTest, ServesThroughALossASecondLossAndALostRankComingBack) {
   EXPECT_EQ(first.recoveries[1].members, (std::vector<int>{0, 2, 4}));
   EXPECT_EQ(first.recoveries[2].kind, "join");
   EXPECT_EQ(first.recoveries[2].members, (std::vector<int>{0, 1, 2, 4}));
+  // The same, as the engines' users read it (Prometheus text).
+  for (const char* line :
+       {"eplbx_recoveries_total{kind=\"loss\"} 2\n", "eplbx_recoveries_total{kind=\"join\"} 1\n",
+        "eplbx_recoveries_total{kind=\"drain\"} 0\n", "eplbx_recovery_seconds_count 3\n",
+        "eplbx_membership_epoch 4\n", "eplbx_members 4\n", "# TYPE eplbx_balancedness gauge\n"}) {
+    EXPECT_NE(first.metrics.find(line), std::string::npos) << line << " not in\n" << first.metrics;
+  }
+  int64_t all_recovered = 0;
+  for (const RecoveryRecord& r : first.recoveries) all_recovered += r.experts_recovered;
+  EXPECT_NE(
+      first.metrics.find("eplbx_experts_recovered_total " + std::to_string(all_recovered) + "\n"),
+      std::string::npos)
+      << first.metrics;
   // Experts only rank 1 held came back from the backup: 4-7 of every layer at the start (a
   // rebalance that committed layers before the loss may have replicated some of them).
   const int64_t recovered = first.recoveries[0].experts_recovered;

@@ -6,7 +6,7 @@ set -euo pipefail
 PACKAGES=(cmake ninja-build g++ libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev
           nlohmann-json3-dev clang-format libucx-dev ucx-utils pybind11-dev python3-dev
           python3-numpy python3-torch python3-matplotlib clang libclang-rt-14-dev iproute2
-          libxxhash-dev python3-venv ccache)
+          libxxhash-dev python3-venv ccache libcurl4-openssl-dev etcd-server etcd-client)
 
 missing=()
 for p in "${PACKAGES[@]}"; do

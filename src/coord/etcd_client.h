@@ -1,0 +1,117 @@
+// A client for etcd's v3 API through its JSON gateway (HTTP/1.1 + JSON, part of every etcd
+// server since 3.3), on libcurl (docs/deploy.md, "Coordination on etcd").
+//
+// Why the gateway and not gRPC: it is the same API, served by the same process, and needs
+// only libcurl and a JSON parser (both in Debian) instead of generated protocol code; the
+// calls eplbx makes are few and small (puts, ranges, compare-and-swap transactions, leases),
+// so the gateway's cost (JSON, base64) is negligible next to a round trip.
+//
+// Every call has a deadline; a member that does not answer (down, partitioned, not the
+// leader any more) is skipped for the next endpoint until the deadline. Responses are
+// bounded and parsed strictly: anything malformed is kCorruption naming the endpoint and
+// the field. Thread safe (one request at a time per client).
+#ifndef EPLBX_COORD_ETCD_CLIENT_H_
+#define EPLBX_COORD_ETCD_CLIENT_H_
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "eplbx/status.h"
+
+namespace eplbx::coord {
+
+struct EtcdKv {
+  std::string key, value;
+  int64_t create_revision = 0, mod_revision = 0, version = 0, lease = 0;
+};
+
+struct EtcdRange {
+  int64_t revision = 0;  // the store's revision when it was read
+  std::vector<EtcdKv> kvs;
+  bool more = false;  // a limit cut it short
+};
+
+// One comparison of a transaction: `key`'s target against `value` / `number`.
+struct EtcdCompare {
+  enum class Target { kVersion, kCreateRevision, kModRevision, kValue };
+  enum class Op { kEqual, kNotEqual, kLess, kGreater };
+  std::string key;
+  Target target = Target::kVersion;
+  Op op = Op::kEqual;
+  int64_t number = 0;
+  std::string value;
+};
+
+// One operation of a transaction branch.
+struct EtcdOp {
+  enum class Kind { kPut, kDelete, kRange };
+  Kind kind = Kind::kPut;
+  std::string key, value;
+  std::string range_end;  // kDelete / kRange: [key, range_end); empty: the key alone
+  int64_t lease = 0;
+};
+
+struct EtcdTxnResult {
+  bool succeeded = false;
+  int64_t revision = 0;
+  std::vector<EtcdRange> ranges;  // one per kRange op of the branch taken, in order
+};
+
+// The end of the range of keys that start with `prefix` (etcd's convention).
+std::string PrefixEnd(std::string_view prefix);
+std::string Base64Encode(std::string_view bytes);
+// kCorruption on anything that is not canonical base64.
+Result<std::string> Base64Decode(std::string_view text);
+
+class EtcdClient {
+ public:
+  // `endpoints`: "host:port" (or "http://host:port") of the cluster's members; at least one.
+  static Result<std::unique_ptr<EtcdClient>> Create(std::vector<std::string> endpoints,
+                                                    std::chrono::milliseconds request_timeout);
+  ~EtcdClient();
+  EtcdClient(const EtcdClient&) = delete;
+  EtcdClient& operator=(const EtcdClient&) = delete;
+
+  Result<int64_t> Put(std::string_view key, std::string_view value, int64_t lease = 0);
+  // [key, range_end); empty range_end: the key alone. `limit` 0: no limit.
+  Result<EtcdRange> Range(std::string_view key, std::string_view range_end = {}, int64_t limit = 0);
+  Result<EtcdRange> Prefix(std::string_view prefix) { return Range(prefix, PrefixEnd(prefix)); }
+  Result<int64_t> Delete(std::string_view key, std::string_view range_end = {});
+  Result<EtcdTxnResult> Txn(const std::vector<EtcdCompare>& compare,
+                            const std::vector<EtcdOp>& success,
+                            const std::vector<EtcdOp>& failure = {});
+  // A lease of `ttl_s` seconds (etcd may grant more: its minimum); returns its id.
+  Result<int64_t> LeaseGrant(int64_t ttl_s);
+  // Renews lease `id`; returns the seconds it now has. kNotFound when it expired.
+  Result<int64_t> LeaseKeepAlive(int64_t id);
+  Status LeaseRevoke(int64_t id);
+
+  const std::vector<std::string>& endpoints() const { return endpoints_; }
+  // The endpoint the last request went to (for messages).
+  std::string current() const;
+
+  // Largest response accepted (a range of every key under a group's prefix is far smaller).
+  static constexpr size_t kMaxResponseBytes = 64u << 20;
+
+ private:
+  EtcdClient(std::vector<std::string> endpoints, std::chrono::milliseconds timeout);
+  // POSTs `body` to `path` on the current endpoint, moving on to the next one on a
+  // connection failure, a timeout or an unavailable member, until the deadline. Returns the
+  // response body of a 200 answer; an etcd error answer is a status naming its message.
+  Result<std::string> Post(std::string_view path, const std::string& body);
+
+  std::vector<std::string> endpoints_;
+  std::chrono::milliseconds timeout_;
+  mutable std::mutex mu_;
+  size_t at_ = 0;         // the endpoint in use
+  void* curl_ = nullptr;  // CURL*, reused (keeps the connection)
+};
+
+}  // namespace eplbx::coord
+
+#endif  // EPLBX_COORD_ETCD_CLIENT_H_

@@ -224,7 +224,10 @@ Result<std::string> EtcdClient::Post(std::string_view path, const std::string& b
     curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE, static_cast<long>(body.size()));
     curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, &Collect);
     curl_easy_setopt(c, CURLOPT_WRITEDATA, &response);
-    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, std::min<long>(left_ms, 5000));
+    // One member may hold a request through an election: give each its share of the time.
+    const long share = std::max<long>(
+        300, static_cast<long>(timeout_.count() / static_cast<long>(endpoints_.size())));
+    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, std::min<long>(left_ms, share));
     curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, std::min<long>(left_ms, 1000));
     curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
 #if LIBCURL_VERSION_NUM >= 0x075500  // 7.85: the string form
@@ -371,6 +374,16 @@ Result<int64_t> EtcdClient::LeaseKeepAlive(int64_t id) {
 Status EtcdClient::LeaseRevoke(int64_t id) {
   json body = {{"ID", std::to_string(id)}};
   return Post("/v3/lease/revoke", body.dump()).status();
+}
+
+Result<bool> EtcdClient::IsLeader() {
+  EPLBX_ASSIGN_OR_RETURN(std::string out, Post("/v3/maintenance/status", "{}"));
+  json j = json::parse(out, nullptr, false);
+  if (!j.is_object()) return Status::Corruption(StrCat("etcd ", current(), ": status: not JSON"));
+  EPLBX_ASSIGN_OR_RETURN(int64_t leader, Int(j, "leader", "etcd status"));
+  EPLBX_ASSIGN_OR_RETURN(int64_t me,
+                         Int(j.value("header", json::object()), "member_id", "etcd status"));
+  return leader != 0 && leader == me;
 }
 
 }  // namespace eplbx::coord

@@ -56,6 +56,37 @@ struct EtcdOp {
   int64_t lease = 0;
 };
 
+// The comparisons and operations eplbx uses, spelled out.
+inline EtcdCompare VersionIs(std::string key, int64_t version) {
+  EtcdCompare c;
+  c.key = std::move(key);
+  c.target = EtcdCompare::Target::kVersion;
+  c.number = version;
+  return c;
+}
+inline EtcdCompare ModRevisionIs(std::string key, int64_t revision) {
+  EtcdCompare c;
+  c.key = std::move(key);
+  c.target = EtcdCompare::Target::kModRevision;
+  c.number = revision;
+  return c;
+}
+inline EtcdOp PutOp(std::string key, std::string value, int64_t lease = 0) {
+  EtcdOp op;
+  op.kind = EtcdOp::Kind::kPut;
+  op.key = std::move(key);
+  op.value = std::move(value);
+  op.lease = lease;
+  return op;
+}
+inline EtcdOp RangeOp(std::string key, std::string range_end = {}) {
+  EtcdOp op;
+  op.kind = EtcdOp::Kind::kRange;
+  op.key = std::move(key);
+  op.range_end = std::move(range_end);
+  return op;
+}
+
 struct EtcdTxnResult {
   bool succeeded = false;
   int64_t revision = 0;
@@ -90,6 +121,8 @@ class EtcdClient {
   // Renews lease `id`; returns the seconds it now has. kNotFound when it expired.
   Result<int64_t> LeaseKeepAlive(int64_t id);
   Status LeaseRevoke(int64_t id);
+  // Whether the member answering (the current endpoint) is the cluster's leader.
+  Result<bool> IsLeader();
 
   const std::vector<std::string>& endpoints() const { return endpoints_; }
   // The endpoint the last request went to (for messages).

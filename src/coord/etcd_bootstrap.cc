@@ -1,0 +1,396 @@
+#include <algorithm>
+#include <cctype>
+#include <cinttypes>
+#include <cstdio>
+#include <random>
+
+#include "common/strings.h"
+#include "coord/etcd_client.h"
+#include "coord/membership.h"
+#include "eplbx/etcd.h"
+
+namespace eplbx {
+
+using internal::StrCat;
+
+namespace {
+
+using coord::Decision;
+using coord::EtcdCompare;
+using coord::EtcdOp;
+
+std::string Pad(uint64_t x, int width) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%0*" PRIu64, width, x);
+  return buf;
+}
+
+bool Digits(std::string_view s, size_t n) {
+  return s.size() == n &&
+         std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// "rank 2 left", "ranks 1, 3 joined; rank 2 left"
+std::string Change(const std::vector<int64_t>& before, const std::vector<int64_t>& after) {
+  std::vector<size_t> left, joined;
+  for (size_t r = 0; r < before.size() && r < after.size(); ++r) {
+    if (before[r] != 0 && after[r] != before[r]) left.push_back(r);
+    if (after[r] != 0 && after[r] != before[r]) joined.push_back(r);
+  }
+  auto list = [](const std::vector<size_t>& v, const char* what) {
+    std::string out = v.size() == 1 ? "rank " : "ranks ";
+    for (size_t i = 0; i < v.size(); ++i) out += StrCat(i ? ", " : "", v[i]);
+    return out + " " + what;
+  };
+  std::string out;
+  if (!left.empty()) out = list(left, "left");
+  if (!joined.empty()) out += (out.empty() ? "" : "; ") + list(joined, "joined");
+  return out.empty() ? "the member set changed" : out;
+}
+
+// Calls `f` until it gives something other than kUnavailable (no etcd member answered: an
+// election, a member restarting) or `deadline` passes.
+template <typename F>
+auto UntilAnswered(F f, std::chrono::steady_clock::time_point deadline) -> decltype(f()) {
+  for (;;) {
+    auto r = f();
+    if (r.ok() || r.status().code() != Code::kUnavailable ||
+        std::chrono::steady_clock::now() >= deadline) {
+      return r;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+}  // namespace
+
+Result<std::vector<std::string>> ParseEtcdUrl(const std::string& url) {
+  const std::string scheme = "etcd://";
+  if (url.rfind(scheme, 0) != 0) {
+    return Status::InvalidArgument(
+        StrCat("coordination '", url, "' is not etcd://HOST:PORT[,HOST:PORT...]"));
+  }
+  std::vector<std::string> out;
+  std::string rest = url.substr(scheme.size());
+  for (size_t at = 0; at <= rest.size();) {
+    const size_t comma = std::min(rest.find(',', at), rest.size());
+    std::string e = rest.substr(at, comma - at);
+    const size_t colon = e.rfind(':');
+    int port = 0;
+    if (colon == std::string::npos || colon == 0 ||
+        !Digits(e.substr(colon + 1), e.size() - colon - 1) || e.size() - colon - 1 > 5 ||
+        (port = std::stoi(e.substr(colon + 1))) < 1 || port > 65535 ||
+        e.find_first_of("/?#@ ") != std::string::npos) {
+      return Status::InvalidArgument(StrCat("coordination '", url, "': endpoint '", e,
+                                            "' is not HOST:PORT (e.g. 10.0.0.5:2379)"));
+    }
+    out.push_back(e);
+    at = comma + 1;
+  }
+  return out;
+}
+
+Result<std::unique_ptr<EtcdBootstrap>> EtcdBootstrap::Join(uint32_t rank, uint32_t world,
+                                                           EtcdOptions options) {
+  if (world == 0 || world > 65536 || rank >= world) {
+    return Status::InvalidArgument(StrCat("etcd: rank ", rank, " of a group of ", world, " ranks"));
+  }
+  if (options.group.empty() || options.group.size() > 64 ||
+      !std::all_of(options.group.begin(), options.group.end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.';
+      })) {
+    return Status::InvalidArgument(StrCat("etcd: group name '", options.group,
+                                          "' must be 1-64 letters, digits, '-', '_' or '.'"));
+  }
+  if (options.token.empty()) return Status::InvalidArgument("etcd: the group's token is empty");
+  if (options.lease.count() < 1) return Status::InvalidArgument("etcd: the lease must be >= 1 s");
+  std::unique_ptr<EtcdBootstrap> b(new EtcdBootstrap());
+  b->rank_ = rank;
+  b->world_ = world;
+  b->options_ = std::move(options);
+  b->prefix_ = StrCat("/eplbx/", b->options_.group, "/");
+  b->members_.assign(world, false);
+  EPLBX_RETURN_IF_ERROR(b->Start());
+  return b;
+}
+
+Status EtcdBootstrap::Start() {
+  EPLBX_ASSIGN_OR_RETURN(client_,
+                         coord::EtcdClient::Create(options_.endpoints, options_.request_timeout));
+  EPLBX_ASSIGN_OR_RETURN(renew_client_,
+                         coord::EtcdClient::Create(options_.endpoints, options_.request_timeout));
+  const std::string who = StrCat("rank ", rank_, " of group '", options_.group, "'");
+  // The group's token and size: written by the first process, checked by every other.
+  const std::string identity = StrCat(world_, " ", options_.token);
+  EPLBX_ASSIGN_OR_RETURN(
+      coord::EtcdTxnResult t,
+      client_->Txn({coord::VersionIs(Key("identity"), 0)},
+                   {coord::PutOp(Key("identity"), identity)}, {coord::RangeOp(Key("identity"))}));
+  if (!t.succeeded &&
+      (t.ranges.empty() || t.ranges[0].kvs.empty() || t.ranges[0].kvs[0].value != identity)) {
+    const std::string theirs =
+        t.ranges.empty() || t.ranges[0].kvs.empty() ? "" : t.ranges[0].kvs[0].value;
+    const size_t space = theirs.find(' ');
+    if (space != std::string::npos && theirs.substr(0, space) != std::to_string(world_)) {
+      return Status::InvalidArgument(StrCat(who, ": the group has ", theirs.substr(0, space),
+                                            " ranks, this process says ", world_));
+    }
+    return Status::InvalidArgument(
+        StrCat(who,
+               ": another token is in use for this group (a different deployment under the "
+               "same group name? choose another --group)"));
+  }
+  EPLBX_ASSIGN_OR_RETURN(lease_, client_->LeaseGrant(options_.lease.count()));
+  // Our key: created only where no live process holds the rank (an old one's lease may still
+  // run out: wait for it).
+  const auto start_deadline = std::chrono::steady_clock::now() + options_.start_timeout;
+  std::mt19937_64 rng(std::random_device{}());
+  const std::string nonce = StrCat(rng());
+  const std::string me = Key(StrCat("members/", Pad(rank_, 5)));
+  for (;;) {
+    EPLBX_ASSIGN_OR_RETURN(
+        coord::EtcdTxnResult put,
+        client_->Txn({coord::VersionIs(me, 0)}, {coord::PutOp(me, nonce, lease_)}));
+    if (put.succeeded) {
+      incarnation_ = put.revision;  // the key's create revision
+      break;
+    }
+    if (std::chrono::steady_clock::now() > start_deadline) {
+      (void)client_->LeaseRevoke(lease_);
+      return Status::Unavailable(
+          StrCat(who, ": another live process holds the rank (its key stayed for ",
+                 options_.start_timeout.count(), " ms; two processes for one rank?)"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  renew_ = std::thread([this] {
+    const auto every = std::max<std::chrono::milliseconds>(
+        std::chrono::milliseconds(100),
+        std::chrono::duration_cast<std::chrono::milliseconds>(options_.lease) / 3);
+    while (!stop_) {
+      for (auto slept = std::chrono::milliseconds(0); slept < every && !stop_;
+           slept += std::chrono::milliseconds(20)) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      if (stop_ || !renewing_) continue;
+      Result<int64_t> ttl = renew_client_->LeaseKeepAlive(lease_);
+      if (!ttl.ok() && ttl.status().code() == Code::kNotFound) expired_ = true;
+    }
+  });
+  // Into a view: the first one (every rank started), or the group's under way as a joiner.
+  for (uint64_t polls = 0;; ++polls) {
+    if (std::chrono::steady_clock::now() > start_deadline) {
+      return Status::Timeout(
+          StrCat(who, ": not in the group's view after ", options_.start_timeout.count(), " ms"));
+    }
+    std::vector<EtcdOp> reads = {
+        coord::RangeOp(Key("view")),
+        coord::RangeOp(Key("members/"), coord::PrefixEnd(Key("members/")))};
+    EPLBX_ASSIGN_OR_RETURN(coord::EtcdTxnResult snap,
+                           UntilAnswered([&] { return client_->Txn({}, reads); }, start_deadline));
+    coord::Snapshot s;
+    s.alive.assign(world_, 0);
+    if (snap.ranges.size() != 2)
+      return Status::Corruption(StrCat(who, ": a snapshot without its reads"));
+    int64_t view_revision = 0;
+    if (!snap.ranges[0].kvs.empty()) {
+      view_revision = snap.ranges[0].kvs[0].mod_revision;
+      EPLBX_ASSIGN_OR_RETURN(coord::View v,
+                             coord::DecodeView(snap.ranges[0].kvs[0].value, world_, view_revision));
+      s.view = v;
+    }
+    for (const coord::EtcdKv& kv : snap.ranges[1].kvs) {
+      const std::string rest = kv.key.substr(Key("members/").size());
+      if (!Digits(rest, 5) || std::stoul(rest) >= world_) {
+        return Status::Corruption(StrCat(who,
+                                         ": a key under the group's prefix that eplbx did not "
+                                         "write: '",
+                                         kv.key, "'"));
+      }
+      s.alive[std::stoul(rest)] = kv.create_revision;
+    }
+    const Decision d = coord::Decide(rank_, world_, incarnation_, 0, s);
+    switch (d.kind) {
+      case Decision::Kind::kSucceeded:
+        epoch_ = s.view->epoch;
+        view_ = s.view->incarnation;
+        members_ = s.view->members();
+        round_ = 0;
+        joining_ = s.view->epoch != 1;
+        return Status::OK();
+      case Decision::Kind::kCreateView:
+        EPLBX_RETURN_IF_ERROR(client_
+                                  ->Txn({coord::VersionIs(Key("view"), 0)},
+                                        {coord::PutOp(Key("view"), coord::EncodeView(d.next))})
+                                  .status());
+        continue;
+      case Decision::Kind::kProposeView:
+        EPLBX_RETURN_IF_ERROR(client_
+                                  ->Txn({coord::ModRevisionIs(Key("view"), view_revision)},
+                                        {coord::PutOp(Key("view"), coord::EncodeView(d.next))})
+                                  .status());
+        continue;
+      case Decision::Kind::kLost:
+        return Status::Unavailable(StrCat(who, ": ", d.why, "; start a new process"));
+      default:
+        std::this_thread::sleep_for(std::chrono::milliseconds(polls < 100 ? 5 : 50));
+    }
+  }
+}
+
+EtcdBootstrap::~EtcdBootstrap() {
+  stop_ = true;
+  if (renew_.joinable()) renew_.join();
+  if (client_ && lease_ != 0 && renewing_) (void)client_->LeaseRevoke(lease_);
+}
+
+void EtcdBootstrap::StopRenewing() { renewing_ = false; }
+
+Result<std::vector<std::string>> EtcdBootstrap::AllGather(std::string_view mine,
+                                                          std::chrono::milliseconds timeout) {
+  if (!failed_.ok()) return failed_;
+  Result<std::vector<std::string>> r = Round(mine, timeout);
+  // A round that ended without an outcome (etcd unreachable past the deadline, a round never
+  // completed) leaves this process out of step with the others: it takes part no more.
+  if (!r.ok() && r.status().code() != Code::kAborted) {
+    failed_ = r.status().WithPrefix("an earlier all-gather failed (restart the process to rejoin)");
+  }
+  return r;
+}
+
+Result<std::vector<std::string>> EtcdBootstrap::Round(std::string_view mine,
+                                                      std::chrono::milliseconds timeout) {
+  const std::string who = StrCat("rank ", rank_, " of group '", options_.group, "'");
+  if (expired_) {
+    return Status::Unavailable(StrCat(
+        who,
+        ": its lease expired (the process was stopped or cut "
+        "off for longer than ",
+        options_.lease.count(), " s) and it was declared lost; start a new process to rejoin"));
+  }
+  const std::string round = Key(StrCat("round/", Pad(epoch_, 10), "/", Pad(round_, 12), "/"));
+  const std::string done = Key(StrCat("done/", Pad(epoch_, 10), "/", Pad(round_, 12)));
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  const std::string contribution(mine);
+  EPLBX_RETURN_IF_ERROR(
+      UntilAnswered([&] { return client_->Put(round + Pad(rank_, 5), contribution); }, deadline)
+          .status());
+  ++stats_.requests;
+  std::string waiting;
+  for (uint64_t polls = 0;; ++polls) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      return Status::Timeout(StrCat(who, ": all-gather round ", round_, " of epoch ", epoch_,
+                                    " not complete after ", timeout.count(), " ms (", waiting,
+                                    ")"));
+    }
+    std::vector<EtcdOp> reads = {coord::RangeOp(Key("view")),
+                                 coord::RangeOp(Key("members/"), coord::PrefixEnd(Key("members/"))),
+                                 coord::RangeOp(round, coord::PrefixEnd(round)),
+                                 coord::RangeOp(done)};
+    EPLBX_ASSIGN_OR_RETURN(coord::EtcdTxnResult snap,
+                           UntilAnswered([&] { return client_->Txn({}, reads); }, deadline));
+    ++stats_.requests;
+    ++stats_.polls;
+    if (snap.ranges.size() != 4)
+      return Status::Corruption(StrCat(who, ": a snapshot without its reads"));
+    coord::Snapshot s;
+    s.alive.assign(world_, 0);
+    s.contributed.assign(world_, false);
+    int64_t view_revision = 0;
+    if (!snap.ranges[0].kvs.empty()) {
+      view_revision = snap.ranges[0].kvs[0].mod_revision;
+      EPLBX_ASSIGN_OR_RETURN(coord::View v,
+                             coord::DecodeView(snap.ranges[0].kvs[0].value, world_, view_revision));
+      s.view = v;
+    }
+    for (const coord::EtcdKv& kv : snap.ranges[1].kvs) {
+      const std::string rest = kv.key.substr(Key("members/").size());
+      if (!Digits(rest, 5) || std::stoul(rest) >= world_) {
+        return Status::Corruption(StrCat(who,
+                                         ": a key under the group's prefix that eplbx did not "
+                                         "write: '",
+                                         kv.key, "'"));
+      }
+      s.alive[std::stoul(rest)] = kv.create_revision;
+    }
+    std::vector<std::string> got(world_);
+    for (const coord::EtcdKv& kv : snap.ranges[2].kvs) {
+      const std::string rest = kv.key.substr(round.size());
+      if (!Digits(rest, 5) || std::stoul(rest) >= world_) {
+        return Status::Corruption(StrCat(who,
+                                         ": a key under the group's prefix that eplbx did not "
+                                         "write: '",
+                                         kv.key, "'"));
+      }
+      s.contributed[std::stoul(rest)] = true;
+      got[std::stoul(rest)] = kv.value;
+    }
+    s.done = !snap.ranges[3].kvs.empty();
+    const Decision d = coord::Decide(rank_, world_, incarnation_, epoch_, s);
+    waiting = d.why;
+    switch (d.kind) {
+      case Decision::Kind::kSucceeded: {
+        for (uint32_t r = 0; r < world_; ++r) {
+          if (members_[r] && !s.contributed[r]) {
+            return Status::Unavailable(StrCat(who, ": round ", round_, " of epoch ", epoch_,
+                                              " completed without it being able to read rank ", r,
+                                              "'s contribution (it was left behind): rejoin"));
+          }
+          if (!members_[r]) got[r].clear();
+        }
+        // The lowest member clears everything before this round: every member is past it.
+        const uint32_t first = static_cast<uint32_t>(
+            std::find(members_.begin(), members_.end(), true) - members_.begin());
+        if (first == rank_) {
+          (void)client_->Delete(Key("round/"), round);
+          (void)client_->Delete(Key("done/"), done);
+          stats_.requests += 2;
+        }
+        ++round_;
+        ++stats_.rounds;
+        return got;
+      }
+      case Decision::Kind::kAborted: {
+        const std::string change = Change(view_, s.view->incarnation);
+        epoch_ = s.view->epoch;
+        view_ = s.view->incarnation;
+        members_ = s.view->members();
+        round_ = 0;
+        return Status::Aborted(StrCat(change, ": ", coord::DescribeView(*s.view)));
+      }
+      case Decision::Kind::kLost:
+        return Status::Unavailable(
+            StrCat(who, ": ", d.why, "; declared lost: start a new process to rejoin"));
+      case Decision::Kind::kDeclareDone:
+        EPLBX_RETURN_IF_ERROR(UntilAnswered(
+                                  [&] {
+                                    return client_->Txn(
+                                        {coord::ModRevisionIs(Key("view"), view_revision)},
+                                        {coord::PutOp(done, "")});
+                                  },
+                                  deadline)
+                                  .status());
+        ++stats_.requests;
+        continue;
+      case Decision::Kind::kProposeView:
+      case Decision::Kind::kCreateView:
+        EPLBX_RETURN_IF_ERROR(UntilAnswered(
+                                  [&] {
+                                    return client_->Txn(
+                                        {coord::ModRevisionIs(Key("view"), view_revision)},
+                                        {coord::PutOp(Key("view"), coord::EncodeView(d.next))});
+                                  },
+                                  deadline)
+                                  .status());
+        ++stats_.requests;
+        continue;
+      case Decision::Kind::kWait:
+        std::this_thread::sleep_for(std::chrono::microseconds(polls < 20    ? 200
+                                                              : polls < 200 ? 2000
+                                                                            : 10000));
+        continue;
+    }
+  }
+}
+
+}  // namespace eplbx

@@ -16,8 +16,11 @@
 #include <optional>
 #include <random>
 #include <thread>
+#include <type_traits>
 
 #include "eplbx/backup.h"
+#include "eplbx/etcd.h"
+#include "etcd_cluster.h"
 #include "joined_store.h"
 #include "rank_fixture.h"
 
@@ -139,9 +142,10 @@ struct World {
   // was settled (every member and the joiner agree on that step; at most kMaxSteps);
   // `die_at(step)` true: this rank's process dies there (before the step's collective).
   static constexpr int kMaxSteps = 400;
+  template <typename Boot>
   void Serve(const std::string& name, Rank& rank, ServingGroup& g, int to, bool await_join,
              const std::function<bool(int)>& die_at, const std::function<void(int)>& at_step,
-             std::unique_ptr<SocketBootstrap>& boot) {
+             std::unique_ptr<Boot>& boot) {
     Outcome o;
     auto end = [&] {
       for (const RecoveryRecord& r : g.recoveries()) {
@@ -161,7 +165,9 @@ struct World {
       if (o.bad.empty()) o.bad = CheckRows(rank, g);
       o.rows_checked += kLayers * kRows;
       if (die_at && die_at(step)) {
-        boot.reset();  // the process is gone: its socket closes
+        // The process is gone: its socket closes; on etcd its lease is no longer renewed.
+        if constexpr (std::is_same_v<Boot, EtcdBootstrap>) boot->StopRenewing();
+        boot.reset();
         o.status = Status::Aborted("died");
         break;
       }
@@ -491,6 +497,107 @@ TEST(ServingGroupTest, OptionsThatDoNotFitTheBootstrapAreNamed) {
   g = ServingGroup::Create(rank->agent.get(), boot.get(), rank->layout, StartPlacement(), o);
   ASSERT_FALSE(g.ok());
   EXPECT_EQ(g.status().message(), "round_wait (0 ms) and max_placements (4) must be >= 1");
+}
+
+// Coordination on etcd (3 etcd members on loopback; no eplbx coordinator anywhere): rank 0
+// is lost at step 6 (its lease runs out as after a SIGKILL), the others settle over ranks 1-4
+// and serve on; at step 20 a new process for rank 0 joins where they are. Every row checked
+// at every step.
+TEST(ServingGroupTest, OnEtcdRankZeroIsLostAndANewProcessForItJoins) {
+  testing::EtcdCluster cluster(3);
+  if (!cluster.ready()) GTEST_SKIP() << "SKIPPED: " << cluster.why_not();
+  World w;
+  ASSERT_TRUE(w.backup != nullptr);
+  EtcdOptions eo;
+  eo.endpoints = cluster.endpoints();
+  eo.group = "serving";
+  eo.token = "t";
+  eo.lease = std::chrono::seconds(2);
+  ServingOptions o = Options();
+  o.round_wait = std::chrono::seconds(10);  // a lost rank is seen when its lease runs out
+  constexpr int kSteps = 34;
+  std::atomic<bool> spawn{false}, members_done{false};
+  std::vector<std::unique_ptr<EtcdBootstrap>> boots(kWorld);
+  std::unique_ptr<EtcdBootstrap> again_boot;
+  std::unique_ptr<Rank> again;
+  std::vector<std::thread> threads;
+  for (uint32_t r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      auto b = EtcdBootstrap::Join(r, kWorld, eo);
+      if (!b.ok()) {
+        std::lock_guard<std::mutex> lock(w.mu);
+        w.out["rank " + std::to_string(r)].status = b.status();
+        return;
+      }
+      boots[r] = std::move(*b);
+      std::vector<const BackupSource*> backups{w.backup.get()};
+      auto g = ServingGroup::Create(w.ranks[r]->agent.get(), boots[r].get(), w.ranks[r]->layout,
+                                    StartPlacement(), o, backups);
+      if (!g.ok()) {
+        std::lock_guard<std::mutex> lock(w.mu);
+        w.out["rank " + std::to_string(r)].status = g.status();
+        return;
+      }
+      w.Serve(
+          "rank " + std::to_string(r), *w.ranks[r], **g, kSteps, /*await_join=*/true,
+          [r](int step) { return r == 0 && step == 6; },
+          [&, r](int step) {
+            if (r == 1 && step == 20) spawn = true;
+          },
+          boots[r]);
+    });
+  }
+  std::thread joiner([&] {
+    while (!spawn && !members_done) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    if (!spawn) return;
+    again =
+        MakeRank(0, std::vector<std::vector<int32_t>>(kLayers, std::vector<int32_t>(kSlots, 0)));
+    auto b = EtcdBootstrap::Join(0, kWorld, eo);
+    Outcome failed;
+    if (!b.ok()) {
+      failed.status = b.status();
+    } else {
+      again_boot = std::move(*b);
+      EXPECT_TRUE(again_boot->joining());
+      std::vector<const BackupSource*> backups{w.backup.get()};
+      auto g = ServingGroup::Join(again->agent.get(), again_boot.get(), again->layout, kExperts, o,
+                                  backups);
+      if (g.ok()) {
+        w.Serve("rank 0 again", *again, **g, kSteps, false, nullptr, nullptr, again_boot);
+        return;
+      }
+      failed.status = g.status();
+    }
+    std::lock_guard<std::mutex> lock(w.mu);
+    w.out["rank 0 again"] = failed;
+  });
+  for (auto& t : threads) t.join();
+  members_done = true;
+  joiner.join();
+  std::string story;
+  for (const auto& [name, x] : w.out) {
+    story += "\n" + name + ": " + x.status.ToString() + ", " + std::to_string(x.steps) +
+             " steps, epoch " + std::to_string(x.epoch);
+    for (const RecoveryRecord& r : x.recoveries)
+      story += "; " + r.kind + " at step " + std::to_string(r.step) + " in " +
+               std::to_string(r.recovery_s) + " s";
+  }
+  SCOPED_TRACE(story);
+  const Outcome& first = w.out["rank 1"];
+  for (const std::string m : {"rank 1", "rank 2", "rank 3", "rank 4", "rank 0 again"}) {
+    const Outcome& x = w.out[m];
+    ASSERT_TRUE(x.status.ok()) << m << ": " << x.status.ToString();
+    EXPECT_EQ(x.bad, "") << m;
+    EXPECT_EQ(x.steps, first.steps) << m;
+    EXPECT_EQ(x.epoch, first.epoch) << m;
+    EXPECT_EQ(x.placement, first.placement) << m;
+  }
+  EXPECT_EQ(first.epoch, 3u);  // the loss, then the join
+  ASSERT_EQ(first.recoveries.size(), 2u);
+  EXPECT_EQ(first.recoveries[0].kind, "loss");
+  EXPECT_EQ(first.recoveries[0].members, (std::vector<int>{1, 2, 3, 4}));
+  EXPECT_EQ(first.recoveries[1].kind, "join");
+  EXPECT_EQ(first.recoveries[1].members, (std::vector<int>{0, 1, 2, 3, 4}));
 }
 
 }  // namespace

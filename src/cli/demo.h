@@ -130,6 +130,12 @@ std::string VerifyLayer(const Weights& w, const Placement& map, int layer, int r
 // One rank of `eplbx demo --serve`: forward steps of real expert work, EPLB off, synchronous
 // and asynchronous (serve_rank.cc). Returns the process exit code; `sent` (if not null) gets
 // the report sent to the coordinator (its "error" says why a failed rank failed).
+// `send` carries messages to the coordinator (reports, progress, an `add`'s request for a
+// process); over etcd there is none (each worker reports itself).
+using SendToCoordinator = std::function<Status(const std::string&)>;
+int RunServeRank(const DemoOptions& o, int rank, Bootstrap& boot, bool joining,
+                 const SendToCoordinator& send, nlohmann::json* sent = nullptr);
+// The same with `boot`'s own coordinator (SocketBootstrap::SendMessage, its welcome).
 int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot,
                  nlohmann::json* sent = nullptr);
 // The serving comparison from the ranks' reports (serve_report.cc).

@@ -211,7 +211,7 @@ ServingOptions ModeOptions(const DemoOptions& o, int rank, const std::string& mo
 }
 
 Status StrikeEvents(const DemoOptions& o, int rank, int step, int64_t step_t0,
-                    SocketBootstrap& boot, int64_t* asked_ns) {
+                    const std::function<Status(const std::string&)>& send, int64_t* asked_ns) {
   for (const DemoOptions::Event& e : o.events) {
     if (e.step != step) continue;
     if ((e.kind == "kill" || e.kind == "stop") && e.rank == rank) {
@@ -224,7 +224,7 @@ Status StrikeEvents(const DemoOptions& o, int rank, int step, int64_t step_t0,
     const std::vector<bool> now = MembersAt(o, step);
     const int asker = static_cast<int>(std::find(now.begin(), now.end(), true) - now.begin());
     if (rank != asker) continue;
-    if (Status asked = boot.SendMessage(nlohmann::json{{"spawn", e.rank}}.dump()); !asked.ok())
+    if (Status asked = send(nlohmann::json{{"spawn", e.rank}}.dump()); !asked.ok())
       return Status::Unavailable(StrCat("asking for rank ", e.rank, ": ", asked.message()));
   }
   return Status::OK();

@@ -65,7 +65,7 @@ ServingOptions ModeOptions(const DemoOptions& o, int rank, const std::string& mo
 // The drill's events of `step` on this rank: a kill or stop of this rank strikes; an `add`
 // makes the lowest member ask the coordinator for the new process (*asked_ns: when).
 Status StrikeEvents(const DemoOptions& o, int rank, int step, int64_t step_t0,
-                    SocketBootstrap& boot, int64_t* asked_ns);
+                    const std::function<Status(const std::string&)>& send, int64_t* asked_ns);
 
 // What this rank saw of a drill's membership events (docs/cli.md, "Serving through a lost
 // rank"): the step times around the ServingGroup's records.

@@ -97,10 +97,17 @@ bool Membership(const DemoOptions& o, int step, int64_t step_t0, int64_t asked_n
 }  // namespace
 
 int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann::json* sent) {
+  return RunServeRank(
+      o, rank, boot, boot.joining(), [&boot](const std::string& m) { return boot.SendMessage(m); },
+      sent);
+}
+
+int RunServeRank(const DemoOptions& o, int rank, Bootstrap& boot, bool joining,
+                 const SendToCoordinator& send, nlohmann::json* sent) {
   nlohmann::json report = NewRankReport(rank);
   report["node"] = NodeName();
   auto finish = [&](int code) {
-    (void)boot.SendMessage(report.dump());
+    (void)send(report.dump());
     if (sent != nullptr) *sent = report;
     return code;
   };
@@ -132,7 +139,7 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann
   const bool drill = !o.events.empty() || o.survive;
   // A process for a rank added later, or a lost rank's process started again: it joins where
   // the members are (told by the demo, or by the store's welcome).
-  const bool joiner = o.joining || boot.joining();
+  const bool joiner = o.joining || joining;
   const std::vector<bool> live = MembersAt(o, 0);
   const bool all_live = std::all_of(live.begin(), live.end(), [](bool b) { return b; });
   Result<Placement> initial = Status::Internal("not planned");
@@ -207,7 +214,7 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann
   int64_t asked_ns = 0;           // when the last `add` was asked for
   for (int step = first_step; step < o.steps && !stopped; ++step) {
     const int64_t step_t0 = MonotonicNs();
-    if (Status struck = StrikeEvents(o, rank, step, step_t0, boot, &asked_ns); !struck.ok()) {
+    if (Status struck = StrikeEvents(o, rank, step, step_t0, send, &asked_ns); !struck.ok()) {
       modes[0].m.error = struck.message();
       stopped = true;
     }
@@ -245,9 +252,9 @@ int RunServeRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann
       drill_log.step_ns.push_back(MonotonicNs() - step_t0);
     }
     if (rank == 0 && (step + 1) % 100 == 0) {
-      (void)boot.SendMessage(nlohmann::json{
+      (void)send(nlohmann::json{
           {"progress", StrCat("step ", step + 1, "/", o.steps, " served in every mode")}}
-                                 .dump());
+                     .dump());
     }
   }
   bool all_ok = true;

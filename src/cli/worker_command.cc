@@ -4,6 +4,7 @@
 // `eplbx store`: the same store as a process of its own.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -13,9 +14,11 @@
 #include "cli/commands.h"
 #include "cli/demo.h"
 #include "cli/flags.h"
+#include "common/numbers.h"
 #include "common/strings.h"
 #include "eplbx/bootstrap.h"
 #include "eplbx/env.h"
+#include "eplbx/etcd.h"
 
 namespace eplbx::cli {
 namespace {
@@ -90,7 +93,107 @@ class StoreThread {
   Status status_;
 };
 
-Status RunWorker(DemoOptions o, bool ranks_given) {
+// `eplbx worker --serve --coordination etcd://...`: membership, epochs and the step's
+// collective on etcd (docs/deploy.md, "Coordination on etcd"); no process of eplbx's own is
+// central: any rank, rank 0 included, can be lost. Each worker reports itself.
+Status RunEtcdWorker(DemoOptions o, bool ranks_given, const std::string& url,
+                     const std::string& group) {
+  Env* env = Env::Default();
+  auto var = [env](const char* name) { return env->GetVar(name).value_or(""); };
+  const std::string token = var("EPLBX_TOKEN");
+  if (token.empty()) return Status::InvalidArgument("eplbx worker: EPLBX_TOKEN is not set");
+  EPLBX_ASSIGN_OR_RETURN(
+      const uint32_t world,
+      internal::ParseInteger<uint32_t>(var("EPLBX_WORLD_SIZE"), "EPLBX_WORLD_SIZE", 1, 1u << 16));
+  EPLBX_ASSIGN_OR_RETURN(const uint32_t rank, internal::ParseInteger<uint32_t>(
+                                                  var("EPLBX_RANK"), "EPLBX_RANK", 0, world - 1));
+  if (ranks_given && static_cast<uint32_t>(o.ranks) != world) {
+    return Status::InvalidArgument(StrCat("--ranks ", o.ranks, " but EPLBX_WORLD_SIZE=", world));
+  }
+  if (!o.serve) {
+    return Status::InvalidArgument(
+        "eplbx worker --coordination etcd://... runs the serving drill: add --serve");
+  }
+  o.ranks = static_cast<int>(world);
+  EPLBX_RETURN_IF_ERROR(ParseDemo(o));
+  if (o.mode_list.size() != 1) {
+    return Status::InvalidArgument(
+        StrCat("eplbx worker --serve runs one mode: pass --modes "
+               "async, --modes sync or --modes off (not '",
+               o.modes, "')"));
+  }
+  for (const DemoOptions::Event& e : o.events) {
+    if (e.kind == "add") {
+      return Status::InvalidArgument(StrCat(
+          "eplbx worker --coordination etcd: --resize add:", e.rank,
+          " asks a coordinator to start a process, and there is none: start the worker for rank ",
+          e.rank, " yourself (with the same command); it joins the group where it is"));
+    }
+  }
+  o.survive = true;
+  o.backup_dir = env->GetVar("EPLBX_BACKUP_DIR").value_or("/dev/shm");
+  EPLBX_ASSIGN_OR_RETURN(std::vector<std::string> endpoints, ParseEtcdUrl(url));
+  EtcdOptions eo;
+  eo.endpoints = std::move(endpoints);
+  eo.group = group;
+  eo.token = token;
+  // A rank that stops renewing is lost after its lease: --deadline, at least etcd's 2 s.
+  eo.lease =
+      std::chrono::seconds(std::max<int64_t>(2, static_cast<int64_t>(std::ceil(o.deadline_s))));
+  eo.start_timeout = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 20000));
+  const auto t0 = env->Now();
+  EPLBX_ASSIGN_OR_RETURN(std::unique_ptr<EtcdBootstrap> boot, EtcdBootstrap::Join(rank, world, eo));
+  const bool joining = boot->joining();
+  nlohmann::json mine;
+  const int code = RunServeRank(
+      o, static_cast<int>(rank), *boot, joining,
+      [&o](const std::string& message) {  // progress lines; the report is printed below
+        nlohmann::json m = nlohmann::json::parse(message, nullptr, false);
+        if (!o.json && m.is_object() && m.contains("progress") && m["progress"].is_string())
+          std::cerr << "eplbx: " << m["progress"].get<std::string>() << "\n";
+        return Status::OK();
+      },
+      &mine);
+  const double wall = std::chrono::duration<double>(env->Now() - t0).count();
+  mine["coordination"] = {{"etcd", url},
+                          {"group", group},
+                          {"epoch", boot->epoch()},
+                          {"rounds", boot->stats().rounds},
+                          {"requests", boot->stats().requests}};
+  mine["wall_s"] = wall;
+  boot.reset();  // leaves the group (its lease revoked)
+  if (o.json) {
+    std::cout << mine.dump(1) << "\n";
+  } else {
+    std::vector<int> members;
+    int64_t steps = 0;
+    if (mine.contains("drill") && mine["drill"].is_object())
+      members = mine["drill"].value("members", std::vector<int>{});
+    if (mine.contains("modes") && mine["modes"].is_object()) {
+      for (const auto& [name, m] : mine["modes"].items()) steps = m.value("steps", int64_t{0});
+    }
+    std::cout << "rank " << rank << " (etcd coordination, group '" << group
+              << "'): " << (code == 0 ? "served" : "failed") << ", epoch "
+              << mine["coordination"]["epoch"] << ", members at the end";
+    for (int m : members) std::cout << " " << m;
+    std::cout << "; every row checked: " << (mine.value("verified", false) ? "yes" : "no") << "\n";
+    if (mine.contains("drill") && mine["drill"].contains("events")) {
+      for (const auto& e : mine["drill"]["events"])
+        std::cout << "  " << e.value("kind", std::string()) << " at step " << e.value("step", -1)
+                  << ": serving again " << e.value("recovery_s", 0.0) << " s after noticing it\n";
+    }
+    (void)steps;
+  }
+  if (code == 0) return Status::OK();
+  return Status::Aborted(StrCat("rank ", rank, ": ", mine.value("error", std::string("failed"))));
+}
+
+Status RunWorker(DemoOptions o, bool ranks_given, const std::string& coordination,
+                 const std::string& group) {
+  const std::string url = coordination.empty()
+                              ? Env::Default()->GetVar("EPLBX_COORDINATION").value_or("")
+                              : coordination;
+  if (!url.empty()) return RunEtcdWorker(std::move(o), ranks_given, url, group);
   Result<RendezvousEnv> env = RendezvousFromEnv();
   if (!env.ok()) return env.status().WithPrefix("eplbx worker");
   if (ranks_given && static_cast<uint32_t>(o.ranks) != env->world) {
@@ -186,8 +289,18 @@ void AddWorkerCommand(CLI::App& app, Action& run) {
       worker->add_option("--ranks", o->ranks, "must equal EPLBX_WORLD_SIZE when given")
           ->check(IntIn<int>(0, 1 << 20));
   AddDemoFlags(*worker, *o);
-  worker->callback(
-      [&run, o, ranks] { run = [o, ranks] { return RunWorker(*o, ranks->count() > 0); }; });
+  auto coordination = std::make_shared<std::string>();
+  auto group = std::make_shared<std::string>("eplbx");
+  worker->add_option("--coordination", *coordination,
+                     "etcd://HOST:PORT[,HOST:PORT...]: membership and the step's collective on "
+                     "etcd, no rank central (also EPLBX_COORDINATION; --serve)");
+  worker->add_option("--group", *group, "the group's name on etcd (its key prefix)")
+      ->capture_default_str();
+  worker->callback([&run, o, ranks, coordination, group] {
+    run = [o, ranks, coordination, group] {
+      return RunWorker(*o, ranks->count() > 0, *coordination, *group);
+    };
+  });
 
   auto listen = std::make_shared<std::string>();
   auto timeout = std::make_shared<double>(600);

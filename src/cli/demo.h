@@ -36,6 +36,11 @@ struct DemoOptions {
   std::string expert_bytes = "1M";
   int steps = 3;
   double deadline_s = 30;
+  // Coordination on etcd (eplbx worker --coordination): a lost member is seen when its lease
+  // runs out, later than a closed socket: the rounds wait this much longer; and the
+  // messages name etcd rather than rank 0's store.
+  double lease_s = 0;
+  std::string coordination;
   uint64_t seed = 1;
   bool json = false;
   std::string inject;  // "", or KIND:RANK

@@ -196,7 +196,8 @@ ServingOptions ModeOptions(const DemoOptions& o, int rank, const std::string& mo
   bo.bytes_per_expert = o.expert_bytes_value;
   bo.live = live;
   so.rearrange.deadline = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 1000));
-  so.round_wait = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 2000));
+  so.round_wait =
+      std::chrono::milliseconds(static_cast<int64_t>((o.deadline_s * 2 + o.lease_s * 3) * 1000));
   // `--inject ...,KIND:RANK@recovery`: strikes as the first move of the recovery from the
   // event before it begins.
   so.before_move = [&o, &modes, rank](int placement) {

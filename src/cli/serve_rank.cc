@@ -83,7 +83,10 @@ bool Membership(const DemoOptions& o, int step, int64_t step_t0, int64_t asked_n
   // hung or unreachable, and no later round can be answered.
   const Status& why = synced.status();
   *coordinator_gone = why.code() == Code::kTimeout || why.code() == Code::kUnavailable;
-  mode.m.error = why.code() == Code::kTimeout
+  mode.m.error = why.code() == Code::kTimeout && !o.coordination.empty()
+                     ? StrCat("step ", step, ": the step's collective on etcd (", o.coordination,
+                              ") did not complete: ", why.message())
+                 : why.code() == Code::kTimeout
                      ? StrCat("step ", step,
                               ": the coordinator (rank 0's store) did not answer the step's "
                               "collective within ",
@@ -118,7 +121,10 @@ int RunServeRank(const DemoOptions& o, int rank, Bootstrap& boot, bool joining,
   // A round over the coordinator: it fails a round a member misses after 0.8 x the deadline
   // (naming it, under a new epoch); the members wait twice the deadline, so they hear that
   // rather than give up first on a loaded machine.
-  const auto round_wait = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 2000));
+  // On etcd a lost member is seen when its lease runs out (an etcd leader change extends
+  // leases by up to a lease): three leases more.
+  const auto round_wait =
+      std::chrono::milliseconds(static_cast<int64_t>((o.deadline_s * 2 + o.lease_s * 3) * 1000));
   // The gate: the simulator's skewed, drifting load, the same on every rank.
   SynthOptions so;
   so.layers = o.layers;
@@ -296,6 +302,13 @@ int RunServeRank(const DemoOptions& o, int rank, Bootstrap& boot, bool joining,
         DrillReport(*modes[0].group, drill_log, backup == nullptr ? 0 : backup->held_bytes());
   }
   report["modes"] = std::move(out);
+  // The placement in force at the end (FNV-1a of its map): equal on every member that ended
+  // in one epoch.
+  uint64_t digest = 1469598103934665603ull;
+  for (int32_t e : modes[0].group->placement().phy2log()) {
+    digest = (digest ^ static_cast<uint32_t>(e)) * 1099511628211ull;
+  }
+  report["placement_digest"] = StrCat(digest);
   report["verified"] = all_ok && done.ok();
   report["weights_intact"] = all_ok;
   return finish(all_ok && done.ok() ? 0 : 1);

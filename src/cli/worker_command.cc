@@ -140,6 +140,8 @@ Status RunEtcdWorker(DemoOptions o, bool ranks_given, const std::string& url,
   // A rank that stops renewing is lost after its lease: --deadline, at least etcd's 2 s.
   eo.lease =
       std::chrono::seconds(std::max<int64_t>(2, static_cast<int64_t>(std::ceil(o.deadline_s))));
+  o.lease_s = static_cast<double>(eo.lease.count());
+  o.coordination = url;
   eo.start_timeout = std::chrono::milliseconds(static_cast<int64_t>(o.deadline_s * 20000));
   const auto t0 = env->Now();
   EPLBX_ASSIGN_OR_RETURN(std::unique_ptr<EtcdBootstrap> boot, EtcdBootstrap::Join(rank, world, eo));

@@ -18,6 +18,7 @@
 #include <string>
 #include <thread>
 
+#include "../unit/etcd_cluster.h"
 #include "../unit/joined_store.h"  // Port()
 #include "eplbx/bootstrap.h"
 
@@ -830,6 +831,70 @@ TEST(DemoTest, WorkersServingGoOnAfterAWorkerIsKilled) {
   EXPECT_EQ(drill["backup_bytes"].get<double>(), 3.0 * 16 * 65536);
   EXPECT_EQ(report["rows_checked"].get<uint64_t>(), 2u * 60 * 3 * 8);
   EXPECT_EQ(report["bad_rows"].get<uint64_t>(), 0u);
+}
+
+// Issue 31: coordination on etcd, across processes. Three etcd members on loopback; four
+// `eplbx worker --serve --coordination etcd://...` processes, no store, no coordinator. Rank 0
+// kills itself at step 60 (SIGKILL: its lease runs out); while its loss is being detected and
+// settled, the etcd leader is killed, and later another etcd member. Ranks 1-3 serve to the
+// end over themselves, every row checked, exit 0, in one epoch with one placement.
+TEST(DemoTest, WorkersOnEtcdServeOnWhenRankZeroAndEtcdMembersAreKilled) {
+  eplbx::testing::EtcdCluster cluster(3);
+  if (!cluster.ready()) GTEST_SKIP() << "SKIPPED: " << cluster.why_not();
+  std::string dir = testing::TempDir() + "/etcdworkers-XXXXXX";
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  std::string url;
+  for (const std::string& e : cluster.endpoints()) {
+    url += url.empty() ? "etcd://" : ",";
+    url += e;
+  }
+  const std::string flags =
+      " --serve --modes async --layers 3 --experts 16 --slots-per-rank 8 --expert-bytes 64K "
+      "--steps 400 --interval 10 --tokens 64 --top-k 4 --work-bytes 1K --deadline 2 --json "
+      "--group drill --coordination " +
+      url + " --inject kill:0@60";
+  std::vector<Shell> out(4);
+  std::vector<std::thread> workers;
+  for (int r = 0; r < 4; ++r) {
+    workers.emplace_back([&, r] {
+      out[r] = RunShell("EPLBX_RANK=" + std::to_string(r) +
+                        " EPLBX_WORLD_SIZE=4 EPLBX_TOKEN=t "
+                        "EPLBX_NODE=n" +
+                        std::to_string(r) + " EPLBX_BACKUP_DIR=" + dir + " " + EPLBX_CLI +
+                        " worker" + flags + " 2>" + dir + "/err" + std::to_string(r));
+    });
+  }
+  // Rank 0's process ends at step 60 (killed); a second later, while its lease (2 s) runs
+  // out and the others settle, the etcd leader goes; later a follower too.
+  workers[0].join();
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  const int leader = cluster.Leader();
+  EXPECT_GE(leader, 0) << "no etcd leader found";
+  if (leader >= 0) {
+    cluster.Kill(leader);
+    std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+    cluster.Restart(leader);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1000));
+    cluster.Kill(leader == 0 ? 1 : 0);
+  }
+  for (int r = 1; r < 4; ++r) workers[r].join();
+  std::string errs;
+  for (int r = 0; r < 4; ++r) errs += RunShell("cat " + dir + "/err" + std::to_string(r)).out;
+  std::filesystem::remove_all(dir);
+  EXPECT_NE(out[0].exit_code, 0);  // killed
+  std::string digest;
+  for (int r = 1; r < 4; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r) + ": " + out[r].out + errs);
+    EXPECT_EQ(out[r].exit_code, 0);
+    const nlohmann::json rep = nlohmann::json::parse(out[r].out, nullptr, false);
+    ASSERT_FALSE(rep.is_discarded());
+    EXPECT_TRUE(rep["verified"].get<bool>());
+    EXPECT_EQ(rep["drill"]["members"].get<std::vector<int>>(), (std::vector<int>{1, 2, 3}));
+    EXPECT_EQ(rep["coordination"]["epoch"].get<int>(), 2);
+    EXPECT_EQ(rep["drill"]["detected_step"].get<int>(), 60);
+    if (digest.empty()) digest = rep["placement_digest"].get<std::string>();
+    EXPECT_EQ(rep["placement_digest"].get<std::string>(), digest);
+  }
 }
 
 // Issue 35: a worker restarted for a lost rank (what systemd or Kubernetes does) rejoins the

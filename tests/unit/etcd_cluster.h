@@ -58,7 +58,10 @@ class EtcdCluster {
     for (int i = 0; i < members; ++i) {
       client_ports_.push_back(FreePort());
       peer_ports_.push_back(FreePort());
-      initial += (i ? "," : "") + Name(i) + "=http://127.0.0.1:" + std::to_string(peer_ports_[i]);
+      if (i > 0) initial += ',';
+      initial += Name(i);
+      initial += "=http://127.0.0.1:";
+      initial += std::to_string(peer_ports_[i]);
     }
     initial_ = initial;
     for (int i = 0; i < members; ++i) pids_.push_back(Launch(i));
@@ -96,14 +99,16 @@ class EtcdCluster {
   }
   // SIGKILL member i (its data stays: Restart brings it back).
   void Kill(int i) {
-    if (pids_[i] > 0) {
+    if (i >= 0 && i < static_cast<int>(pids_.size()) && pids_[i] > 0) {
       kill(pids_[i], SIGKILL);
       waitpid(pids_[i], nullptr, 0);
       pids_[i] = -1;
     }
   }
   void Restart(int i) {
-    if (pids_[i] <= 0) pids_[i] = Launch(i, /*existing=*/true);
+    if (i >= 0 && i < static_cast<int>(pids_.size()) && pids_[i] <= 0) {
+      pids_[i] = Launch(i, /*existing=*/true);
+    }
   }
   // The member that is leader now, or -1.
   int Leader() const {
@@ -119,7 +124,11 @@ class EtcdCluster {
   }
 
  private:
-  static std::string Name(int i) { return "m" + std::to_string(i); }
+  static std::string Name(int i) {
+    std::string name = std::to_string(i);
+    name.insert(name.begin(), 'm');  // (not "m" + ...: GCC 12's -Wrestrict misfires on it)
+    return name;
+  }
   pid_t Launch(int i, bool existing = false) {
     const std::string client = "http://127.0.0.1:" + std::to_string(client_ports_[i]);
     const std::string peer = "http://127.0.0.1:" + std::to_string(peer_ports_[i]);

@@ -338,13 +338,14 @@ Result<std::vector<std::string>> EtcdBootstrap::Round(std::string_view mine,
           }
           if (!members_[r]) got[r].clear();
         }
-        // The lowest member clears everything before this round: every member is past it.
+        // Every 32 rounds the lowest member clears everything before this round (every
+        // member is past it), in one transaction: one more write per 32 steps.
         const uint32_t first = static_cast<uint32_t>(
             std::find(members_.begin(), members_.end(), true) - members_.begin());
-        if (first == rank_) {
-          (void)client_->Delete(Key("round/"), round);
-          (void)client_->Delete(Key("done/"), done);
-          stats_.requests += 2;
+        if (first == rank_ && round_ % 32 == 31) {
+          (void)client_->Txn(
+              {}, {coord::DeleteOp(Key("round/"), round), coord::DeleteOp(Key("done/"), done)});
+          ++stats_.requests;
         }
         ++round_;
         ++stats_.rounds;

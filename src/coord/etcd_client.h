@@ -87,6 +87,14 @@ inline EtcdOp RangeOp(std::string key, std::string range_end = {}) {
   return op;
 }
 
+inline EtcdOp DeleteOp(std::string key, std::string range_end = {}) {
+  EtcdOp op;
+  op.kind = EtcdOp::Kind::kDelete;
+  op.key = std::move(key);
+  op.range_end = std::move(range_end);
+  return op;
+}
+
 struct EtcdTxnResult {
   bool succeeded = false;
   int64_t revision = 0;

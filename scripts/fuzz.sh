@@ -10,7 +10,7 @@ scripts/setup.sh
 CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DEPLBX_FUZZ=ON \
   -DEPLBX_BUILD_TESTS=OFF -DEPLBX_BUILD_BENCH=OFF -DEPLBX_BUILD_PYTHON=OFF >/dev/null
 targets="fuzz_agent_metadata fuzz_layout fuzz_protocol_record fuzz_load_file fuzz_trace
-  fuzz_safetensors fuzz_backup_header fuzz_bootstrap_frames fuzz_members_map"
+  fuzz_safetensors fuzz_backup_header fuzz_bootstrap_frames fuzz_members_map fuzz_etcd_response"
 if grep -q "^EPLBX_WITH_CUDA:BOOL=ON" build-fuzz/CMakeCache.txt; then
   targets="$targets fuzz_staged_head"  # the CUDA data path is built
 fi

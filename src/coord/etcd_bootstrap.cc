@@ -209,7 +209,7 @@ Status EtcdBootstrap::Start() {
       }
       s.alive[std::stoul(rest)] = kv.create_revision;
     }
-    const Decision d = coord::Decide(rank_, world_, incarnation_, 0, s);
+    const Decision d = coord::Decide(rank_, world_, incarnation_, 0, 0, s);
     switch (d.kind) {
       case Decision::Kind::kSucceeded:
         epoch_ = s.view->epoch;
@@ -269,13 +269,9 @@ Result<std::vector<std::string>> EtcdBootstrap::Round(std::string_view mine,
         options_.lease.count(), " s) and it was declared lost; start a new process to rejoin"));
   }
   const std::string round = Key(StrCat("round/", Pad(epoch_, 10), "/", Pad(round_, 12), "/"));
-  const std::string done = Key(StrCat("done/", Pad(epoch_, 10), "/", Pad(round_, 12)));
+  const std::string closed = Key(StrCat("closed/", Pad(epoch_, 10)));
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   const std::string contribution(mine);
-  EPLBX_RETURN_IF_ERROR(
-      UntilAnswered([&] { return client_->Put(round + Pad(rank_, 5), contribution); }, deadline)
-          .status());
-  ++stats_.requests;
   std::string waiting;
   for (uint64_t polls = 0;; ++polls) {
     if (std::chrono::steady_clock::now() > deadline) {
@@ -286,7 +282,10 @@ Result<std::vector<std::string>> EtcdBootstrap::Round(std::string_view mine,
     std::vector<EtcdOp> reads = {coord::RangeOp(Key("view")),
                                  coord::RangeOp(Key("members/"), coord::PrefixEnd(Key("members/"))),
                                  coord::RangeOp(round, coord::PrefixEnd(round)),
-                                 coord::RangeOp(done)};
+                                 coord::RangeOp(closed)};
+    // The first poll also writes this rank's contribution (one request, one write, and the
+    // snapshot sees it); a retry after an unanswered request writes the same bytes again.
+    if (polls == 0) reads.insert(reads.begin(), coord::PutOp(round + Pad(rank_, 5), contribution));
     EPLBX_ASSIGN_OR_RETURN(coord::EtcdTxnResult snap,
                            UntilAnswered([&] { return client_->Txn({}, reads); }, deadline));
     ++stats_.requests;
@@ -325,8 +324,18 @@ Result<std::vector<std::string>> EtcdBootstrap::Round(std::string_view mine,
       s.contributed[std::stoul(rest)] = true;
       got[std::stoul(rest)] = kv.value;
     }
-    s.done = !snap.ranges[3].kvs.empty();
-    const Decision d = coord::Decide(rank_, world_, incarnation_, epoch_, s);
+    if (!snap.ranges[3].kvs.empty()) {
+      const std::string& t = snap.ranges[3].kvs[0].value;
+      if (t.empty() || t.size() > 19 ||
+          !std::all_of(t.begin() + (t[0] == '-' ? 1 : 0), t.end(),
+                       [](char c) { return c >= '0' && c <= '9'; }) ||
+          t == "-") {
+        return Status::Corruption(StrCat(who, ": '", closed, "' holds '", t.substr(0, 40),
+                                         "', not a round number; was it written by eplbx?"));
+      }
+      s.closed = std::stoll(t);
+    }
+    const Decision d = coord::Decide(rank_, world_, incarnation_, epoch_, round_, s);
     waiting = d.why;
     switch (d.kind) {
       case Decision::Kind::kSucceeded: {
@@ -344,7 +353,7 @@ Result<std::vector<std::string>> EtcdBootstrap::Round(std::string_view mine,
             std::find(members_.begin(), members_.end(), true) - members_.begin());
         if (first == rank_ && round_ % 32 == 31) {
           (void)client_->Txn(
-              {}, {coord::DeleteOp(Key("round/"), round), coord::DeleteOp(Key("done/"), done)});
+              {}, {coord::DeleteOp(Key("round/"), round), coord::DeleteOp(Key("closed/"), closed)});
           ++stats_.requests;
         }
         ++round_;
@@ -362,29 +371,23 @@ Result<std::vector<std::string>> EtcdBootstrap::Round(std::string_view mine,
       case Decision::Kind::kLost:
         return Status::Unavailable(
             StrCat(who, ": ", d.why, "; declared lost: start a new process to rejoin"));
-      case Decision::Kind::kDeclareDone:
+      case Decision::Kind::kProposeView: {
+        // The view unchanged, and the contributions this round still misses still absent: no
+        // round past `through` completed before the view moves (src/coord/membership.h).
+        std::vector<coord::EtcdCompare> cmp = {coord::ModRevisionIs(Key("view"), view_revision)};
+        for (uint32_t r : d.absent) cmp.push_back(coord::VersionIs(round + Pad(r, 5), 0));
         EPLBX_RETURN_IF_ERROR(UntilAnswered(
                                   [&] {
                                     return client_->Txn(
-                                        {coord::ModRevisionIs(Key("view"), view_revision)},
-                                        {coord::PutOp(done, "")});
+                                        cmp, {coord::PutOp(Key("view"), coord::EncodeView(d.next)),
+                                              coord::PutOp(closed, StrCat(d.through))});
                                   },
                                   deadline)
                                   .status());
         ++stats_.requests;
         continue;
-      case Decision::Kind::kProposeView:
-      case Decision::Kind::kCreateView:
-        EPLBX_RETURN_IF_ERROR(UntilAnswered(
-                                  [&] {
-                                    return client_->Txn(
-                                        {coord::ModRevisionIs(Key("view"), view_revision)},
-                                        {coord::PutOp(Key("view"), coord::EncodeView(d.next))});
-                                  },
-                                  deadline)
-                                  .status());
-        ++stats_.requests;
-        continue;
+      }
+      case Decision::Kind::kCreateView:  // (a view exists once a rank is in a round)
       case Decision::Kind::kWait:
         std::this_thread::sleep_for(std::chrono::microseconds(polls < 20    ? 200
                                                               : polls < 200 ? 2000

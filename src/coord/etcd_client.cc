@@ -102,6 +102,37 @@ json OpJson(const EtcdOp& op) {
 
 }  // namespace
 
+Result<EtcdRange> ParseRangeResponse(std::string_view body, const std::string& where) {
+  json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return Status::Corruption(StrCat(where, ": not a JSON object"));
+  return ParseRange(j, where);
+}
+
+Result<EtcdTxnResult> ParseTxnResponse(std::string_view body, const std::string& where) {
+  json j = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return Status::Corruption(StrCat(where, ": not a JSON object"));
+  EtcdTxnResult r;
+  auto ok = j.find("succeeded");
+  r.succeeded = ok != j.end() && ok->is_boolean() && ok->get<bool>();
+  auto header = j.find("header");
+  if (header != j.end() && !header->is_object())
+    return Status::Corruption(StrCat(where, ": 'header' is not an object"));
+  if (header != j.end()) {
+    EPLBX_ASSIGN_OR_RETURN(r.revision, Int(*header, "revision", where));
+  }
+  if (auto rs = j.find("responses"); rs != j.end()) {
+    if (!rs->is_array()) return Status::Corruption(StrCat(where, ": 'responses' is not an array"));
+    for (const json& x : *rs) {
+      if (!x.is_object()) return Status::Corruption(StrCat(where, ": a response is not an object"));
+      if (auto range = x.find("response_range"); range != x.end()) {
+        EPLBX_ASSIGN_OR_RETURN(EtcdRange got, ParseRange(*range, where));
+        r.ranges.push_back(std::move(got));
+      }
+    }
+  }
+  return r;
+}
+
 std::string PrefixEnd(std::string_view prefix) {
   std::string end(prefix);
   while (!end.empty()) {
@@ -288,8 +319,7 @@ Result<EtcdRange> EtcdClient::Range(std::string_view key, std::string_view range
   if (!range_end.empty()) body["range_end"] = Base64Encode(range_end);
   if (limit > 0) body["limit"] = std::to_string(limit);
   EPLBX_ASSIGN_OR_RETURN(std::string out, Post("/v3/kv/range", body.dump()));
-  json j = json::parse(out, nullptr, false);
-  return ParseRange(j, StrCat("etcd ", current(), " range"));
+  return ParseRangeResponse(out, StrCat("etcd ", current(), " range"));
 }
 
 Result<int64_t> EtcdClient::Delete(std::string_view key, std::string_view range_end) {
@@ -332,21 +362,7 @@ Result<EtcdTxnResult> EtcdClient::Txn(const std::vector<EtcdCompare>& compare,
   for (const EtcdOp& op : failure) otherwise.push_back(OpJson(op));
   json body = {{"compare", cmp}, {"success", ok}, {"failure", otherwise}};
   EPLBX_ASSIGN_OR_RETURN(std::string out, Post("/v3/kv/txn", body.dump()));
-  const std::string where = StrCat("etcd ", current(), " txn");
-  json j = json::parse(out, nullptr, false);
-  if (!j.is_object()) return Status::Corruption(StrCat(where, ": not JSON"));
-  EtcdTxnResult r;
-  r.succeeded = j.value("succeeded", false);
-  EPLBX_ASSIGN_OR_RETURN(r.revision, Int(j.value("header", json::object()), "revision", where));
-  if (auto rs = j.find("responses"); rs != j.end() && rs->is_array()) {
-    for (const json& x : *rs) {
-      if (auto range = x.find("response_range"); range != x.end()) {
-        EPLBX_ASSIGN_OR_RETURN(EtcdRange got, ParseRange(*range, where));
-        r.ranges.push_back(std::move(got));
-      }
-    }
-  }
-  return r;
+  return ParseTxnResponse(out, StrCat("etcd ", current(), " txn"));
 }
 
 Result<int64_t> EtcdClient::LeaseGrant(int64_t ttl_s) {

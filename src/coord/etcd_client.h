@@ -101,6 +101,11 @@ struct EtcdTxnResult {
   std::vector<EtcdRange> ranges;  // one per kRange op of the branch taken, in order
 };
 
+// The gateway's answers, parsed strictly (exposed for the fuzz target): a range, a
+// transaction. kCorruption naming `where` and the field on anything malformed.
+Result<EtcdRange> ParseRangeResponse(std::string_view body, const std::string& where);
+Result<EtcdTxnResult> ParseTxnResponse(std::string_view body, const std::string& where);
+
 // The end of the range of keys that start with `prefix` (etcd's convention).
 std::string PrefixEnd(std::string_view prefix);
 std::string Base64Encode(std::string_view bytes);

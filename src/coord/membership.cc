@@ -60,7 +60,7 @@ std::string DescribeView(const View& v) {
   return first ? out + "none" : out;
 }
 
-Decision Decide(uint32_t self, uint32_t world, int64_t incarnation, uint64_t epoch,
+Decision Decide(uint32_t self, uint32_t world, int64_t incarnation, uint64_t epoch, uint64_t round,
                 const Snapshot& s) {
   Decision d;
   auto alive = [&](uint32_t r) { return r < s.alive.size() ? s.alive[r] : int64_t{0}; };
@@ -84,75 +84,68 @@ Decision Decide(uint32_t self, uint32_t world, int64_t incarnation, uint64_t epo
     return d;
   }
   const View& v = *s.view;
-  if (epoch != 0 && s.done) {  // decisive, whatever the view says now
-    d.kind = Decision::Kind::kSucceeded;
+  if (epoch == 0) {  // in no view yet: adopt one that takes this process in, else wait
+    if (v.incarnation[self] == incarnation) d.kind = Decision::Kind::kSucceeded;
+    d.why = "waiting to be taken into the view";
     return d;
   }
-  if (epoch != 0 && v.epoch != epoch) {
-    if (v.epoch < epoch) {
-      d.why = StrCat("the view says epoch ", v.epoch, ", older than this rank's ", epoch);
-      return d;  // kWait: views never go back; a stale read passes
+  if (v.epoch != epoch) {
+    if (v.epoch < epoch || !s.closed) {
+      d.why = StrCat("the view says epoch ", v.epoch, " but epoch ", epoch,
+                     v.epoch < epoch ? " is this rank's" : " has no closing round");
+      return d;  // kWait: views never go back, and a view change writes closed/ with it
+    }
+    if (static_cast<int64_t>(round) <= *s.closed) {
+      d.kind = Decision::Kind::kSucceeded;  // completed before the view moved
+      return d;
     }
     d.kind = v.incarnation[self] == incarnation ? Decision::Kind::kAborted : Decision::Kind::kLost;
     d.why = StrCat("the member set changed: ", DescribeView(v), " (this rank was at epoch ", epoch,
                    ")");
     return d;
   }
-  if (epoch == 0 && v.incarnation[self] == incarnation) {
-    d.kind = Decision::Kind::kSucceeded;  // in the view: adopt it
-    return d;
-  }
-  if (epoch != 0 && v.incarnation[self] != incarnation) {
+  if (v.incarnation[self] != incarnation) {
     d.kind = Decision::Kind::kLost;
     d.why = StrCat("rank ", self, " was declared lost at ", DescribeView(v));
     return d;
   }
+  std::vector<uint32_t> absent;
+  for (uint32_t r = 0; r < world; ++r) {
+    if (v.incarnation[r] != 0 && !(r < s.contributed.size() && s.contributed[r]))
+      absent.push_back(r);
+  }
   // Losses first: a member whose key is gone, or belongs to another process now.
   View next = v;
   next.epoch = v.epoch + 1;
-  bool lost = false;
+  bool lost = false, joins = false;
   for (uint32_t r = 0; r < world; ++r) {
     if (v.incarnation[r] != 0 && alive(r) != v.incarnation[r]) {
       next.incarnation[r] = 0;
       lost = true;
     }
   }
-  bool anyone = false;
-  for (int64_t x : next.incarnation) anyone = anyone || x != 0;
-  if (lost && anyone) {
-    d.kind = Decision::Kind::kProposeView;
-    d.next = next;
-    d.why = "members lost";
-    return d;
-  }
-  if (lost) {  // every member gone: the group ends (a new one starts with a new view)
-    d.why = "every member of the view is gone";
-    return d;
-  }
-  bool joins = false;
-  for (uint32_t r = 0; r < world; ++r) {
-    if (v.incarnation[r] == 0 && alive(r) != 0) {
-      next.incarnation[r] = alive(r);
-      joins = true;
+  if (!lost) {
+    for (uint32_t r = 0; r < world; ++r) {
+      if (v.incarnation[r] == 0 && alive(r) != 0) {
+        next.incarnation[r] = alive(r);
+        joins = true;
+      }
     }
   }
-  if (joins) {
+  if (lost || joins) {
     d.kind = Decision::Kind::kProposeView;
     d.next = next;
-    d.why = "processes joining";
+    // This round completed if nothing is missing; else it ends with the view.
+    d.through = static_cast<int64_t>(round) - (absent.empty() ? 0 : 1);
+    d.absent = std::move(absent);
+    d.why = lost ? "members lost" : "processes joining";
     return d;
   }
-  if (epoch == 0) {
-    d.why = "waiting to be taken into the view";
+  if (absent.empty()) {  // every member's contribution is there under this view
+    d.kind = Decision::Kind::kSucceeded;
     return d;
   }
-  for (uint32_t r = 0; r < world; ++r) {
-    if (v.incarnation[r] != 0 && !(r < s.contributed.size() && s.contributed[r])) {
-      d.why = StrCat("waiting for rank ", r, "'s contribution");
-      return d;
-    }
-  }
-  d.kind = Decision::Kind::kDeclareDone;
+  d.why = StrCat("waiting for rank ", absent.front(), "'s contribution");
   return d;
 }
 

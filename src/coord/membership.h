@@ -12,13 +12,18 @@
 //                         incarnation, first lost, then joining); replaced only by a
 //                         compare-and-swap on its mod revision
 //   round/<e>/<n>/<rank>  the rank's contribution to all-gather round n of epoch e
-//   done/<e>/<n>          round (e, n) complete: written only by a compare-and-swap that
-//                         the view is still the one of epoch e
-// A round's outcome is decided once for everyone: it succeeded if and only if done/<e>/<n>
-// exists. done can only be written while the view is epoch e's; once the view moved on it
-// can never be written, so a member that finds the view moved and no done key knows the
-// round failed for every member. There is no fixed leader: whichever member sees a change
-// first writes the new view or the done key; the others' compare-and-swaps fail harmlessly.
+//   closed/<e>            written with the view that ends epoch e: T, the last round of
+//                         epoch e that completed
+// A round's outcome is decided once for everyone, with one write per member per round: while
+// the view is epoch e's, round (e, n) succeeded once every member's contribution is there.
+// The view that ends epoch e is written by a compare-and-swap on the view's revision that
+// also requires the contributions still missing from the proposer's round n to be absent,
+// and records T = n - 1 in closed/<e> (T = n when nothing is missing): so no round past T can
+// have completed before the view moved, and every member, whenever it looks, decides round n of
+// epoch e the same way (succeeded if every contribution is there under view e, or n <= T once the
+// view moved). There is no fixed leader: whichever member sees a change first proposes the next
+// view; the others' compare-and-swaps fail harmlessly. A process in no view yet (a joiner) proposes
+// nothing: the members, polling every step, take it in.
 #ifndef EPLBX_COORD_MEMBERSHIP_H_
 #define EPLBX_COORD_MEMBERSHIP_H_
 
@@ -49,7 +54,7 @@ struct Snapshot {
   std::optional<View> view;       // none: the group has no view yet (starting)
   std::vector<int64_t> alive;     // per rank: members/<rank>'s create revision, 0 absent
   std::vector<bool> contributed;  // round/<epoch>/<n>/<rank> present
-  bool done = false;              // done/<epoch>/<n> present
+  std::optional<int64_t> closed;  // closed/<epoch>: the last round of the epoch that completed
 };
 
 struct Decision {
@@ -57,13 +62,16 @@ struct Decision {
     kWait,         // nothing to do until the keys change
     kCreateView,   // write `view` (epoch 1, every rank) if none exists yet
     kProposeView,  // replace the view (compare its revision) with `next`
-    kDeclareDone,  // write done/<epoch>/<n> (compare the view's revision)
     kSucceeded,    // the round completed: read the contributions of view.members
     kAborted,      // the round failed: the member set changed (view says how)
     kLost,         // this rank is no member of the view any more: rejoin as a new process
   };
   Kind kind = Kind::kWait;
   View next;  // kCreateView, kProposeView
+  // kProposeView: the last completed round of the epoch it ends (written to closed/<epoch>),
+  // and the ranks whose contribution to this rank's round must still be absent.
+  int64_t through = -1;
+  std::vector<uint32_t> absent;
   std::string why;
 };
 
@@ -74,7 +82,7 @@ struct Decision {
 // changes are proposed in two kinds, losses first: members whose key is gone or belongs to
 // another incarnation leave; then live processes of ranks outside the view join. The first
 // view (epoch 1) is written once every rank of the world has a live process.
-Decision Decide(uint32_t self, uint32_t world, int64_t incarnation, uint64_t epoch,
+Decision Decide(uint32_t self, uint32_t world, int64_t incarnation, uint64_t epoch, uint64_t round,
                 const Snapshot& s);
 
 // "epoch 3, members 0, 2, 3" (for messages).

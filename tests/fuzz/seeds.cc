@@ -125,6 +125,20 @@ int main(int argc, char** argv) {
   }
 #endif
   {
+    // etcd's answers: a range with two keys, a transaction with a range, a view, base64.
+    Put(root / "fuzz_etcd_response", "range",
+        std::string("\0\0", 2) +
+            R"({"header":{"revision":"12"},"kvs":[{"key":"L2VwbGJ4L2cvbWVtYmVycy8wMDAwMQ==",)"
+            R"("create_revision":"3","mod_revision":"3","version":"1","value":"MTI=","lease":"7"}],)"
+            R"("count":"1"})");
+    Put(root / "fuzz_etcd_response", "txn",
+        std::string("\1\0", 2) +
+            R"({"header":{"revision":"40"},"succeeded":true,"responses":[{"response_put":{}},)"
+            R"({"response_range":{"header":{"revision":"40"},"kvs":[]}}]})");
+    Put(root / "fuzz_etcd_response", "view", std::string("\2\3", 2) + "eplbx-view 1 4 5 0 9 11");
+    Put(root / "fuzz_etcd_response", "base64", std::string("\3\0", 2) + "Zm9vYg==");
+  }
+  {
     // Three ranks' maps (2 layers x 3 rows of 5 experts): a member (with its window and
     // backup flags), no member, a joiner.
     const std::string cut = "\xff\xfe";

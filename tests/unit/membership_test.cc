@@ -60,7 +60,7 @@ std::string MemberKey(uint32_t r) { return "members/" + Pad(r, 5); }
 std::string RoundKey(uint64_t e, uint64_t n) {
   return "round/" + Pad(e, 10) + "/" + Pad(n, 12) + "/";
 }
-std::string DoneKey(uint64_t e, uint64_t n) { return "done/" + Pad(e, 10) + "/" + Pad(n, 12); }
+std::string ClosedKey(uint64_t e) { return "closed/" + Pad(e, 10); }
 
 struct Agent {
   uint32_t rank = 0;
@@ -113,7 +113,8 @@ class World {
     if (a.epoch != 0) {
       for (uint32_t r = 0; r < size_; ++r)
         s.contributed[r] = store_.kv.count(RoundKey(a.epoch, a.n) + Pad(r, 5)) > 0;
-      s.done = store_.kv.count(DoneKey(a.epoch, a.n)) > 0;
+      if (auto it = store_.kv.find(ClosedKey(a.epoch)); it != store_.kv.end())
+        s.closed = std::stoll(it->second.value);
     }
     return s;
   }
@@ -129,9 +130,11 @@ class World {
     }
     if (!a.pending) {
       a.seen = Read(a);
-      a.pending = Decide(a.rank, size_, a.incarnation, a.epoch, a.seen);
+      a.pending = Decide(a.rank, size_, a.incarnation, a.epoch, a.n, a.seen);
       return;
     }
+    // Acting on a decision takes a while (a request in flight): others move meanwhile.
+    if (std::uniform_int_distribution<int>(0, 2)(rng_) != 0) return;
     const Decision d = *a.pending;
     a.pending.reset();
     switch (d.kind) {
@@ -143,16 +146,20 @@ class World {
           ++views_written_;
         }
         break;
-      case Decision::Kind::kProposeView:
-        if (store_.Mod("view") == a.seen.view->revision) {
+      case Decision::Kind::kProposeView: {
+        // The compare-and-swap: the view unchanged and the missing contributions still absent.
+        bool ok = store_.Mod("view") == a.seen.view->revision;
+        for (uint32_t r : d.absent)
+          ok = ok && store_.kv.count(RoundKey(a.epoch, a.n) + Pad(r, 5)) == 0;
+        if (ok) {
           EXPECT_EQ(d.next.epoch, a.seen.view->epoch + 1);
+          EXPECT_EQ(d.through, static_cast<int64_t>(a.n) - (d.absent.empty() ? 0 : 1));
           store_.Put("view", EncodeView(d.next));
+          store_.Put(ClosedKey(a.epoch), std::to_string(d.through));
           ++views_written_;
         }
         break;
-      case Decision::Kind::kDeclareDone:
-        if (store_.Mod("view") == a.seen.view->revision) store_.Put(DoneKey(a.epoch, a.n), "");
-        break;
+      }
       case Decision::Kind::kSucceeded: {
         if (a.epoch == 0) {  // taken into the view
           Adopt(a, *a.seen.view);
@@ -180,7 +187,7 @@ class World {
         // The lowest member cleans everything before this round (everyone is past it).
         if (a.rank == FirstMember(a.view)) {
           store_.DeletePrefixBefore("round/", RoundKey(a.epoch, a.n));
-          store_.DeletePrefixBefore("done/", DoneKey(a.epoch, a.n));
+          store_.DeletePrefixBefore("closed/", ClosedKey(a.epoch));
         }
         ++a.n;
         a.contributed = false;
@@ -301,7 +308,7 @@ class World {
       out += StrCat(" [rank ", a.rank, " inc ", a.incarnation, a.running ? " running" : "",
                     a.lost ? " lost" : "", a.stopped ? " stopped" : "", " epoch ", a.epoch, "]");
     }
-    const Decision d = Decide(me.rank, size_, me.incarnation, me.epoch, Read(me));
+    const Decision d = Decide(me.rank, size_, me.incarnation, me.epoch, me.n, Read(me));
     return out + StrCat("; decides ", static_cast<int>(d.kind), " ", d.why);
   }
   int RunningFor(uint32_t rank) const {
@@ -382,16 +389,21 @@ TEST(MembershipTest, LossesComeBeforeJoinsAndARestartedProcessIsANewIncarnation)
   v.revision = 50;
   s.view = v;
   s.alive = {10, 30, 0};  // rank 1 restarted (new key), rank 2 gone
-  Decision d = Decide(0, 3, 10, 4, s);
+  Decision d = Decide(0, 3, 10, 4, 7, s);
   ASSERT_EQ(d.kind, Decision::Kind::kProposeView) << d.why;
   EXPECT_EQ(d.next.epoch, 5u);
   EXPECT_EQ(d.next.incarnation, (std::vector<int64_t>{10, 0, 0}));
+  EXPECT_EQ(d.through, 6);  // round 7 had not completed
+  EXPECT_EQ(d.absent, (std::vector<uint32_t>{0, 1, 2}));
   s.view = d.next;
-  d = Decide(0, 3, 10, 5, s);  // then the new process joins
+  d = Decide(0, 3, 10, 5, 0, s);  // then the new process joins
   ASSERT_EQ(d.kind, Decision::Kind::kProposeView) << d.why;
   EXPECT_EQ(d.next.incarnation, (std::vector<int64_t>{10, 30, 0}));
   // The old process of rank 1, resumed, learns it was declared lost.
-  EXPECT_EQ(Decide(1, 3, 11, 4, s).kind, Decision::Kind::kLost);
+  s.alive[1] = 11;  // (its key as it was)
+  s.closed = 6;
+  EXPECT_EQ(Decide(1, 3, 11, 4, 7, s).kind, Decision::Kind::kLost);
+  EXPECT_EQ(Decide(1, 3, 11, 4, 6, s).kind, Decision::Kind::kSucceeded);  // done before
 }
 
 TEST(MembershipTest, ARoundsOutcomeIsOneForEveryoneOverRandomWorlds) {

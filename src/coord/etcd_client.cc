@@ -396,10 +396,14 @@ Result<bool> EtcdClient::IsLeader() {
   EPLBX_ASSIGN_OR_RETURN(std::string out, Post("/v3/maintenance/status", "{}"));
   json j = json::parse(out, nullptr, false);
   if (!j.is_object()) return Status::Corruption(StrCat("etcd ", current(), ": status: not JSON"));
-  EPLBX_ASSIGN_OR_RETURN(int64_t leader, Int(j, "leader", "etcd status"));
-  EPLBX_ASSIGN_OR_RETURN(int64_t me,
-                         Int(j.value("header", json::object()), "member_id", "etcd status"));
-  return leader != 0 && leader == me;
+  // Member ids are unsigned 64-bit: compared as the strings the gateway writes.
+  const json header = j.value("header", json::object());
+  auto text = [](const json& o, const char* field) {
+    auto it = o.is_object() ? o.find(field) : o.end();
+    return it != o.end() && it->is_string() ? it->get<std::string>() : std::string();
+  };
+  const std::string leader = text(j, "leader"), me = text(header, "member_id");
+  return !leader.empty() && leader == me;
 }
 
 }  // namespace eplbx::coord

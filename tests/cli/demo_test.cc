@@ -850,7 +850,7 @@ TEST(DemoTest, WorkersOnEtcdServeOnWhenRankZeroAndEtcdMembersAreKilled) {
   }
   const std::string flags =
       " --serve --modes async --layers 3 --experts 16 --slots-per-rank 8 --expert-bytes 64K "
-      "--steps 400 --interval 10 --tokens 64 --top-k 4 --work-bytes 1K --deadline 2 --json "
+      "--steps 1000 --interval 10 --tokens 64 --top-k 4 --work-bytes 1K --deadline 2 --json "
       "--group drill --coordination " +
       url + " --inject kill:0@60";
   std::vector<Shell> out(4);

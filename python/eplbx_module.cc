@@ -17,6 +17,7 @@
 
 #include "eplbx/balancer.h"
 #include "eplbx/bootstrap.h"
+#include "eplbx/etcd.h"
 #include "eplbx/layout.h"
 #include "eplbx/migration.h"
 #include "eplbx/policy.h"
@@ -476,7 +477,7 @@ class PyServingGroup {
                  const std::string& token, const py::list& layers, const py::list& regions,
                  const py::object& initial, int experts, int nodes, const std::string& policy,
                  int window, int interval, const std::string& mode, double deadline_s,
-                 const std::string& backup_dir, const std::string& node) {
+                 const std::string& backup_dir, const std::string& node, const std::string& group) {
     const auto deadline = std::chrono::milliseconds(static_cast<int64_t>(deadline_s * 1000));
     AgentConfig config;
     config.peer_timeout =
@@ -523,7 +524,7 @@ class PyServingGroup {
     Status set_up;
     {
       py::gil_scoped_release release;
-      set_up = SetUp(addr, port, token, rank, world, deadline, layout, experts, o, start,
+      set_up = SetUp(addr, port, token, group, rank, world, deadline, layout, experts, o, start,
                      backup_dir, node);
     }
     Check(set_up);
@@ -531,12 +532,31 @@ class PyServingGroup {
 
   // Joins the store, then joins the group (welcomed as a joiner) or creates it with the
   // others (the node's backup first, when a directory is given). Without the GIL.
-  Status SetUp(const std::string& addr, uint16_t port, const std::string& token, uint32_t rank,
-               uint32_t world, std::chrono::milliseconds deadline, const RankLayout& layout,
-               int experts, const ServingOptions& o, std::optional<Placement>& start,
+  Status SetUp(const std::string& addr, uint16_t port, const std::string& token,
+               const std::string& group, uint32_t rank, uint32_t world,
+               std::chrono::milliseconds deadline, const RankLayout& layout, int experts,
+               const ServingOptions& o, std::optional<Placement>& start,
                const std::string& backup_dir, const std::string& node) {
-    EPLBX_ASSIGN_OR_RETURN(boot_, JoinTcpStore(addr, port, token, rank, world, deadline * 5));
-    if (boot_->joining()) {
+    bool joining = false;
+    if (addr.rfind("etcd://", 0) == 0) {  // coordination on etcd: no coordinator process
+      EtcdOptions eo;
+      EPLBX_ASSIGN_OR_RETURN(eo.endpoints, ParseEtcdUrl(addr));
+      eo.group = group;
+      eo.token = token;
+      eo.lease = std::chrono::seconds(
+          std::max<int64_t>(2, std::chrono::duration_cast<std::chrono::seconds>(deadline).count()));
+      eo.start_timeout = deadline * 5;
+      EPLBX_ASSIGN_OR_RETURN(std::unique_ptr<EtcdBootstrap> b,
+                             EtcdBootstrap::Join(rank, world, std::move(eo)));
+      joining = b->joining();
+      boot_ = std::move(b);
+    } else {
+      EPLBX_ASSIGN_OR_RETURN(std::unique_ptr<SocketBootstrap> b,
+                             JoinTcpStore(addr, port, token, rank, world, deadline * 5));
+      joining = b->joining();
+      boot_ = std::move(b);
+    }
+    if (joining) {
       EPLBX_ASSIGN_OR_RETURN(group_,
                              ServingGroup::Join(agent_.get(), boot_.get(), layout, experts, o));
       return Status::OK();
@@ -626,7 +646,7 @@ class PyServingGroup {
  private:
   std::unique_ptr<Agent> agent_;
   std::vector<RegisteredRegion> regions_;
-  std::unique_ptr<SocketBootstrap> boot_;
+  std::unique_ptr<Bootstrap> boot_;  // the store's (SocketBootstrap) or etcd's
   std::unique_ptr<HostBackup> backup_;
   std::unique_ptr<ServingGroup> group_;
 };
@@ -729,11 +749,12 @@ PYBIND11_MODULE(_eplbx, m) {
       .def(py::init<uint32_t, uint32_t, const std::string&, uint16_t, const std::string&,
                     const py::list&, const py::list&, const py::object&, int, int,
                     const std::string&, int, int, const std::string&, double, const std::string&,
-                    const std::string&>(),
+                    const std::string&, const std::string&>(),
            py::arg("rank"), py::arg("world"), py::arg("addr"), py::arg("port"), py::arg("token"),
            py::arg("layers"), py::arg("regions"), py::arg("initial"), py::arg("experts"),
            py::arg("nodes"), py::arg("policy"), py::arg("window"), py::arg("interval"),
-           py::arg("mode"), py::arg("deadline_s"), py::arg("backup_dir"), py::arg("node"))
+           py::arg("mode"), py::arg("deadline_s"), py::arg("backup_dir"), py::arg("node"),
+           py::arg("group") = "eplbx")
       .def("step", &PyServingGroup::Step, py::arg("counts"))
       .def("commit", &PyServingGroup::Commit)
       .def("sync", &PyServingGroup::Sync)

@@ -69,19 +69,27 @@ class ServingGroup:
     tensors), rows holding the experts `initial` puts in this rank's slots.
     initial: (layers, slots) logical expert per physical slot, the same on every rank (None on
     a process that joins a group under way: the store welcomes it as a joiner).
-    store: (address, port, token) of the coordinator.
+    store: (address, port, token) of the coordinator (eplbx.Store), or "etcd://HOST:PORT[,...]"
+    to coordinate on etcd with no coordinator process (then `token` and `group`, the key
+    prefix, are given as keywords; docs/deploy.md, "Coordination on etcd").
     """
 
     def __init__(self, rank, world, store, weights, initial, experts, *, nodes=1,
                  policy="incremental", window=1000, interval=1000, mode="async", deadline_s=10.0,
-                 backup_dir=None, node="node"):
-        addr, port, token = store
+                 backup_dir=None, node="node", token=None, group="eplbx"):
+        if isinstance(store, str):
+            if not store.startswith("etcd://") or not token:
+                raise ValueError("eplbx: store is a string: it must be etcd://HOST:PORT[,...] and "
+                                 "token= must be given")
+            addr, port = store, 0
+        else:
+            addr, port, token = store
         layers, regions = _tensor_layout(weights)
         self._weights = weights  # the group reads and writes them: keep them alive
         self._g = _ServingGroup(rank, world, addr, port, token, layers, regions,
                                 None if initial is None else np.asarray(initial, dtype=np.int32),
                                 experts, nodes, policy, window, interval, mode, deadline_s,
-                                backup_dir or "", node)
+                                backup_dir or "", node, group)
 
     def step(self, counts):
         """After every forward step: (layers, experts) token counts, the same on every rank."""

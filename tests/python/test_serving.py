@@ -92,7 +92,7 @@ def serve(g, rank, weights, results, start, torch, die_at=None, await_join=True)
                               "metrics": g.prometheus()}))
 
 
-def worker(rank, world, gloo_port, results, backup_dir, joining=False):
+def worker(rank, world, gloo_port, results, backup_dir, joining=False, etcd=None, kill=2):
     try:
         import torch
         import torch.distributed as dist
@@ -100,6 +100,19 @@ def worker(rank, world, gloo_port, results, backup_dir, joining=False):
         import eplbx
 
         weights = [[torch.zeros((ROWS, ROW_FLOATS), dtype=torch.float32)] for _ in range(LAYERS)]
+        if etcd is not None:  # coordination on etcd: no eplbx.Store, no process group needed
+            p = None if joining else initial()
+            for layer in range(LAYERS):
+                for slot in range(ROWS):
+                    if p is not None:
+                        weights[layer][0][slot].fill_(value(layer, int(p[layer, rank * ROWS + slot])))
+            g = eplbx.ServingGroup(rank, world, etcd, weights, p, EXPERTS, window=10, interval=10,
+                                   deadline_s=3.0, backup_dir=None if joining else backup_dir,
+                                   token="t", group="pytest")
+            serve(g, rank, weights, results, g.steps if joining else 0, torch,
+                  die_at=KILL_AT if rank == kill and not joining else None, await_join=not joining)
+            g.close()
+            return
         if joining:
             # A new process for rank 2: it finds the store's address in the file rank 0 wrote.
             with open(os.path.join(backup_dir, "store")) as f:
@@ -172,6 +185,68 @@ class ServingGroupTest(unittest.TestCase):
             self.assertEqual(out[rank]["epoch"], first["epoch"])
             self.assertEqual(out[rank]["steps"], first["steps"])
         self.assertEqual(os.listdir(backup_dir), ["store"])  # the backup's name is gone
+
+    def test_on_etcd_rank_zero_is_lost_and_a_new_process_for_it_joins(self):
+        """Coordination on etcd (docs/deploy.md): no eplbx.Store anywhere, so rank 0 can be
+        lost like any other: killed at step 15, the others settle when its lease runs out and
+        serve on; a new process for rank 0 joins. Needs an etcd binary (scripts/setup.sh
+        installs Debian's etcd-server); skips saying why where there is none."""
+        import shutil
+        import subprocess
+        import time
+
+        etcd = shutil.which("etcd")
+        if etcd is None:
+            msg = "SKIPPED: no etcd binary (apt-get install etcd-server; scripts/setup.sh does)"
+            print(msg, file=__import__("sys").stderr)
+            self.skipTest(msg)
+        data = tempfile.mkdtemp(prefix="eplbx-etcd-")
+        client, peer = free_port(), free_port()
+        server = subprocess.Popen(
+            [etcd, "--name", "e", "--data-dir", data, "--listen-client-urls", f"http://127.0.0.1:{client}",
+             "--advertise-client-urls", f"http://127.0.0.1:{client}", "--listen-peer-urls",
+             f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-cluster", f"e=http://127.0.0.1:{peer}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            url = f"etcd://127.0.0.1:{client}"
+            for _ in range(100):  # up when its port answers
+                with socket.socket() as s:
+                    if s.connect_ex(("127.0.0.1", client)) == 0:
+                        break
+                time.sleep(0.05)
+            ctx = mp.get_context("spawn")
+            results = ctx.Queue()
+            backup_dir = tempfile.mkdtemp(prefix="eplbx-serving-")
+            procs = [ctx.Process(target=worker, args=(r, WORLD, 0, results, backup_dir, False, url, 0))
+                     for r in range(WORLD)]
+            for p in procs:
+                p.start()
+            procs[0].join(60)
+            self.assertEqual(procs[0].exitcode, -signal.SIGKILL)
+            again = ctx.Process(target=worker, args=(0, WORLD, 0, results, backup_dir, True, url, 0))
+            again.start()
+            out = {}
+            for _ in range(WORLD):
+                rank, status, detail = results.get(timeout=120)
+                self.assertEqual(status, "ok", f"rank {rank}: {detail}")
+                out[rank] = detail
+            for p in procs + [again]:
+                p.join(30)
+            self.assertEqual(sorted(out), [0, 1, 2, 3])
+            first = out[1]
+            self.assertEqual(first["members"], [0, 1, 2, 3])
+            self.assertEqual(first["epoch"], 3)
+            self.assertEqual(first["recoveries"][0], ("loss", [1, 2, 3]))
+            self.assertEqual(first["recoveries"][1], ("join", [0, 1, 2, 3]))
+            for rank in (0, 2, 3):
+                self.assertEqual(out[rank]["placement"], first["placement"])
+                self.assertEqual(out[rank]["epoch"], first["epoch"])
+                self.assertEqual(out[rank]["steps"], first["steps"])
+        finally:
+            server.kill()
+            server.wait()
+            shutil.rmtree(data, ignore_errors=True)
 
 
 if __name__ == "__main__":

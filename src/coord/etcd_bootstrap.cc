@@ -192,11 +192,9 @@ Status EtcdBootstrap::Start() {
     s.alive.assign(world_, 0);
     if (snap.ranges.size() != 2)
       return Status::Corruption(StrCat(who, ": a snapshot without its reads"));
-    int64_t view_revision = 0;
     if (!snap.ranges[0].kvs.empty()) {
-      view_revision = snap.ranges[0].kvs[0].mod_revision;
-      EPLBX_ASSIGN_OR_RETURN(coord::View v,
-                             coord::DecodeView(snap.ranges[0].kvs[0].value, world_, view_revision));
+      EPLBX_ASSIGN_OR_RETURN(coord::View v, coord::DecodeView(snap.ranges[0].kvs[0].value, world_,
+                                                              snap.ranges[0].kvs[0].mod_revision));
       s.view = v;
     }
     for (const coord::EtcdKv& kv : snap.ranges[1].kvs) {
@@ -224,15 +222,9 @@ Status EtcdBootstrap::Start() {
                                         {coord::PutOp(Key("view"), coord::EncodeView(d.next))})
                                   .status());
         continue;
-      case Decision::Kind::kProposeView:
-        EPLBX_RETURN_IF_ERROR(client_
-                                  ->Txn({coord::ModRevisionIs(Key("view"), view_revision)},
-                                        {coord::PutOp(Key("view"), coord::EncodeView(d.next))})
-                                  .status());
-        continue;
       case Decision::Kind::kLost:
         return Status::Unavailable(StrCat(who, ": ", d.why, "; start a new process"));
-      default:
+      default:  // waiting for every rank to start, or for the members to take it in
         std::this_thread::sleep_for(std::chrono::milliseconds(polls < 100 ? 5 : 50));
     }
   }

@@ -836,8 +836,9 @@ TEST(DemoTest, WorkersServingGoOnAfterAWorkerIsKilled) {
 // Issue 31: coordination on etcd, across processes. Three etcd members on loopback; four
 // `eplbx worker --serve --coordination etcd://...` processes, no store, no coordinator. Rank 0
 // kills itself at step 60 (SIGKILL: its lease runs out); while its loss is being detected and
-// settled, the etcd leader is killed, and later another etcd member. Ranks 1-3 serve to the
-// end over themselves, every row checked, exit 0, in one epoch with one placement.
+// settled, the etcd leader is killed, and later another etcd member. Rank 2 stops itself at
+// step 500 (SIGSTOP, as a hung host) and stays stopped past its lease. Ranks 1 and 3 serve to
+// step 1000 over themselves, every row checked, exit 0, in one epoch with one placement.
 TEST(DemoTest, WorkersOnEtcdServeOnWhenRankZeroAndEtcdMembersAreKilled) {
   eplbx::testing::EtcdCluster cluster(3);
   if (!cluster.ready()) GTEST_SKIP() << "SKIPPED: " << cluster.why_not();
@@ -852,16 +853,16 @@ TEST(DemoTest, WorkersOnEtcdServeOnWhenRankZeroAndEtcdMembersAreKilled) {
       " --serve --modes async --layers 3 --experts 16 --slots-per-rank 8 --expert-bytes 64K "
       "--steps 1000 --interval 10 --tokens 64 --top-k 4 --work-bytes 1K --deadline 2 --json "
       "--group drill --coordination " +
-      url + " --inject kill:0@60";
+      url + " --inject kill:0@60,stop:2@500";
   std::vector<Shell> out(4);
   std::vector<std::thread> workers;
   for (int r = 0; r < 4; ++r) {
     workers.emplace_back([&, r] {
-      out[r] = RunShell("EPLBX_RANK=" + std::to_string(r) +
-                        " EPLBX_WORLD_SIZE=4 EPLBX_TOKEN=t "
-                        "EPLBX_NODE=n" +
-                        std::to_string(r) + " EPLBX_BACKUP_DIR=" + dir + " " + EPLBX_CLI +
-                        " worker" + flags + " 2>" + dir + "/err" + std::to_string(r));
+      const std::string n = std::to_string(r);
+      // In the background with its pid written down (a stopped process never exits itself).
+      out[r] = RunShell("EPLBX_RANK=" + n + " EPLBX_WORLD_SIZE=4 EPLBX_TOKEN=t EPLBX_NODE=n" + n +
+                        " EPLBX_BACKUP_DIR=" + dir + " " + EPLBX_CLI + " worker" + flags + " 2>" +
+                        dir + "/err" + n + " & echo $! >" + dir + "/pid" + n + "; wait $!");
     });
   }
   // Rank 0's process ends at step 60 (killed); a second later, while its lease (2 s) runs
@@ -877,21 +878,27 @@ TEST(DemoTest, WorkersOnEtcdServeOnWhenRankZeroAndEtcdMembersAreKilled) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1000));
     cluster.Kill(leader == 0 ? 1 : 0);
   }
-  for (int r = 1; r < 4; ++r) workers[r].join();
+  for (int r : {1, 3}) workers[r].join();
+  const std::string stopped = RunShell("cat " + dir + "/pid2").out;
+  RunShell("kill -9 " + stopped);  // rank 2, stopped since step 500
+  workers[2].join();
   std::string errs;
   for (int r = 0; r < 4; ++r) errs += RunShell("cat " + dir + "/err" + std::to_string(r)).out;
   std::filesystem::remove_all(dir);
   EXPECT_NE(out[0].exit_code, 0);  // killed
+  EXPECT_NE(out[2].exit_code, 0);  // stopped, then killed
   std::string digest;
-  for (int r = 1; r < 4; ++r) {
+  for (int r : {1, 3}) {
     SCOPED_TRACE("rank " + std::to_string(r) + ": " + out[r].out + errs);
     EXPECT_EQ(out[r].exit_code, 0);
     const nlohmann::json rep = nlohmann::json::parse(out[r].out, nullptr, false);
     ASSERT_FALSE(rep.is_discarded());
     EXPECT_TRUE(rep["verified"].get<bool>());
-    EXPECT_EQ(rep["drill"]["members"].get<std::vector<int>>(), (std::vector<int>{1, 2, 3}));
-    EXPECT_EQ(rep["coordination"]["epoch"].get<int>(), 2);
+    EXPECT_EQ(rep["drill"]["members"].get<std::vector<int>>(), (std::vector<int>{1, 3}));
+    EXPECT_EQ(rep["coordination"]["epoch"].get<int>(), 3);  // two losses
     EXPECT_EQ(rep["drill"]["detected_step"].get<int>(), 60);
+    ASSERT_EQ(rep["drill"]["events"].size(), 2u);
+    EXPECT_EQ(rep["drill"]["events"][1]["step"].get<int>(), 500);
     if (digest.empty()) digest = rep["placement_digest"].get<std::string>();
     EXPECT_EQ(rep["placement_digest"].get<std::string>(), digest);
   }

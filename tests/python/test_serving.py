@@ -57,18 +57,18 @@ def check_rows(torch, g, rank, weights):
     return ""
 
 
-def end(g, await_join):
+def end(g, await_join, cap):
     """The step every member stops at: STEPS, or 5 steps after the join (all agree on its
-    step); a member waits for the join (at most 3000 steps)."""
+    step); a member waits for the join (at most `cap` steps)."""
     for r in g.recoveries:
         if r["kind"] == "join":
             return max(STEPS, r["step"] + 5)
-    return 3000 if await_join else STEPS
+    return cap if await_join else STEPS
 
 
-def serve(g, rank, weights, results, start, torch, die_at=None, await_join=True):
+def serve(g, rank, weights, results, start, torch, die_at=None, await_join=True, cap=3000):
     step = start
-    while step < end(g, await_join):
+    while step < end(g, await_join, cap):
         if die_at is not None and step == die_at:
             os.kill(os.getpid(), signal.SIGKILL)  # as a crashed process would
         g.step(counts(step))
@@ -109,8 +109,11 @@ def worker(rank, world, gloo_port, results, backup_dir, joining=False, etcd=None
             g = eplbx.ServingGroup(rank, world, etcd, weights, p, EXPERTS, window=10, interval=10,
                                    deadline_s=3.0, backup_dir=None if joining else backup_dir,
                                    token="t", group="pytest")
+            # The new process comes after the old one's lease ran out and a spawned interpreter
+            # started (seconds on a loaded machine): the members wait up to 100000 steps.
             serve(g, rank, weights, results, g.steps if joining else 0, torch,
-                  die_at=KILL_AT if rank == kill and not joining else None, await_join=not joining)
+                  die_at=KILL_AT if rank == kill and not joining else None, await_join=not joining,
+                  cap=100000)
             g.close()
             return
         if joining:

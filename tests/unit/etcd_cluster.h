@@ -5,6 +5,7 @@
 #ifndef EPLBX_TESTS_UNIT_ETCD_CLUSTER_H_
 #define EPLBX_TESTS_UNIT_ETCD_CLUSTER_H_
 
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -137,8 +138,9 @@ class EtcdCluster {
     pid_t pid = fork();
     if (pid == 0) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);  // nothing is left behind if the test dies
-      FILE* f = freopen(log.c_str(), "a", stderr);
-      (void)f;
+      // Only async-signal-safe calls between fork and exec (the test has other threads).
+      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+      if (fd >= 0) dup2(fd, STDERR_FILENO);
       execl(binary_.c_str(), binary_.c_str(), "--name", Name(i).c_str(), "--data-dir", data.c_str(),
             "--listen-client-urls", client.c_str(), "--advertise-client-urls", client.c_str(),
             "--listen-peer-urls", peer.c_str(), "--initial-advertise-peer-urls", peer.c_str(),

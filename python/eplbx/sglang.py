@@ -1,7 +1,9 @@
 """A drop-in for SGLang's expert-weight update on eplbx's transfer engine and protocol.
 
     import eplbx.sglang
-    eplbx.sglang.install()      # once per rank process, after torch.distributed is initialised
+    eplbx.sglang.install()      # once per rank process, before SGLang's first rebalance
+    # or, with eplbx installed in SGLang's environment, SGLang's plugin loading does it:
+    #   EPLBX_SGLANG_UPDATER=1 python -m sglang.launch_server ... --eplb-algorithm eplbx
 
 SGLang moves expert rows after an EPLB rebalance in
 `sglang.srt.eplb.expert_location_updater.ExpertLocationUpdater.update` (torch.distributed

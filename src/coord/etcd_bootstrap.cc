@@ -2,8 +2,10 @@
 #include <cctype>
 #include <cinttypes>
 #include <cstdio>
+#include <limits>
 #include <random>
 
+#include "common/numbers.h"
 #include "common/strings.h"
 #include "coord/etcd_client.h"
 #include "coord/membership.h"
@@ -46,6 +48,37 @@ std::string Change(const std::vector<int64_t>& before, const std::vector<int64_t
   if (!left.empty()) out = list(left, "left");
   if (!joined.empty()) out += (out.empty() ? "" : "; ") + list(joined, "joined");
   return out.empty() ? "the member set changed" : out;
+}
+
+// The rank a key under `prefix` names ("<prefix>00003"), or kCorruption naming the key (a key
+// under the group's prefix that eplbx did not write).
+Result<uint32_t> RankOfKey(const std::string& key, const std::string& prefix, uint32_t world,
+                           const std::string& who) {
+  const std::string rest = key.substr(std::min(prefix.size(), key.size()));
+  if (!Digits(rest, 5) || std::stoul(rest) >= world) {
+    return Status::Corruption(
+        StrCat(who, ": a key under the group's prefix that eplbx did not write: '", key, "'"));
+  }
+  return static_cast<uint32_t>(std::stoul(rest));
+}
+
+// The view and the live processes of a snapshot whose first two reads are the view key and
+// the members/ prefix. Returns the view's revision (0: no view yet).
+Result<int64_t> ReadMembership(const coord::EtcdTxnResult& snap, const std::string& members,
+                               uint32_t world, const std::string& who, coord::Snapshot* s) {
+  s->alive.assign(world, 0);
+  int64_t revision = 0;
+  if (!snap.ranges[0].kvs.empty()) {
+    revision = snap.ranges[0].kvs[0].mod_revision;
+    EPLBX_ASSIGN_OR_RETURN(coord::View v,
+                           coord::DecodeView(snap.ranges[0].kvs[0].value, world, revision));
+    s->view = std::move(v);
+  }
+  for (const coord::EtcdKv& kv : snap.ranges[1].kvs) {
+    EPLBX_ASSIGN_OR_RETURN(uint32_t r, RankOfKey(kv.key, members, world, who));
+    s->alive[r] = kv.create_revision;
+  }
+  return revision;
 }
 
 // Calls `f` until it gives something other than kUnavailable (no etcd member answered: an
@@ -188,25 +221,10 @@ Status EtcdBootstrap::Start() {
         coord::RangeOp(Key("members/"), coord::PrefixEnd(Key("members/")))};
     EPLBX_ASSIGN_OR_RETURN(coord::EtcdTxnResult snap,
                            UntilAnswered([&] { return client_->Txn({}, reads); }, start_deadline));
-    coord::Snapshot s;
-    s.alive.assign(world_, 0);
     if (snap.ranges.size() != 2)
       return Status::Corruption(StrCat(who, ": a snapshot without its reads"));
-    if (!snap.ranges[0].kvs.empty()) {
-      EPLBX_ASSIGN_OR_RETURN(coord::View v, coord::DecodeView(snap.ranges[0].kvs[0].value, world_,
-                                                              snap.ranges[0].kvs[0].mod_revision));
-      s.view = v;
-    }
-    for (const coord::EtcdKv& kv : snap.ranges[1].kvs) {
-      const std::string rest = kv.key.substr(Key("members/").size());
-      if (!Digits(rest, 5) || std::stoul(rest) >= world_) {
-        return Status::Corruption(StrCat(who,
-                                         ": a key under the group's prefix that eplbx did not "
-                                         "write: '",
-                                         kv.key, "'"));
-      }
-      s.alive[std::stoul(rest)] = kv.create_revision;
-    }
+    coord::Snapshot s;
+    EPLBX_RETURN_IF_ERROR(ReadMembership(snap, Key("members/"), world_, who, &s).status());
     const Decision d = coord::Decide(rank_, world_, incarnation_, 0, 0, s);
     switch (d.kind) {
       case Decision::Kind::kSucceeded:
@@ -285,47 +303,24 @@ Result<std::vector<std::string>> EtcdBootstrap::Round(std::string_view mine,
     if (snap.ranges.size() != 4)
       return Status::Corruption(StrCat(who, ": a snapshot without its reads"));
     coord::Snapshot s;
-    s.alive.assign(world_, 0);
+    EPLBX_ASSIGN_OR_RETURN(const int64_t view_revision,
+                           ReadMembership(snap, Key("members/"), world_, who, &s));
     s.contributed.assign(world_, false);
-    int64_t view_revision = 0;
-    if (!snap.ranges[0].kvs.empty()) {
-      view_revision = snap.ranges[0].kvs[0].mod_revision;
-      EPLBX_ASSIGN_OR_RETURN(coord::View v,
-                             coord::DecodeView(snap.ranges[0].kvs[0].value, world_, view_revision));
-      s.view = v;
-    }
-    for (const coord::EtcdKv& kv : snap.ranges[1].kvs) {
-      const std::string rest = kv.key.substr(Key("members/").size());
-      if (!Digits(rest, 5) || std::stoul(rest) >= world_) {
-        return Status::Corruption(StrCat(who,
-                                         ": a key under the group's prefix that eplbx did not "
-                                         "write: '",
-                                         kv.key, "'"));
-      }
-      s.alive[std::stoul(rest)] = kv.create_revision;
-    }
     std::vector<std::string> got(world_);
     for (const coord::EtcdKv& kv : snap.ranges[2].kvs) {
-      const std::string rest = kv.key.substr(round.size());
-      if (!Digits(rest, 5) || std::stoul(rest) >= world_) {
-        return Status::Corruption(StrCat(who,
-                                         ": a key under the group's prefix that eplbx did not "
-                                         "write: '",
-                                         kv.key, "'"));
-      }
-      s.contributed[std::stoul(rest)] = true;
-      got[std::stoul(rest)] = kv.value;
+      EPLBX_ASSIGN_OR_RETURN(uint32_t r, RankOfKey(kv.key, round, world_, who));
+      s.contributed[r] = true;
+      got[r] = kv.value;
     }
     if (!snap.ranges[3].kvs.empty()) {
-      const std::string& t = snap.ranges[3].kvs[0].value;
-      if (t.empty() || t.size() > 19 ||
-          !std::all_of(t.begin() + (t[0] == '-' ? 1 : 0), t.end(),
-                       [](char c) { return c >= '0' && c <= '9'; }) ||
-          t == "-") {
-        return Status::Corruption(StrCat(who, ": '", closed, "' holds '", t.substr(0, 40),
-                                         "', not a round number; was it written by eplbx?"));
+      // The last completed round of the epoch (-1: none).
+      Result<int64_t> t = internal::ParseInteger<int64_t>(snap.ranges[3].kvs[0].value, closed, -1,
+                                                          std::numeric_limits<int64_t>::max());
+      if (!t.ok()) {
+        return t.status().WithPrefix(
+            StrCat(who, ": the closing round of epoch ", epoch_, " (was it written by eplbx?)"));
       }
-      s.closed = std::stoll(t);
+      s.closed = *t;
     }
     const Decision d = coord::Decide(rank_, world_, incarnation_, epoch_, round_, s);
     waiting = d.why;

@@ -285,8 +285,15 @@ TEST(EtcdBootstrapTest, ANewProcessForALostRankJoinsAndHostileKeysAreRefusedByNa
   EXPECT_NE(got.status().message().find("'/eplbx/join/members/garbage'"), std::string::npos)
       << got.status().ToString();
   ASSERT_TRUE((*c)->Delete("/eplbx/join/members/garbage").ok());
-  ASSERT_TRUE((*c)->Put("/eplbx/join/view", "eplbx-view 1 1 0 0 0").ok());  // no member: refused
+  // A closing round that is no number (or past int64) for the epoch in force.
+  ASSERT_TRUE((*c)->Put("/eplbx/join/closed/0000000003", "99999999999999999999").ok());
   got = b[1]->AllGather("h", std::chrono::seconds(5));
+  EXPECT_EQ(got.status().code(), Code::kInvalidArgument) << got.status().ToString();
+  EXPECT_NE(got.status().message().find("the closing round of epoch 3"), std::string::npos)
+      << got.status().ToString();
+  ASSERT_TRUE((*c)->Delete("/eplbx/join/closed/0000000003").ok());
+  ASSERT_TRUE((*c)->Put("/eplbx/join/view", "eplbx-view 1 1 0 0 0").ok());  // no member: refused
+  got = again->AllGather("h", std::chrono::seconds(5));
   EXPECT_EQ(got.status().code(), Code::kCorruption);
   EXPECT_NE(got.status().message().find("has no member"), std::string::npos)
       << got.status().ToString();

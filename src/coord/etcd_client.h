@@ -58,41 +58,19 @@ struct EtcdOp {
 
 // The comparisons and operations eplbx uses, spelled out.
 inline EtcdCompare VersionIs(std::string key, int64_t version) {
-  EtcdCompare c;
-  c.key = std::move(key);
-  c.target = EtcdCompare::Target::kVersion;
-  c.number = version;
-  return c;
+  return {std::move(key), EtcdCompare::Target::kVersion, EtcdCompare::Op::kEqual, version, {}};
 }
 inline EtcdCompare ModRevisionIs(std::string key, int64_t revision) {
-  EtcdCompare c;
-  c.key = std::move(key);
-  c.target = EtcdCompare::Target::kModRevision;
-  c.number = revision;
-  return c;
+  return {std::move(key), EtcdCompare::Target::kModRevision, EtcdCompare::Op::kEqual, revision, {}};
 }
 inline EtcdOp PutOp(std::string key, std::string value, int64_t lease = 0) {
-  EtcdOp op;
-  op.kind = EtcdOp::Kind::kPut;
-  op.key = std::move(key);
-  op.value = std::move(value);
-  op.lease = lease;
-  return op;
+  return {EtcdOp::Kind::kPut, std::move(key), std::move(value), {}, lease};
 }
 inline EtcdOp RangeOp(std::string key, std::string range_end = {}) {
-  EtcdOp op;
-  op.kind = EtcdOp::Kind::kRange;
-  op.key = std::move(key);
-  op.range_end = std::move(range_end);
-  return op;
+  return {EtcdOp::Kind::kRange, std::move(key), {}, std::move(range_end), 0};
 }
-
 inline EtcdOp DeleteOp(std::string key, std::string range_end = {}) {
-  EtcdOp op;
-  op.kind = EtcdOp::Kind::kDelete;
-  op.key = std::move(key);
-  op.range_end = std::move(range_end);
-  return op;
+  return {EtcdOp::Kind::kDelete, std::move(key), {}, std::move(range_end), 0};
 }
 
 struct EtcdTxnResult {

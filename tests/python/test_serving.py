@@ -155,6 +155,28 @@ def worker(rank, world, gloo_port, results, backup_dir, joining=False, etcd=None
 
 @unittest.skipUnless(__import__("importlib").util.find_spec("torch"), "torch is not installed")
 class ServingGroupTest(unittest.TestCase):
+    def one_group_after_a_loss_and_a_join(self, results, procs, lost, reporter):
+        """Every rank's report once the lost rank's new process joined: all four at epoch 3
+        (the loss, then the join), one placement, one step count. Returns `reporter`'s."""
+        out = {}
+        for _ in range(WORLD):
+            rank, status, detail = results.get(timeout=120)
+            self.assertEqual(status, "ok", f"rank {rank}: {detail}")
+            out[rank] = detail
+        for p in procs:
+            p.join(30)
+        self.assertEqual(sorted(out), [0, 1, 2, 3])
+        first = out[reporter]
+        self.assertEqual(first["members"], [0, 1, 2, 3])
+        self.assertEqual(first["epoch"], 3)
+        self.assertEqual(first["recoveries"][0], ("loss", [r for r in range(WORLD) if r != lost]))
+        self.assertEqual(first["recoveries"][1], ("join", [0, 1, 2, 3]))
+        for rank in range(WORLD):
+            self.assertEqual(out[rank]["placement"], first["placement"])
+            self.assertEqual(out[rank]["epoch"], first["epoch"])
+            self.assertEqual(out[rank]["steps"], first["steps"])
+        return first
+
     def test_survivors_of_a_killed_rank_serve_on_and_it_comes_back(self):
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
@@ -169,28 +191,12 @@ class ServingGroupTest(unittest.TestCase):
         # The lost rank's process comes back (as systemd would start it again).
         again = ctx.Process(target=worker, args=(2, WORLD, gloo_port, results, backup_dir, True))
         again.start()
-        out = {}
-        for _ in range(WORLD):
-            rank, status, detail = results.get(timeout=120)
-            self.assertEqual(status, "ok", f"rank {rank}: {detail}")
-            out[rank] = detail
-        for p in procs + [again]:
-            p.join(30)
-        self.assertEqual(sorted(out), [0, 1, 2, 3])
-        first = out[0]
-        self.assertEqual(first["members"], [0, 1, 2, 3])
-        self.assertEqual(first["epoch"], 3)
-        self.assertEqual(first["recoveries"][0], ("loss", [0, 1, 3]))
-        self.assertEqual(first["recoveries"][1], ("join", [0, 1, 2, 3]))
+        first = self.one_group_after_a_loss_and_a_join(results, procs + [again], lost=2, reporter=0)
         self.assertGreater(first["experts_recovered"], 0)  # rank 2's only experts, from the backup
         for line in ('eplbx_recoveries_total{kind="loss"} 1\n', 'eplbx_recoveries_total{kind="join"} 1\n',
                      "eplbx_recovery_seconds_count 2\n", "eplbx_membership_epoch 3\n", "eplbx_members 4\n",
                      f"eplbx_experts_recovered_total {first['experts_recovered']}\n"):
             self.assertIn(line, first["metrics"])
-        for rank in (1, 2, 3):
-            self.assertEqual(out[rank]["placement"], first["placement"])
-            self.assertEqual(out[rank]["epoch"], first["epoch"])
-            self.assertEqual(out[rank]["steps"], first["steps"])
         self.assertEqual(os.listdir(backup_dir), ["store"])  # the backup's name is gone
 
     def test_on_etcd_rank_zero_is_lost_and_a_new_process_for_it_joins(self):
@@ -240,23 +246,7 @@ class ServingGroupTest(unittest.TestCase):
                 time.sleep(0.05)
             again = ctx.Process(target=worker, args=(0, WORLD, 0, results, backup_dir, True, url, 0))
             again.start()
-            out = {}
-            for _ in range(WORLD):
-                rank, status, detail = results.get(timeout=120)
-                self.assertEqual(status, "ok", f"rank {rank}: {detail}")
-                out[rank] = detail
-            for p in procs + [again]:
-                p.join(30)
-            self.assertEqual(sorted(out), [0, 1, 2, 3])
-            first = out[1]
-            self.assertEqual(first["members"], [0, 1, 2, 3])
-            self.assertEqual(first["epoch"], 3)
-            self.assertEqual(first["recoveries"][0], ("loss", [1, 2, 3]))
-            self.assertEqual(first["recoveries"][1], ("join", [0, 1, 2, 3]))
-            for rank in (0, 2, 3):
-                self.assertEqual(out[rank]["placement"], first["placement"])
-                self.assertEqual(out[rank]["epoch"], first["epoch"])
-                self.assertEqual(out[rank]["steps"], first["steps"])
+            self.one_group_after_a_loss_and_a_join(results, procs + [again], lost=0, reporter=1)
         finally:
             server.kill()
             server.wait()

@@ -15,8 +15,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -69,7 +71,8 @@ class EtcdBootstrap final : public Bootstrap {
   void StopRenewing();
 
   struct Stats {
-    uint64_t rounds = 0, requests = 0, polls = 0;
+    // polls: snapshots read; waits: waits for a change under the group's prefix.
+    uint64_t rounds = 0, requests = 0, polls = 0, waits = 0;
   };
   Stats stats() const { return stats_; }
 
@@ -78,11 +81,15 @@ class EtcdBootstrap final : public Bootstrap {
   Status Start();
   Result<std::vector<std::string>> Round(std::string_view mine, std::chrono::milliseconds timeout);
   std::string Key(std::string_view rest) const { return prefix_ + std::string(rest); }
+  // Until the watch has seen something under the group's prefix change after `revision` (a
+  // lost member's key deleted, a contribution or a view written), at most a second (a watch
+  // between members) and never past `deadline`.
+  void WaitPast(int64_t revision, std::chrono::steady_clock::time_point deadline);
 
   uint32_t rank_ = 0, world_ = 0;
   EtcdOptions options_;
   std::string prefix_;
-  std::unique_ptr<coord::EtcdClient> client_, renew_client_;
+  std::unique_ptr<coord::EtcdClient> client_, renew_client_, watch_client_;
   int64_t lease_ = 0, incarnation_ = 0;
   uint64_t epoch_ = 0, round_ = 0;
   std::vector<int64_t> view_;  // incarnations of the view in force
@@ -91,6 +98,13 @@ class EtcdBootstrap final : public Bootstrap {
   Status failed_;  // a round that ended without an outcome: no more rounds
   std::atomic<bool> stop_{false}, expired_{false}, renewing_{true};
   std::thread renew_;
+  // A watch on the group's prefix, streamed by a thread: `seen_` is the last revision known
+  // to have changed something under it (or the store's revision when the stream was created:
+  // whatever came before is in a snapshot read after it).
+  std::thread watch_;
+  std::mutex seen_mu_;
+  std::condition_variable seen_cv_;
+  int64_t seen_ = 0;
   Stats stats_;
 };
 

@@ -161,7 +161,8 @@ Status RunEtcdWorker(DemoOptions o, bool ranks_given, const std::string& url,
                           {"group", group},
                           {"epoch", boot->epoch()},
                           {"rounds", boot->stats().rounds},
-                          {"requests", boot->stats().requests}};
+                          {"requests", boot->stats().requests},
+                          {"waits", boot->stats().waits}};
   mine["wall_s"] = wall;
   boot.reset();  // leaves the group (its lease revoked)
   if (o.json) {

@@ -152,6 +152,26 @@ Status EtcdBootstrap::Start() {
                          coord::EtcdClient::Create(options_.endpoints, options_.request_timeout));
   EPLBX_ASSIGN_OR_RETURN(renew_client_,
                          coord::EtcdClient::Create(options_.endpoints, options_.request_timeout));
+  EPLBX_ASSIGN_OR_RETURN(watch_client_,
+                         coord::EtcdClient::Create(options_.endpoints, options_.request_timeout));
+  // The watch: waits for a change under the prefix end when one comes (a stream from now on,
+  // created again every 10 s and on the next member when one goes away).
+  watch_ = std::thread([this] {
+    auto seen = [this](const coord::EtcdWatchMessage& m) {
+      if (m.created || m.changed) {
+        std::lock_guard<std::mutex> lock(seen_mu_);
+        seen_ = std::max(seen_, m.revision);
+        seen_cv_.notify_all();
+      }
+      return !stop_;
+    };
+    while (!stop_) {
+      if (!watch_client_->Watch(prefix_, coord::PrefixEnd(prefix_), seen, std::chrono::seconds(10))
+               .ok()) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+  });
   const std::string who = StrCat("rank ", rank_, " of group '", options_.group, "'");
   // The group's token and size: written by the first process, checked by every other.
   const std::string identity = StrCat(world_, " ", options_.token);
@@ -211,7 +231,7 @@ Status EtcdBootstrap::Start() {
     }
   });
   // Into a view: the first one (every rank started), or the group's under way as a joiner.
-  for (uint64_t polls = 0;; ++polls) {
+  for (;;) {
     if (std::chrono::steady_clock::now() > start_deadline) {
       return Status::Timeout(
           StrCat(who, ": not in the group's view after ", options_.start_timeout.count(), " ms"));
@@ -243,15 +263,25 @@ Status EtcdBootstrap::Start() {
       case Decision::Kind::kLost:
         return Status::Unavailable(StrCat(who, ": ", d.why, "; start a new process"));
       default:  // waiting for every rank to start, or for the members to take it in
-        std::this_thread::sleep_for(std::chrono::milliseconds(polls < 100 ? 5 : 50));
+        WaitPast(snap.revision, start_deadline);
     }
   }
+}
+
+void EtcdBootstrap::WaitPast(int64_t revision, std::chrono::steady_clock::time_point deadline) {
+  ++stats_.waits;
+  std::unique_lock<std::mutex> lock(seen_mu_);
+  seen_cv_.wait_until(
+      lock, std::min(deadline, std::chrono::steady_clock::now() + std::chrono::seconds(1)),
+      [&] { return seen_ > revision; });
 }
 
 EtcdBootstrap::~EtcdBootstrap() {
   stop_ = true;
   if (renew_.joinable()) renew_.join();
   if (client_ && lease_ != 0 && renewing_) (void)client_->LeaseRevoke(lease_);
+  if (watch_client_) watch_client_->StopWatch();
+  if (watch_.joinable()) watch_.join();
 }
 
 void EtcdBootstrap::StopRenewing() { renewing_ = false; }
@@ -376,9 +406,7 @@ Result<std::vector<std::string>> EtcdBootstrap::Round(std::string_view mine,
       }
       case Decision::Kind::kCreateView:  // (a view exists once a rank is in a round)
       case Decision::Kind::kWait:
-        std::this_thread::sleep_for(std::chrono::microseconds(polls < 20    ? 200
-                                                              : polls < 200 ? 2000
-                                                                            : 10000));
+        WaitPast(snap.revision, deadline);
         continue;
     }
   }

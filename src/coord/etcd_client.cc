@@ -23,6 +23,54 @@ struct CurlGlobal {
   CurlGlobal() { curl_global_init(CURL_GLOBAL_DEFAULT); }
 };
 
+// What every request sets: plain HTTP only, no redirects, no signals, no Nagle.
+void HttpOnly(CURL* c) {
+  curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+#if LIBCURL_VERSION_NUM >= 0x075500  // 7.85: the string form
+  curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http");
+#else
+  curl_easy_setopt(c, CURLOPT_PROTOCOLS, static_cast<long>(CURLPROTO_HTTP));
+#endif
+  curl_easy_setopt(c, CURLOPT_FOLLOWLOCATION, 0L);
+  curl_easy_setopt(c, CURLOPT_TCP_NODELAY, 1L);
+}
+
+// A watch's stream, read line by line until a message reports a change.
+struct WatchStream {
+  std::string where, line;
+  const std::function<bool(const EtcdWatchMessage&)>* on = nullptr;
+  bool created = false, done = false;
+  Status error;
+};
+
+size_t OnWatchData(char* data, size_t size, size_t n, void* out) {
+  auto* w = static_cast<WatchStream*>(out);
+  const std::string_view in(data, size * n);
+  for (size_t at = 0; at < in.size();) {
+    const size_t nl = std::min(in.find('\n', at), in.size());
+    w->line.append(in.substr(at, nl - at));
+    if (w->line.size() > EtcdClient::kMaxResponseBytes) {
+      w->error = Status::Corruption(
+          StrCat(w->where, ": a watch message over ", EtcdClient::kMaxResponseBytes, " bytes"));
+      return 0;
+    }
+    if (nl == in.size()) break;
+    at = nl + 1;
+    Result<EtcdWatchMessage> m = ParseWatchMessage(w->line, w->where);
+    w->line.clear();
+    if (!m.ok()) {
+      w->error = m.status();
+      return 0;  // curl ends the transfer (CURLE_WRITE_ERROR)
+    }
+    w->created = w->created || m->created;
+    if (!(*w->on)(*m) || m->canceled) {
+      w->done = true;
+      return 0;
+    }
+  }
+  return size * n;
+}
+
 size_t Collect(char* data, size_t size, size_t n, void* out) {
   auto* s = static_cast<std::string*>(out);
   if (s->size() + size * n > EtcdClient::kMaxResponseBytes) return 0;  // curl fails the transfer
@@ -133,6 +181,46 @@ Result<EtcdTxnResult> ParseTxnResponse(std::string_view body, const std::string&
   return r;
 }
 
+Result<EtcdWatchMessage> ParseWatchMessage(std::string_view line, const std::string& where) {
+  json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return Status::Corruption(StrCat(where, ": a watch message is not JSON"));
+  auto result = j.find("result");
+  if (result == j.end() || !result->is_object()) {
+    // The gateway reports a failed stream as {"error": {...}}.
+    auto error = j.find("error");
+    std::string message = "no 'result'";
+    if (error != j.end() && error->is_object() && error->contains("message") &&
+        (*error)["message"].is_string()) {
+      message = (*error)["message"].get<std::string>().substr(0, 200);
+    }
+    return Status::Unavailable(StrCat(where, ": watch ended: ", message));
+  }
+  EtcdWatchMessage m;
+  if (auto h = result->find("header"); h != result->end()) {
+    if (!h->is_object()) return Status::Corruption(StrCat(where, ": 'header' is not an object"));
+    EPLBX_ASSIGN_OR_RETURN(m.revision, Int(*h, "revision", where));
+  }
+  auto flag = [&](const char* field) {
+    auto it = result->find(field);
+    return it != result->end() && it->is_boolean() && it->get<bool>();
+  };
+  m.created = flag("created");
+  m.canceled = flag("canceled");
+  if (auto events = result->find("events"); events != result->end()) {
+    if (!events->is_array()) return Status::Corruption(StrCat(where, ": 'events' is not an array"));
+    for (const json& e : *events) {
+      auto kv = e.is_object() ? e.find("kv") : e.end();
+      if (kv == e.end() || !kv->is_object())
+        return Status::Corruption(StrCat(where, ": an event without its 'kv'"));
+      EPLBX_ASSIGN_OR_RETURN(int64_t rev, Int(*kv, "mod_revision", where));
+      m.changed = true;
+      m.revision = std::max(m.revision, rev);
+    }
+  }
+  if (m.revision < 0) return Status::Corruption(StrCat(where, ": a negative revision"));
+  return m;
+}
+
 std::string PrefixEnd(std::string_view prefix) {
   std::string end(prefix);
   while (!end.empty()) {
@@ -204,6 +292,8 @@ EtcdClient::EtcdClient(std::vector<std::string> endpoints, std::chrono::millisec
 
 EtcdClient::~EtcdClient() {
   if (curl_ != nullptr) curl_easy_cleanup(static_cast<CURL*>(curl_));
+  if (watch_curl_ != nullptr) curl_easy_cleanup(static_cast<CURL*>(watch_curl_));
+  if (watch_multi_ != nullptr) curl_multi_cleanup(static_cast<CURLM*>(watch_multi_));
 }
 
 Result<std::unique_ptr<EtcdClient>> EtcdClient::Create(std::vector<std::string> endpoints,
@@ -223,7 +313,10 @@ Result<std::unique_ptr<EtcdClient>> EtcdClient::Create(std::vector<std::string> 
     return Status::InvalidArgument("etcd: the request timeout must be positive");
   std::unique_ptr<EtcdClient> c(new EtcdClient(std::move(endpoints), request_timeout));
   c->curl_ = curl_easy_init();
-  if (c->curl_ == nullptr) return Status::Internal("etcd: curl_easy_init failed");
+  c->watch_curl_ = curl_easy_init();
+  c->watch_multi_ = curl_multi_init();
+  if (c->curl_ == nullptr || c->watch_curl_ == nullptr || c->watch_multi_ == nullptr)
+    return Status::Internal("etcd: curl_easy_init failed");
   return c;
 }
 
@@ -260,14 +353,7 @@ Result<std::string> EtcdClient::Post(std::string_view path, const std::string& b
         300, static_cast<long>(timeout_.count() / static_cast<long>(endpoints_.size())));
     curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, std::min<long>(left_ms, share));
     curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, std::min<long>(left_ms, 1000));
-    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
-#if LIBCURL_VERSION_NUM >= 0x075500  // 7.85: the string form
-    curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http");
-#else
-    curl_easy_setopt(c, CURLOPT_PROTOCOLS, static_cast<long>(CURLPROTO_HTTP));
-#endif
-    curl_easy_setopt(c, CURLOPT_FOLLOWLOCATION, 0L);
-    curl_easy_setopt(c, CURLOPT_TCP_NODELAY, 1L);
+    HttpOnly(c);
     const CURLcode rc = curl_easy_perform(c);
     long http = 0;
     curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &http);
@@ -363,6 +449,71 @@ Result<EtcdTxnResult> EtcdClient::Txn(const std::vector<EtcdCompare>& compare,
   json body = {{"compare", cmp}, {"success", ok}, {"failure", otherwise}};
   EPLBX_ASSIGN_OR_RETURN(std::string out, Post("/v3/kv/txn", body.dump()));
   return ParseTxnResponse(out, StrCat("etcd ", current(), " txn"));
+}
+
+Status EtcdClient::Watch(std::string_view key, std::string_view range_end,
+                         const std::function<bool(const EtcdWatchMessage&)>& on,
+                         std::chrono::milliseconds max) {
+  std::lock_guard<std::mutex> lock(watch_mu_);
+  if (watch_stopped_) return Status::OK();
+  CURL* c = static_cast<CURL*>(watch_curl_);
+  CURLM* m = static_cast<CURLM*>(watch_multi_);
+  const std::string endpoint = current();
+  const std::string url = StrCat("http://", endpoint, "/v3/watch");
+  json create = {{"key", Base64Encode(key)}};
+  if (!range_end.empty()) create["range_end"] = Base64Encode(range_end);
+  const std::string body = json{{"create_request", create}}.dump();
+  WatchStream stream;
+  stream.where = StrCat("etcd ", endpoint, " watch");
+  stream.on = &on;
+  curl_easy_reset(c);
+  curl_easy_setopt(c, CURLOPT_URL, url.c_str());
+  curl_easy_setopt(c, CURLOPT_POST, 1L);
+  curl_easy_setopt(c, CURLOPT_POSTFIELDS, body.data());
+  curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE, static_cast<long>(body.size()));
+  curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, &OnWatchData);
+  curl_easy_setopt(c, CURLOPT_WRITEDATA, &stream);
+  curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, 1000L);
+  HttpOnly(c);
+  curl_multi_add_handle(m, c);
+  const auto start = std::chrono::steady_clock::now();
+  bool silent = false;  // connected, but no creation within a second: a member stopped
+  bool expired = false;
+  for (int running = 1; running != 0;) {
+    curl_multi_perform(m, &running);
+    if (running == 0 || watch_stopped_) break;
+    const auto took = std::chrono::steady_clock::now() - start;
+    if ((expired = took >= max)) break;
+    if (!stream.created && took >= std::chrono::seconds(1)) {
+      silent = true;
+      break;
+    }
+    curl_multi_poll(m, nullptr, 0, 200, nullptr);
+  }
+  CURLcode rc = CURLE_OK;
+  int left = 0;
+  while (CURLMsg* msg = curl_multi_info_read(m, &left)) {
+    if (msg->msg == CURLMSG_DONE) rc = msg->data.result;
+  }
+  long http = 0;
+  curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &http);
+  curl_multi_remove_handle(m, c);
+  if (!stream.error.ok()) return stream.error;
+  if (stream.done || watch_stopped_ || (expired && stream.created)) return Status::OK();
+  // The stream ended, never started, or stayed silent: the member went away.
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    if (endpoints_[at_] == endpoint) at_ = (at_ + 1) % endpoints_.size();
+  }
+  const std::string why = silent           ? std::string("no answer within a second")
+                          : rc != CURLE_OK ? std::string(curl_easy_strerror(rc))
+                                           : StrCat("the stream ended (HTTP ", http, ")");
+  return Status::Unavailable(StrCat(stream.where, ": ", why));
+}
+
+void EtcdClient::StopWatch() {
+  watch_stopped_ = true;
+  curl_multi_wakeup(static_cast<CURLM*>(watch_multi_));
 }
 
 Result<int64_t> EtcdClient::LeaseGrant(int64_t ttl_s) {

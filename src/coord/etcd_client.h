@@ -13,8 +13,10 @@
 #ifndef EPLBX_COORD_ETCD_CLIENT_H_
 #define EPLBX_COORD_ETCD_CLIENT_H_
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -83,6 +85,16 @@ struct EtcdTxnResult {
 // transaction. kCorruption naming `where` and the field on anything malformed.
 Result<EtcdRange> ParseRangeResponse(std::string_view body, const std::string& where);
 Result<EtcdTxnResult> ParseTxnResponse(std::string_view body, const std::string& where);
+// One message of a watch's stream.
+struct EtcdWatchMessage {
+  bool created = false;   // the watch's creation: `revision` is the store's then
+  bool changed = false;   // events: `revision` is the last event's
+  bool canceled = false;  // etcd ended the watch
+  int64_t revision = 0;
+};
+// {"result": {...}} parsed strictly (exposed for the fuzz target); kCorruption naming `where`
+// and the field, kUnavailable for the gateway's {"error": ...}.
+Result<EtcdWatchMessage> ParseWatchMessage(std::string_view line, const std::string& where);
 
 // The end of the range of keys that start with `prefix` (etcd's convention).
 std::string PrefixEnd(std::string_view prefix);
@@ -114,6 +126,16 @@ class EtcdClient {
   Status LeaseRevoke(int64_t id);
   // Whether the member answering (the current endpoint) is the cluster's leader.
   Result<bool> IsLeader();
+  // Watches [key, range_end) from now on: calls `on` for each message of the stream (its
+  // creation first) until `on` returns false, StopWatch() is called, or `max` passes; then
+  // OK. kUnavailable when the member does not create the watch within a second or the stream
+  // breaks (the next call goes to the next member); kCorruption on a malformed message. One
+  // watch at a time, on a connection of its own.
+  Status Watch(std::string_view key, std::string_view range_end,
+               const std::function<bool(const EtcdWatchMessage&)>& on,
+               std::chrono::milliseconds max);
+  // Ends the watch under way, and any later one at once (thread safe).
+  void StopWatch();
 
   const std::vector<std::string>& endpoints() const { return endpoints_; }
   // The endpoint the last request went to (for messages).
@@ -134,6 +156,10 @@ class EtcdClient {
   mutable std::mutex mu_;
   size_t at_ = 0;         // the endpoint in use
   void* curl_ = nullptr;  // CURL*, reused (keeps the connection)
+  std::mutex watch_mu_;
+  void* watch_curl_ = nullptr;   // CURL* of Watch
+  void* watch_multi_ = nullptr;  // CURLM* (a wait StopWatch can interrupt)
+  std::atomic<bool> watch_stopped_{false};
 };
 
 }  // namespace eplbx::coord

@@ -1,6 +1,6 @@
 // libFuzzer: what etcd (or anything answering on its port) sends back, as eplbx parses it
-// (src/coord): the JSON gateway's range and transaction answers, the group's view key, and
-// base64. The first byte picks the parser; the rest is the input.
+// (src/coord): the JSON gateway's range and transaction answers, a watch stream's message,
+// the group's view key, and base64. The first byte picks the parser; the rest is the input.
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -12,7 +12,7 @@
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 2) return 0;
   const std::string_view in(reinterpret_cast<const char*>(data) + 2, size - 2);
-  switch (data[0] % 4) {
+  switch (data[0] % 5) {
     case 0:
       (void)eplbx::coord::ParseRangeResponse(in, "fuzz");
       break;
@@ -21,6 +21,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       break;
     case 2:
       (void)eplbx::coord::DecodeView(std::string(in), data[1] % 9 + 1, 7);
+      break;
+    case 4:
+      (void)eplbx::coord::ParseWatchMessage(in, "fuzz");
       break;
     default:
       (void)eplbx::coord::Base64Decode(in);

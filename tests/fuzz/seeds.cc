@@ -125,7 +125,8 @@ int main(int argc, char** argv) {
   }
 #endif
   {
-    // etcd's answers: a range with two keys, a transaction with a range, a view, base64.
+    // etcd's answers: a range with two keys, a transaction with a range, a view, base64, a
+    // watch's event.
     Put(root / "fuzz_etcd_response", "range",
         std::string("\0\0", 2) +
             R"({"header":{"revision":"12"},"kvs":[{"key":"L2VwbGJ4L2cvbWVtYmVycy8wMDAwMQ==",)"
@@ -137,6 +138,10 @@ int main(int argc, char** argv) {
             R"({"response_range":{"header":{"revision":"40"},"kvs":[]}}]})");
     Put(root / "fuzz_etcd_response", "view", std::string("\2\3", 2) + "eplbx-view 1 4 5 0 9 11");
     Put(root / "fuzz_etcd_response", "base64", std::string("\3\0", 2) + "Zm9vYg==");
+    Put(root / "fuzz_etcd_response", "watch",
+        std::string("\4\0", 2) +
+            R"({"result":{"header":{"revision":"9"},"events":[{"type":"DELETE","kv":)"
+            R"({"key":"L2VwbGJ4L2cvbWVtYmVycy8wMDAwMQ==","mod_revision":"9"}}]}})");
   }
   {
     // Three ranks' maps (2 layers x 3 rows of 5 experts): a member (with its window and

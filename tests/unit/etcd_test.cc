@@ -73,6 +73,100 @@ TEST(EtcdClientTest, KeysTransactionsLeasesAndAKilledMember) {
   EXPECT_NE(s.message().find("127.0.0.1:1"), std::string::npos) << s.ToString();
 }
 
+// The watch the rounds wait on: its creation, then every change under the prefix (and none
+// outside it) with its revision; StopWatch ends it at once; a member gone is kUnavailable and
+// the next watch is on another member.
+TEST(EtcdClientTest, AWatchSeesChangesUnderItsPrefixAndEndsWhenAsked) {
+  EtcdCluster cluster(3);
+  SKIP_WITHOUT_ETCD(cluster);
+  auto c = EtcdClient::Create(cluster.endpoints(), std::chrono::seconds(5));
+  auto w = EtcdClient::Create(cluster.endpoints(), std::chrono::seconds(5));
+  ASSERT_TRUE(c.ok() && w.ok());
+  std::mutex mu;
+  std::vector<coord::EtcdWatchMessage> seen;
+  std::atomic<bool> created{false};
+  Status ended;
+  std::thread watcher([&] {
+    ended = (*w)->Watch(
+        "/w/", coord::PrefixEnd("/w/"),
+        [&](const coord::EtcdWatchMessage& m) {
+          std::lock_guard<std::mutex> lock(mu);
+          seen.push_back(m);
+          if (m.created) created = true;
+          return true;
+        },
+        std::chrono::seconds(60));
+  });
+  while (!created) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_TRUE((*c)->Put("/other", "x").ok());  // outside the prefix: not seen
+  auto put = (*c)->Put("/w/a", "1");
+  ASSERT_TRUE(put.ok());
+  auto del = (*c)->Delete("/w/a");
+  ASSERT_TRUE(del.ok());
+  const int64_t last = (*c)->Range("/w/a")->revision;  // the delete's revision
+  for (int i = 0; i < 500; ++i) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!seen.empty() && seen.back().revision >= last) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  (*w)->StopWatch();
+  watcher.join();
+  EXPECT_TRUE(ended.ok()) << ended.ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));  // not the 60 s
+  ASSERT_GE(seen.size(), 2u);
+  EXPECT_TRUE(seen[0].created);
+  EXPECT_FALSE(seen[0].changed);
+  int64_t changes = 0, top = 0;
+  for (const auto& m : seen) {
+    changes += m.changed;
+    top = std::max(top, m.revision);
+  }
+  EXPECT_GE(changes, 1);
+  EXPECT_EQ(top, last);  // the put and the delete, nothing past them (the other key came first)
+  EXPECT_TRUE((*w)->Watch(
+                      "/w/", {}, [](const auto&) { return true; }, std::chrono::seconds(9))
+                  .ok());  // stopped: at once
+  // Every member gone: a watch says so by name.
+  auto lone = EtcdClient::Create({"127.0.0.1:1"}, std::chrono::milliseconds(300));
+  ASSERT_TRUE(lone.ok());
+  Status s = (*lone)->Watch(
+      "/w/", {}, [](const auto&) { return true; }, std::chrono::seconds(5));
+  EXPECT_EQ(s.code(), Code::kUnavailable) << s.ToString();
+  EXPECT_NE(s.message().find("127.0.0.1:1"), std::string::npos) << s.ToString();
+}
+
+TEST(EtcdClientTest, WatchMessagesAreParsedStrictly) {
+  auto m =
+      coord::ParseWatchMessage(R"({"result":{"header":{"revision":"12"},"created":true}})", "w");
+  ASSERT_TRUE(m.ok());
+  EXPECT_TRUE(m->created && !m->changed && m->revision == 12);
+  m = coord::ParseWatchMessage(
+      R"({"result":{"header":{"revision":"40"},"events":[{"kv":{"key":"YQ==","mod_revision":"31"}},)"
+      R"({"type":"DELETE","kv":{"key":"Yg==","mod_revision":"33"}}]}})",
+      "w");
+  ASSERT_TRUE(m.ok());
+  EXPECT_TRUE(m->changed);
+  EXPECT_EQ(m->revision, 40);  // the header's: at least the last event's
+  m = coord::ParseWatchMessage(R"({"result":{"canceled":true,"compact_revision":"5"}})", "w");
+  ASSERT_TRUE(m.ok());
+  EXPECT_TRUE(m->canceled);
+  EXPECT_EQ(coord::ParseWatchMessage(R"({"error":{"message":"etcdserver: no leader"}})", "w")
+                .status()
+                .code(),
+            Code::kUnavailable);
+  for (const char* bad :
+       {"", "[]", R"({"result":{"events":{}}})", R"({"result":{"events":[1]}})",
+        R"({"result":{"events":[{"kv":{"mod_revision":"x"}}]}})", R"({"result":{"header":[]}})",
+        R"({"result":{"header":{"revision":"-3"}}})"}) {
+    auto r = coord::ParseWatchMessage(bad, "etcd 1.2.3.4:2379 watch");
+    EXPECT_EQ(r.status().code(), Code::kCorruption) << bad;
+    EXPECT_NE(r.status().message().find("1.2.3.4:2379"), std::string::npos) << bad;
+  }
+}
+
 TEST(EtcdClientTest, Base64AndPrefixEnds) {
   for (const std::string& s :
        {std::string(), std::string("f"), std::string("fo"), std::string("foo"), std::string("foob"),

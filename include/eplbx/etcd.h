@@ -81,9 +81,9 @@ class EtcdBootstrap final : public Bootstrap {
   Status Start();
   Result<std::vector<std::string>> Round(std::string_view mine, std::chrono::milliseconds timeout);
   std::string Key(std::string_view rest) const { return prefix_ + std::string(rest); }
-  // Until the watch has seen something under the group's prefix change after `revision` (a
-  // lost member's key deleted, a contribution or a view written), at most a second (a watch
-  // between members) and never past `deadline`.
+  // Until the watch has seen a change after `revision` (a lost member's key deleted, a view
+  // written, a round completed), at most a second (a watch between members) and never past
+  // `deadline`.
   void WaitPast(int64_t revision, std::chrono::steady_clock::time_point deadline);
 
   uint32_t rank_ = 0, world_ = 0;
@@ -98,9 +98,9 @@ class EtcdBootstrap final : public Bootstrap {
   Status failed_;  // a round that ended without an outcome: no more rounds
   std::atomic<bool> stop_{false}, expired_{false}, renewing_{true};
   std::thread renew_;
-  // A watch on the group's prefix, streamed by a thread: `seen_` is the last revision known
-  // to have changed something under it (or the store's revision when the stream was created:
-  // whatever came before is in a snapshot read after it).
+  // A watch on the group's keys but the contributions, streamed by a thread: `seen_` is the
+  // last revision known to have changed one (or the store's revision when the stream was
+  // created: whatever came before is in a snapshot read after it).
   std::thread watch_;
   std::mutex seen_mu_;
   std::condition_variable seen_cv_;

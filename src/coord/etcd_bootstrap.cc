@@ -21,6 +21,9 @@ using coord::Decision;
 using coord::EtcdCompare;
 using coord::EtcdOp;
 
+// The most comparisons one etcd transaction takes (its --max-txn-ops, 128 by default).
+constexpr size_t kMaxCompares = 128;
+
 std::string Pad(uint64_t x, int width) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%0*" PRIu64, width, x);
@@ -154,8 +157,10 @@ Status EtcdBootstrap::Start() {
                          coord::EtcdClient::Create(options_.endpoints, options_.request_timeout));
   EPLBX_ASSIGN_OR_RETURN(watch_client_,
                          coord::EtcdClient::Create(options_.endpoints, options_.request_timeout));
-  // The watch: waits for a change under the prefix end when one comes (a stream from now on,
-  // created again every 10 s and on the next member when one goes away).
+  // The watch: every key of the group but the contributions (`closed/`, `done`, `epoch`,
+  // `identity`, `members/` sort before `round/`): a member's key gone or come, a view
+  // written, a round completed. A stream from now on, created again every 10 s and on the
+  // next member when one goes away; waits end when it has seen something.
   watch_ = std::thread([this] {
     auto seen = [this](const coord::EtcdWatchMessage& m) {
       if (m.created || m.changed) {
@@ -166,8 +171,7 @@ Status EtcdBootstrap::Start() {
       return !stop_;
     };
     while (!stop_) {
-      if (!watch_client_->Watch(prefix_, coord::PrefixEnd(prefix_), seen, std::chrono::seconds(10))
-               .ok()) {
+      if (!watch_client_->Watch(prefix_, Key("round/"), seen, std::chrono::seconds(10)).ok()) {
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
     }
@@ -237,7 +241,7 @@ Status EtcdBootstrap::Start() {
           StrCat(who, ": not in the group's view after ", options_.start_timeout.count(), " ms"));
     }
     std::vector<EtcdOp> reads = {
-        coord::RangeOp(Key("view")),
+        coord::RangeOp(Key("epoch")),
         coord::RangeOp(Key("members/"), coord::PrefixEnd(Key("members/")))};
     EPLBX_ASSIGN_OR_RETURN(coord::EtcdTxnResult snap,
                            UntilAnswered([&] { return client_->Txn({}, reads); }, start_deadline));
@@ -256,8 +260,8 @@ Status EtcdBootstrap::Start() {
         return Status::OK();
       case Decision::Kind::kCreateView:
         EPLBX_RETURN_IF_ERROR(client_
-                                  ->Txn({coord::VersionIs(Key("view"), 0)},
-                                        {coord::PutOp(Key("view"), coord::EncodeView(d.next))})
+                                  ->Txn({coord::VersionIs(Key("epoch"), 0)},
+                                        {coord::PutOp(Key("epoch"), coord::EncodeView(d.next))})
                                   .status());
         continue;
       case Decision::Kind::kLost:
@@ -319,15 +323,36 @@ Result<std::vector<std::string>> EtcdBootstrap::Round(std::string_view mine,
                                     " not complete after ", timeout.count(), " ms (", waiting,
                                     ")"));
     }
-    std::vector<EtcdOp> reads = {coord::RangeOp(Key("view")),
+    std::vector<EtcdOp> reads = {coord::RangeOp(Key("epoch")),
                                  coord::RangeOp(Key("members/"), coord::PrefixEnd(Key("members/"))),
                                  coord::RangeOp(round, coord::PrefixEnd(round)),
                                  coord::RangeOp(closed)};
-    // The first poll also writes this rank's contribution (one request, one write, and the
-    // snapshot sees it); a retry after an unanswered request writes the same bytes again.
-    if (polls == 0) reads.insert(reads.begin(), coord::PutOp(round + Pad(rank_, 5), contribution));
+    std::vector<EtcdCompare> last;  // every other member has contributed
+    std::vector<EtcdOp> completing;
+    if (polls == 0) {
+      // The first poll also writes this rank's contribution (one request, one write, and the
+      // snapshot sees it); a retry after an unanswered request writes the same bytes again.
+      reads.insert(reads.begin(), coord::PutOp(round + Pad(rank_, 5), contribution));
+      // The member whose contribution completes the round also writes the `done` hint, in
+      // the same transaction (etcd takes up to 128 comparisons): the others watch that, not
+      // each contribution (a round is then N events, not N^2). Only a hint: the snapshot
+      // decides, and waits end after a second anyway.
+      for (uint32_t r = 0; r < world_; ++r) {
+        if (members_[r] && r != rank_) last.push_back(coord::VersionAbove(round + Pad(r, 5), 0));
+      }
+      if (last.size() <= kMaxCompares) {
+        completing = reads;
+        completing.insert(completing.begin() + 1,
+                          coord::PutOp(Key("done"), StrCat(epoch_, "/", round_)));
+      }
+    }
     EPLBX_ASSIGN_OR_RETURN(coord::EtcdTxnResult snap,
-                           UntilAnswered([&] { return client_->Txn({}, reads); }, deadline));
+                           UntilAnswered(
+                               [&] {
+                                 return completing.empty() ? client_->Txn({}, reads)
+                                                           : client_->Txn(last, completing, reads);
+                               },
+                               deadline));
     ++stats_.requests;
     ++stats_.polls;
     if (snap.ranges.size() != 4)
@@ -356,6 +381,10 @@ Result<std::vector<std::string>> EtcdBootstrap::Round(std::string_view mine,
     waiting = d.why;
     switch (d.kind) {
       case Decision::Kind::kSucceeded: {
+        if (polls == 0 && completing.empty()) {
+          (void)client_->Put(Key("done"), StrCat(epoch_, "/", round_));  // (a larger group)
+          ++stats_.requests;
+        }
         for (uint32_t r = 0; r < world_; ++r) {
           if (members_[r] && !s.contributed[r]) {
             return Status::Unavailable(StrCat(who, ": round ", round_, " of epoch ", epoch_,
@@ -391,12 +420,12 @@ Result<std::vector<std::string>> EtcdBootstrap::Round(std::string_view mine,
       case Decision::Kind::kProposeView: {
         // The view unchanged, and the contributions this round still misses still absent: no
         // round past `through` completed before the view moves (src/coord/membership.h).
-        std::vector<coord::EtcdCompare> cmp = {coord::ModRevisionIs(Key("view"), view_revision)};
+        std::vector<coord::EtcdCompare> cmp = {coord::ModRevisionIs(Key("epoch"), view_revision)};
         for (uint32_t r : d.absent) cmp.push_back(coord::VersionIs(round + Pad(r, 5), 0));
         EPLBX_RETURN_IF_ERROR(UntilAnswered(
                                   [&] {
                                     return client_->Txn(
-                                        cmp, {coord::PutOp(Key("view"), coord::EncodeView(d.next)),
+                                        cmp, {coord::PutOp(Key("epoch"), coord::EncodeView(d.next)),
                                               coord::PutOp(closed, StrCat(d.through))});
                                   },
                                   deadline)

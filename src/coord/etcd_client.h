@@ -62,6 +62,9 @@ struct EtcdOp {
 inline EtcdCompare VersionIs(std::string key, int64_t version) {
   return {std::move(key), EtcdCompare::Target::kVersion, EtcdCompare::Op::kEqual, version, {}};
 }
+inline EtcdCompare VersionAbove(std::string key, int64_t version) {
+  return {std::move(key), EtcdCompare::Target::kVersion, EtcdCompare::Op::kGreater, version, {}};
+}
 inline EtcdCompare ModRevisionIs(std::string key, int64_t revision) {
   return {std::move(key), EtcdCompare::Target::kModRevision, EtcdCompare::Op::kEqual, revision, {}};
 }

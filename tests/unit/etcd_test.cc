@@ -386,7 +386,7 @@ TEST(EtcdBootstrapTest, ANewProcessForALostRankJoinsAndHostileKeysAreRefusedByNa
   EXPECT_NE(got.status().message().find("the closing round of epoch 3"), std::string::npos)
       << got.status().ToString();
   ASSERT_TRUE((*c)->Delete("/eplbx/join/closed/0000000003").ok());
-  ASSERT_TRUE((*c)->Put("/eplbx/join/view", "eplbx-view 1 1 0 0 0").ok());  // no member: refused
+  ASSERT_TRUE((*c)->Put("/eplbx/join/epoch", "eplbx-view 1 1 0 0 0").ok());  // no member: refused
   got = again->AllGather("h", std::chrono::seconds(5));
   EXPECT_EQ(got.status().code(), Code::kCorruption);
   EXPECT_NE(got.status().message().find("has no member"), std::string::npos)

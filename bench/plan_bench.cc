@@ -54,6 +54,54 @@ BENCHMARK_CAPTURE(PlanDeepSeek, ep64_global,
                   eplbx::Topology{.ranks = 64, .nodes = 1, .slots = 320, .groups = 1}, 58, 256)
     ->Unit(benchmark::kMillisecond);
 
+// The three policies at one shape, in the same run (issue 34: balanced and incremental
+// against deepseek). incremental re-plans from the deepseek placement of the same load (as
+// `eplbx plan --policy incremental --previous <the deepseek plan>`). Layers run on one thread per
+// core (PlanOptions::threads 0) for balanced and incremental, and on one (`_1thread`); deepseek on
+// one.
+void PlanPolicy(benchmark::State& state, eplbx::Policy policy, eplbx::Topology topology, int layers,
+                int experts, int threads = 0) {
+  std::vector<eplbx::LoadMatrix> loads;
+  std::vector<eplbx::Placement> previous;
+  for (uint64_t seed = 1; seed <= 4; ++seed) loads.push_back(ZipfLoad(layers, experts, seed));
+  for (size_t i = 0; i < loads.size(); ++i) {
+    previous.push_back(*eplbx::Plan(loads[i], topology));
+  }
+  size_t next = 0;
+  for (auto _ : state) {
+    const size_t i = next++ % loads.size();
+    eplbx::Result<eplbx::Placement> p = eplbx::Plan(
+        loads[i], topology, {.policy = policy, .previous = &previous[i], .threads = threads});
+    benchmark::DoNotOptimize(p);
+    if (!p.ok()) state.SkipWithError(p.status().ToString().c_str());
+  }
+}
+
+constexpr eplbx::Topology kEp256{.ranks = 256, .nodes = 32, .slots = 512, .groups = 8};
+constexpr eplbx::Topology kDsv3{.ranks = 32, .nodes = 4, .slots = 288, .groups = 8};
+BENCHMARK_CAPTURE(PlanPolicy, ep256_deepseek, eplbx::Policy::kDeepSeek, kEp256, 58, 256)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(PlanPolicy, ep256_balanced, eplbx::Policy::kBalanced, kEp256, 58, 256)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(PlanPolicy, ep256_incremental, eplbx::Policy::kIncremental, kEp256, 58, 256)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(PlanPolicy, ep256_balanced_1thread, eplbx::Policy::kBalanced, kEp256, 58, 256, 1)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(PlanPolicy, ep256_incremental_1thread, eplbx::Policy::kIncremental, kEp256, 58,
+                  256, 1)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(PlanPolicy, dsv3_deepseek, eplbx::Policy::kDeepSeek, kDsv3, 58, 256)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(PlanPolicy, dsv3_balanced, eplbx::Policy::kBalanced, kDsv3, 58, 256)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(PlanPolicy, dsv3_incremental, eplbx::Policy::kIncremental, kDsv3, 58, 256)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(PlanPolicy, dsv3_balanced_1thread, eplbx::Policy::kBalanced, kDsv3, 58, 256, 1)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(PlanPolicy, dsv3_incremental_1thread, eplbx::Policy::kIncremental, kDsv3, 58, 256,
+                  1)
+    ->Unit(benchmark::kMillisecond);
+
 }  // namespace
 
 BENCHMARK_MAIN();

@@ -37,6 +37,10 @@ struct PlanOptions {
   const Placement* previous = nullptr;
   // kIncremental: allowed balancedness loss per layer against kBalanced.
   double tolerance = 0.002;
+  // kBalanced and kIncremental: layers are planned independently, on this many threads (0:
+  // one per core, at most one per layer; 1: the calling thread). The result is the same
+  // whatever the number. kDeepSeek always runs on the calling thread (about a millisecond).
+  int threads = 0;
 };
 
 // What a new placement costs to reach from the previous one.

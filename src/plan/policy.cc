@@ -1,7 +1,10 @@
 #include "eplbx/policy.h"
 
 #include <algorithm>
+#include <atomic>
 #include <numeric>
+#include <system_error>
+#include <thread>
 #include <vector>
 
 #include "common/strings.h"
@@ -203,7 +206,7 @@ Result<Placement> Plan(const LoadMatrix& load, const Topology& topology,
   }
   const size_t slots = static_cast<size_t>(topology.slots);
   std::vector<int32_t> phy2log(static_cast<size_t>(load.layers()) * slots);
-  for (int l = 0; l < load.layers(); ++l) {
+  auto plan_layer = [&](int l) {
     const LayerContext c{topology,
                          std::span<const double>(load.row(l), static_cast<size_t>(load.experts())),
                          IsHierarchical(topology)};
@@ -224,7 +227,26 @@ Result<Placement> Plan(const LoadMatrix& load, const Topology& topology,
         break;
     }
     if (!previous.empty()) internal::PreserveRows(previous, out, topology.ranks);
+  };
+  // Layers are independent (each writes its own rows): a thread takes the next layer not
+  // taken, so the result does not depend on the number of threads or their timing.
+  int threads =
+      options.threads > 0 ? options.threads : static_cast<int>(std::thread::hardware_concurrency());
+  threads = options.policy == Policy::kDeepSeek ? 1 : std::clamp(threads, 1, load.layers());
+  std::atomic<int> next{0};
+  auto work = [&] {
+    for (int l = next++; l < load.layers(); l = next++) plan_layer(l);
+  };
+  std::vector<std::thread> helpers;
+  for (int i = 1; i < threads; ++i) {
+    try {
+      helpers.emplace_back(work);
+    } catch (const std::system_error&) {  // no thread to be had: fewer do the work
+      break;
+    }
   }
+  work();
+  for (std::thread& h : helpers) h.join();
   return Placement::FromPhy2Log(load.layers(), topology.slots, load.experts(), std::move(phy2log));
 }
 

@@ -204,6 +204,28 @@ TEST(BalancedTest, GroupsToNodesIsOptimalOnSmallCases) {
   }
 }
 
+// Layers planned on several threads give the placement one thread gives, whatever the
+// threads' timing (global and hierarchical, balanced and incremental).
+TEST(PlanThreadsTest, TheSamePlacementOnAnyNumberOfThreads) {
+  std::mt19937_64 rng(11);
+  for (const Topology& t : {Topology{.ranks = 16, .slots = 160},
+                            Topology{.ranks = 16, .nodes = 4, .slots = 160, .groups = 8}}) {
+    const LoadMatrix load = Zipf(9, 128, 1.1, rng);
+    const Placement prev = *Plan(load, t, {.policy = Policy::kDeepSeek});
+    const LoadMatrix next = Zipf(9, 128, 1.1, rng);
+    for (Policy policy : {Policy::kBalanced, Policy::kIncremental}) {
+      const Placement* previous = policy == Policy::kIncremental ? &prev : nullptr;
+      const Placement one = *Plan(next, t, {.policy = policy, .previous = previous, .threads = 1});
+      for (int threads : {2, 3, 8, 0}) {
+        Result<Placement> many =
+            Plan(next, t, {.policy = policy, .previous = previous, .threads = threads});
+        ASSERT_TRUE(many.ok()) << many.status().ToString();
+        EXPECT_EQ(many->phy2log(), one.phy2log()) << threads << " threads, nodes " << t.nodes;
+      }
+    }
+  }
+}
+
 TEST(IncrementalTest, FewCopiesAndWithinToleranceUnderDrift) {
   std::mt19937_64 rng(4);
   std::normal_distribution<double> drift(0, 0.3);

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <fstream>
 #include <iostream>
 #include <thread>
@@ -552,6 +553,7 @@ Result<TransferId> AgentCore::Post(XferOp op, PeerId peer, std::span<const Descr
           Segment{local[i].addr, remote[i].addr, local[i].bytes, region, local_region});
       mask |= 1u << path;
     }
+    const bool alone = transfers_.empty();
     id = next_transfer_++;
     Xfer& x = transfers_[id];
     x.peer = peer;
@@ -563,6 +565,7 @@ Result<TransferId> AgentCore::Post(XferOp op, PeerId peer, std::span<const Descr
       parts[i].peer = peer;
       parts[i].peer_name = p.meta.name;
       parts[i].op = op;
+      parts[i].alone = alone && std::popcount(mask) == 1;
       for (const Segment& s : parts[i].segments) x.part_bytes[i] += s.bytes;
     }
   }

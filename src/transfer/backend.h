@@ -42,6 +42,10 @@ struct PathRequest {
   std::string peer_name;
   XferOp op = XferOp::kRead;
   std::vector<Segment> segments;
+  // No other transfer of the agent is outstanding (every earlier one was released): the
+  // caller posts one at a time and waits, so a path may finish this one on the caller's
+  // thread without holding up others.
+  bool alone = false;
 };
 
 // Implemented by the agent core. Calls may come from any thread of a part, never while

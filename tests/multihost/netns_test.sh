@@ -156,13 +156,16 @@ for i in 0 1 2; do
     >"$work/etcd.$i.json" 2>"$work/etcd.$i.err" &
   pids+=($!)
 done
-# Serving once the first view is written and rounds go on (asked of host 1's member).
-view=$(printf '/eplbx/%s/view' "$group" | base64 -w0)
+# Serving once the first view (the `epoch` key) is written and rounds go on (asked of host
+# 1's member).
+view=$(printf '/eplbx/%s/epoch' "$group" | base64 -w0)
+serving=0
 for _ in $(seq 1 300); do
-  ip netns exec "${ns[1]}" curl -s -m 1 http://$net.2:2379/v3/kv/range -d "{\"key\":\"$view\"}" \
-    2>/dev/null | grep -q '"kvs"' && break
+  if ip netns exec "${ns[1]}" curl -s -m 1 http://$net.2:2379/v3/kv/range -d "{\"key\":\"$view\"}" \
+    2>/dev/null | grep -q '"kvs"'; then serving=1; break; fi
   sleep 0.1
 done
+[[ $serving -eq 1 ]] || fail "etcd: the group never wrote its first view"
 sleep 2
 ip link set b${tag}0 down
 start=$(date +%s)

@@ -77,6 +77,7 @@ class CmaPath final : public DataPath {
     job.id = req.id;
     job.pid = p.pid;
     job.read = req.op == XferOp::kRead;
+    job.alone = req.alone;
     job.describe = StrCat("agent '", agent_, "': ", OpName(req.op), " with '", p.name, "' (pid ",
                           p.pid, ", cma)");
     job.pieces.reserve(req.segments.size());

@@ -20,7 +20,9 @@ namespace eplbx::internal {
 namespace {
 
 constexpr uint64_t kChunkBytes = 4u << 20;  // a large piece is copied in 4 MiB chunks
-constexpr size_t kMaxIov = 512;             // small pieces batched into one syscall
+// A job the caller helps with is cut in chunks of at least this (one per thread).
+constexpr uint64_t kHelpedChunkMinBytes = 256u << 10;
+constexpr size_t kMaxIov = 512;  // small pieces batched into one syscall
 
 #if defined(__x86_64__)
 // 128 bytes per step: unaligned loads, aligned streaming stores (dst is 32-byte aligned).
@@ -142,7 +144,9 @@ ShmCopier::~ShmCopier() {
   for (auto& t : threads_) t.join();
 }
 
-std::vector<ShmCopier::Chunk> ShmCopier::Split(const std::vector<CopyPiece>& pieces) {
+std::vector<ShmCopier::Chunk> ShmCopier::Split(const std::vector<CopyPiece>& pieces,
+                                               uint64_t chunk_bytes) {
+  const uint64_t kChunkBytes = chunk_bytes;
   std::vector<Chunk> chunks;
   size_t i = 0;
   while (i < pieces.size()) {
@@ -169,16 +173,23 @@ std::vector<ShmCopier::Chunk> ShmCopier::Split(const std::vector<CopyPiece>& pie
 }
 
 void ShmCopier::Submit(CopyJob job) {
+  uint64_t total = 0;
+  for (const CopyPiece& p : job.pieces) total += p.bytes;
+  // A job alone (its agent waits for nothing else) is copied by the submitting thread and
+  // the copy threads together, in chunks small enough for each to take one: the caller
+  // waits for it anyway, and starts copying at once instead of after a hand-off.
+  const bool helped = inline_max_bytes_ > 0 && job.alone && total > inline_max_bytes_;
+  const uint64_t chunk = helped ? std::clamp<uint64_t>(total / (threads_.size() + 1),
+                                                       kHelpedChunkMinBytes, kChunkBytes)
+                                : kChunkBytes;
   auto r = std::make_shared<Running>();
-  r->chunks = Split(job.pieces);
+  r->chunks = Split(job.pieces, chunk);
   r->job = std::move(job);
   if (r->chunks.empty()) {
     r->job.done(Status::OK());
     return;
   }
-  uint64_t total = 0;
-  for (const CopyPiece& p : r->job.pieces) total += p.bytes;
-  if (total <= inline_max_bytes_) {
+  if (total <= inline_max_bytes_ || (helped && r->chunks.size() == 1)) {
     for (const Chunk& c : r->chunks) {
       RunChunk(*r, c);
       if (!r->error.ok()) break;
@@ -193,6 +204,30 @@ void ShmCopier::Submit(CopyJob job) {
     active_.push_back(r);
   }
   cv_.notify_all();
+  if (!helped) return;
+  // The caller takes chunks too, until none is left to take; whoever ends the last chunk
+  // ends the job (here, or on a copy thread).
+  for (;;) {
+    const size_t index = r->next.fetch_add(1);
+    if (index >= r->chunks.size()) break;
+    RunClaimed(r, index);
+  }
+}
+
+void ShmCopier::RunClaimed(const std::shared_ptr<Running>& r, size_t index) {
+  if (!r->cancelled) RunChunk(*r, r->chunks[index]);
+  if (r->finished.fetch_add(1) + 1 != r->chunks.size()) return;
+  Status s;
+  {
+    std::lock_guard<std::mutex> lock(r->mu);
+    s = r->error;
+  }
+  if (s.ok() && r->cancelled) s = Status::Aborted(StrCat(r->job.describe, ": cancelled"));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    active_.erase(std::find(active_.begin(), active_.end(), r));
+  }
+  r->job.done(std::move(s));
 }
 
 bool ShmCopier::Cancel(uint64_t id) {
@@ -218,23 +253,8 @@ void ShmCopier::Worker() {
       index = r->next.fetch_add(1);
       if (index + 1 >= r->chunks.size()) queue_.pop_front();  // all chunks claimed
     }
-    if (index >= r->chunks.size()) continue;
-    if (!r->cancelled) RunChunk(*r, r->chunks[index]);
-    if (r->finished.fetch_add(1) + 1 == r->chunks.size()) {
-      Status s;
-      {
-        std::lock_guard<std::mutex> lock(r->mu);
-        s = r->error;
-      }
-      if (s.ok() && r->cancelled) {
-        s = Status::Aborted(StrCat(r->job.describe, ": cancelled"));
-      }
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        active_.erase(std::find(active_.begin(), active_.end(), r));
-      }
-      r->job.done(std::move(s));
-    }
+    if (index >= r->chunks.size()) continue;  // (the caller took the rest)
+    RunClaimed(r, index);
   }
 }
 

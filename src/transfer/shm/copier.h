@@ -57,6 +57,7 @@ struct CopyJob {
   bool read = true;      // peer -> local
   std::string describe;  // "READ from 'b' (pid 123)" for messages
   std::vector<CopyPiece> pieces;
+  bool alone = false;  // PathRequest::alone
   // Called once, on a copy thread, when every chunk is done or the job failed/was cancelled.
   std::function<void(Status)> done;
 };
@@ -65,13 +66,16 @@ class ShmCopier {
  public:
   // Jobs of at most `inline_max_bytes` are copied on the thread that submits them (no
   // hand-off to a copy thread: lower latency for small transfers); larger ones are split
-  // over the `threads` copy threads.
+  // over the `threads` copy threads. A job `alone` (its agent has nothing else outstanding)
+  // is copied by the submitting thread and the copy threads together (the caller waits for
+  // it anyway), unless `inline_max_bytes` is 0.
   explicit ShmCopier(int threads, uint64_t inline_max_bytes = 0);
   ~ShmCopier();  // finishes queued jobs as aborted
   ShmCopier(const ShmCopier&) = delete;
   ShmCopier& operator=(const ShmCopier&) = delete;
 
-  // Runs the job (inline, or queued); `done` may run before Submit returns.
+  // Runs the job (inline, queued, or queued and helped by the caller); `done` may run before
+  // Submit returns.
   void Submit(CopyJob job);
   // The job ends with kAborted after the chunks already running; false if unknown.
   bool Cancel(uint64_t id);
@@ -98,7 +102,9 @@ class ShmCopier {
 
   void Worker();
   void RunChunk(Running& r, const Chunk& c);
-  static std::vector<Chunk> Split(const std::vector<CopyPiece>& pieces);
+  // Runs chunk `index` (claimed through r->next); ends the job after its last chunk.
+  void RunClaimed(const std::shared_ptr<Running>& r, size_t index);
+  static std::vector<Chunk> Split(const std::vector<CopyPiece>& pieces, uint64_t chunk_bytes);
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -144,6 +144,7 @@ class ShmPath final : public DataPath {
     job.id = req.id;
     job.pid = p->pid;
     job.read = req.op == XferOp::kRead;
+    job.alone = req.alone;
     job.describe = StrCat("agent '", agent_, "': ", OpName(req.op), " with '", p->name, "' (pid ",
                           p->pid, ", shm)");
     job.pieces.reserve(req.segments.size());

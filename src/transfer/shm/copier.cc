@@ -146,13 +146,12 @@ ShmCopier::~ShmCopier() {
 
 std::vector<ShmCopier::Chunk> ShmCopier::Split(const std::vector<CopyPiece>& pieces,
                                                uint64_t chunk_bytes) {
-  const uint64_t kChunkBytes = chunk_bytes;
   std::vector<Chunk> chunks;
   size_t i = 0;
   while (i < pieces.size()) {
-    if (pieces[i].bytes >= kChunkBytes) {
-      for (uint64_t off = 0; off < pieces[i].bytes; off += kChunkBytes) {
-        chunks.push_back({i, i + 1, off, std::min(kChunkBytes, pieces[i].bytes - off)});
+    if (pieces[i].bytes >= chunk_bytes) {
+      for (uint64_t off = 0; off < pieces[i].bytes; off += chunk_bytes) {
+        chunks.push_back({i, i + 1, off, std::min(chunk_bytes, pieces[i].bytes - off)});
       }
       ++i;
       continue;
@@ -161,8 +160,8 @@ std::vector<ShmCopier::Chunk> ShmCopier::Split(const std::vector<CopyPiece>& pie
     Chunk c{i, i, 0, 0};
     const bool mapped = pieces[i].mapped != nullptr;
     while (c.last < pieces.size() && c.last - c.first < kMaxIov &&
-           pieces[c.last].bytes < kChunkBytes && (pieces[c.last].mapped != nullptr) == mapped &&
-           c.bytes + pieces[c.last].bytes <= kChunkBytes) {
+           pieces[c.last].bytes < chunk_bytes && (pieces[c.last].mapped != nullptr) == mapped &&
+           c.bytes + pieces[c.last].bytes <= chunk_bytes) {
       c.bytes += pieces[c.last].bytes;
       ++c.last;
     }

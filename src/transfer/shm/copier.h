@@ -58,7 +58,8 @@ struct CopyJob {
   std::string describe;  // "READ from 'b' (pid 123)" for messages
   std::vector<CopyPiece> pieces;
   bool alone = false;  // PathRequest::alone
-  // Called once, on a copy thread, when every chunk is done or the job failed/was cancelled.
+  // Called once when every chunk is done or the job failed/was cancelled: on a copy thread,
+  // or on the submitting thread before Submit returns (inline, or a helped job it ended).
   std::function<void(Status)> done;
 };
 

@@ -1,5 +1,6 @@
 // The `balanced` policy: replica counts and packing chosen together, then local search.
 #include <algorithm>
+#include <bit>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -76,7 +77,7 @@ class Packer {
     // that takes a replica of e returns to the heap only after e's last replica, so no rank
     // gets two replicas of e unless fewer ranks than replicas have room.
     heap_.clear();
-    for (int r = 0; r < ranks_; ++r) heap_.push_back({0.0, r});
+    for (int r = 0; r < ranks_; ++r) heap_.push_back({Key(0.0), r});
     for (int32_t e : order_) {
       if (count[e] == 0) continue;
       const double s = share(e);
@@ -105,14 +106,14 @@ class Packer {
         if (std::find(taken_.begin(), taken_.end(), r) == taken_.end()) taken_.push_back(r);
       }
       if (held) {  // sticky ranks were not popped: drop them (re-added below)
-        std::erase_if(heap_, [&](const std::pair<double, int>& h) {
+        std::erase_if(heap_, [&](const std::pair<uint64_t, int>& h) {
           return std::find(taken_.begin(), taken_.end(), h.second) != taken_.end();
         });
         std::make_heap(heap_.begin(), heap_.end(), std::greater<>());
       }
       for (int r : taken_) {
         if (fill_[r] < per_rank_) {
-          heap_.push_back({load_[r], r});
+          heap_.push_back({Key(load_[r]), r});
           std::push_heap(heap_.begin(), heap_.end(), std::greater<>());
         }
       }
@@ -145,7 +146,10 @@ class Packer {
   std::vector<int32_t> slots_, order_;
   std::vector<double> load_, share_;
   std::vector<int> fill_, taken_;
-  std::vector<std::pair<double, int>> heap_;
+  // (load, rank) with the load's bits as the key: loads are never negative, and the bits of
+  // non-negative doubles order as the numbers do (integer compares, no NaN branches).
+  static uint64_t Key(double load) { return std::bit_cast<uint64_t>(load); }
+  std::vector<std::pair<uint64_t, int>> heap_;
 };
 
 // Replica counts searched together with the packing: from the greedy counts, repeatedly

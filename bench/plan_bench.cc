@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <string>
+#include <utility>
 
 #include "eplbx/policy.h"
 
@@ -77,31 +79,36 @@ void PlanPolicy(benchmark::State& state, eplbx::Policy policy, eplbx::Topology t
   }
 }
 
-constexpr eplbx::Topology kEp256{.ranks = 256, .nodes = 32, .slots = 512, .groups = 8};
-constexpr eplbx::Topology kDsv3{.ranks = 32, .nodes = 4, .slots = 288, .groups = 8};
-BENCHMARK_CAPTURE(PlanPolicy, ep256_deepseek, eplbx::Policy::kDeepSeek, kEp256, 58, 256)
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(PlanPolicy, ep256_balanced, eplbx::Policy::kBalanced, kEp256, 58, 256)
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(PlanPolicy, ep256_incremental, eplbx::Policy::kIncremental, kEp256, 58, 256)
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(PlanPolicy, ep256_balanced_1thread, eplbx::Policy::kBalanced, kEp256, 58, 256, 1)
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(PlanPolicy, ep256_incremental_1thread, eplbx::Policy::kIncremental, kEp256, 58,
-                  256, 1)
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(PlanPolicy, dsv3_deepseek, eplbx::Policy::kDeepSeek, kDsv3, 58, 256)
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(PlanPolicy, dsv3_balanced, eplbx::Policy::kBalanced, kDsv3, 58, 256)
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(PlanPolicy, dsv3_incremental, eplbx::Policy::kIncremental, kDsv3, 58, 256)
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(PlanPolicy, dsv3_balanced_1thread, eplbx::Policy::kBalanced, kDsv3, 58, 256, 1)
-    ->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(PlanPolicy, dsv3_incremental_1thread, eplbx::Policy::kIncremental, kDsv3, 58, 256,
-                  1)
-    ->Unit(benchmark::kMillisecond);
+// Registers PlanPolicy for each shape and policy (balanced and incremental also on one
+// thread: `_1thread`).
+void RegisterPolicies() {
+  const std::pair<const char*, eplbx::Topology> shapes[] = {
+      {"ep256", {.ranks = 256, .nodes = 32, .slots = 512, .groups = 8}},
+      {"dsv3", {.ranks = 32, .nodes = 4, .slots = 288, .groups = 8}}};
+  const std::pair<const char*, eplbx::Policy> policies[] = {
+      {"deepseek", eplbx::Policy::kDeepSeek},
+      {"balanced", eplbx::Policy::kBalanced},
+      {"incremental", eplbx::Policy::kIncremental}};
+  for (const auto& [shape, topology] : shapes) {
+    for (const auto& [name, policy] : policies) {
+      for (int threads : {0, 1}) {
+        if (threads == 1 && policy == eplbx::Policy::kDeepSeek) continue;  // always one
+        const std::string label =
+            std::string("PlanPolicy/") + shape + "_" + name + (threads == 1 ? "_1thread" : "");
+        benchmark::RegisterBenchmark(label.c_str(), PlanPolicy, policy, topology, 58, 256, threads)
+            ->Unit(benchmark::kMillisecond);
+      }
+    }
+  }
+}
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  RegisterPolicies();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

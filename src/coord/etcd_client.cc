@@ -23,8 +23,17 @@ struct CurlGlobal {
   CurlGlobal() { curl_global_init(CURL_GLOBAL_DEFAULT); }
 };
 
-// What every request sets: plain HTTP only, no redirects, no signals, no Nagle.
-void HttpOnly(CURL* c) {
+// Makes `c` POST `body` to `url`, handing the answer to `write(data)`: plain HTTP only, no
+// redirects, no signals, no Nagle.
+void SetUpPost(CURL* c, const std::string& url, const std::string& body, curl_write_callback write,
+               void* data) {
+  curl_easy_reset(c);
+  curl_easy_setopt(c, CURLOPT_URL, url.c_str());
+  curl_easy_setopt(c, CURLOPT_POST, 1L);
+  curl_easy_setopt(c, CURLOPT_POSTFIELDS, body.data());
+  curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE, static_cast<long>(body.size()));
+  curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, write);
+  curl_easy_setopt(c, CURLOPT_WRITEDATA, data);
   curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
 #if LIBCURL_VERSION_NUM >= 0x075500  // 7.85: the string form
   curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http");
@@ -341,19 +350,12 @@ Result<std::string> EtcdClient::Post(std::string_view path, const std::string& b
     const long left_ms = std::max<long>(
         1, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count());
     std::string response;
-    curl_easy_reset(c);
-    curl_easy_setopt(c, CURLOPT_URL, url.c_str());
-    curl_easy_setopt(c, CURLOPT_POST, 1L);
-    curl_easy_setopt(c, CURLOPT_POSTFIELDS, body.data());
-    curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE, static_cast<long>(body.size()));
-    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, &Collect);
-    curl_easy_setopt(c, CURLOPT_WRITEDATA, &response);
+    SetUpPost(c, url, body, &Collect, &response);
     // One member may hold a request through an election: give each its share of the time.
     const long share = std::max<long>(
         300, static_cast<long>(timeout_.count() / static_cast<long>(endpoints_.size())));
     curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, std::min<long>(left_ms, share));
     curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, std::min<long>(left_ms, 1000));
-    HttpOnly(c);
     const CURLcode rc = curl_easy_perform(c);
     long http = 0;
     curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &http);
@@ -466,15 +468,8 @@ Status EtcdClient::Watch(std::string_view key, std::string_view range_end,
   WatchStream stream;
   stream.where = StrCat("etcd ", endpoint, " watch");
   stream.on = &on;
-  curl_easy_reset(c);
-  curl_easy_setopt(c, CURLOPT_URL, url.c_str());
-  curl_easy_setopt(c, CURLOPT_POST, 1L);
-  curl_easy_setopt(c, CURLOPT_POSTFIELDS, body.data());
-  curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE, static_cast<long>(body.size()));
-  curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, &OnWatchData);
-  curl_easy_setopt(c, CURLOPT_WRITEDATA, &stream);
+  SetUpPost(c, url, body, &OnWatchData, &stream);
   curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, 1000L);
-  HttpOnly(c);
   curl_multi_add_handle(m, c);
   const auto start = std::chrono::steady_clock::now();
   bool silent = false;  // connected, but no creation within a second: a member stopped

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstring>
 #include <future>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -198,6 +199,16 @@ TEST(CopyBytesTest, AShrunkSharedFileFailsTheCopyInsteadOfKillingTheProcess) {
   close(fd);
 }
 
+// Submits `job` and waits for its end; *calls counts its `done` calls (one expected).
+Status SubmitAndWait(internal::ShmCopier& copier, internal::CopyJob job, std::atomic<int>* calls) {
+  auto result = std::make_shared<std::promise<Status>>();
+  job.done = [calls, result](Status s) {
+    if (calls->fetch_add(1) == 0) result->set_value(std::move(s));
+  };
+  copier.Submit(std::move(job));
+  return result->get_future().get();
+}
+
 // Jobs alone (their agent waits for nothing else) are copied by the submitting thread and
 // the copy threads together; queued jobs by the copy threads; small ones inline. Whatever
 // the route: every byte lands, `done` runs exactly once, a failure is named once. Random
@@ -230,12 +241,7 @@ TEST(ShmCopierTest, JobsAloneAreHelpedByTheCallerAndEveryByteLandsOnce) {
         if (at >= kBytes) break;
       }
       std::atomic<int> calls{0};
-      std::promise<Status> result;
-      job.done = [&](Status s) {
-        if (calls.fetch_add(1) == 0) result.set_value(std::move(s));
-      };
-      copier.Submit(std::move(job));
-      const Status s = result.get_future().get();
+      const Status s = SubmitAndWait(copier, std::move(job), &calls);
       ASSERT_TRUE(s.ok()) << s.ToString();
       for (const auto& [off, bytes] : ranges) {
         ASSERT_EQ(std::memcmp(dst.data() + off, src.data() + off, bytes), 0)
@@ -251,12 +257,7 @@ TEST(ShmCopierTest, JobsAloneAreHelpedByTheCallerAndEveryByteLandsOnce) {
     bad.describe = "READ from 'self'";
     bad.pieces.push_back({dst.data(), 8, nullptr, 2u << 20});  // address 8: never mapped
     std::atomic<int> calls{0};
-    std::promise<Status> result;
-    bad.done = [&](Status s) {
-      if (calls.fetch_add(1) == 0) result.set_value(std::move(s));
-    };
-    copier.Submit(std::move(bad));
-    const Status s = result.get_future().get();
+    const Status s = SubmitAndWait(copier, std::move(bad), &calls);
     EXPECT_EQ(s.code(), Code::kIoError) << s.ToString();
     EXPECT_NE(s.message().find("READ from 'self': cross-process copy moved"), std::string::npos)
         << s.ToString();

@@ -5,9 +5,11 @@
 // byte moves, and connects the agents. Rearrange(from, to) then runs every MoE layer: the
 // migration planner decides who reads which expert from whom (same placement on every
 // rank gives the same plan), readers READ the sources' weight rows directly into a staging
-// buffer of one layer, and each layer commits (staging -> weights, new map) only when every
-// rank's reads for it are complete. On any failure the layer keeps its old bytes and old
-// map, every peer is told (ABORT), and the Rearranger refuses further use.
+// buffer of the layer (or spare rows, swap mode), and each layer commits (staging ->
+// weights, new map) only when every rank's reads for it are complete. Several layers run at
+// once (RearrangeOptions::layers_in_flight) and commit in order. On any failure the layer
+// and the ones after it keep their old bytes and old maps, every peer is told (ABORT), and
+// the Rearranger refuses further use.
 #ifndef EPLBX_REARRANGE_H_
 #define EPLBX_REARRANGE_H_
 
@@ -37,6 +39,11 @@ struct RearrangeOptions {
   std::vector<uint32_t> node_of_rank;
   // The clock deadlines are measured on (null: Env::Default()).
   Env* env = nullptr;
+  // Rearrange(): layers whose protocols run at once (their MAPS, READY, READs and DONE
+  // overlap; each is still committed whole, in layer order). A layer that lands in a staging
+  // buffer (in place) needs one of its own: in place, layers run one at a time unless
+  // Reserve() allocated more buffers; in swap mode READs land in spare rows and need none.
+  int layers_in_flight = 8;
 };
 
 struct LayerOutcome {

@@ -32,6 +32,9 @@ struct DemoOptions {
   // Rows per layer beyond the slots (swap commit mode: READs land in them and a commit
   // publishes a new row table); 0: in place (staging, then a copy into the weights).
   int spare_rows = 0;
+  // Layers the synchronous loop runs at once (RearrangeOptions::layers_in_flight); in place
+  // the demo reserves a staging buffer for each.
+  int layers_in_flight = 8;
   int tensors = 3;
   std::string expert_bytes = "1M";
   int steps = 3;

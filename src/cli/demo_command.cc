@@ -27,6 +27,7 @@
 #include "eplbx/bootstrap.h"
 #include "eplbx/env.h"
 #include "eplbx/policy.h"
+#include "eplbx/rearrange.h"
 #include "eplbx/transfer.h"
 
 namespace eplbx::cli {
@@ -741,6 +742,7 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
   out["memcpy_gbps"] = memcpy_gbps;
   out["copy_limit_gbps"] = copy_limit_gbps;
   out["pipeline"] = o.pipeline;
+  out["layers_in_flight"] = o.pipeline ? AsyncOptions{}.max_layers_in_flight : o.layers_in_flight;
   out["commit_mode"] = o.spare_rows > 0 ? "swap" : "in place";
   out["spare_rows"] = o.spare_rows;
   out["ranks"] = o.ranks;
@@ -810,6 +812,11 @@ void AddDemoFlags(CLI::App& cmd, DemoOptions& o) {
                  "tables (swap commit mode); 0: in place")
       ->capture_default_str()
       ->check(IntIn<int>(0, 1 << 16));
+  cmd.add_option("--layers-in-flight", o.layers_in_flight,
+                 "layers the synchronous loop runs at once (their messages and READs overlap; "
+                 "each commits whole, in order); in place each takes a staging buffer of a layer")
+      ->capture_default_str()
+      ->check(IntIn<int>(1, 4096));
   cmd.add_option("--tensors", o.tensors, "weight tensors per expert")
       ->capture_default_str()
       ->check(IntIn<int>(0, 1 << 20));
@@ -873,7 +880,8 @@ void AddDemoCommand(CLI::App& app, Action& run) {
   AddDemoFlags(*demo, *o);
   demo->add_flag("--pipeline", o->pipeline,
                  "rearrange with the asynchronous pipeline (Begin, then Commit back to back: "
-                 "layers in flight together, no budget) instead of layer after layer");
+                 "layers in flight together, no budget, a vote per Commit) instead of the "
+                 "synchronous loop");
   demo->callback([&run, o] { run = [o] { return RunDemo(*o); }; });
 }
 

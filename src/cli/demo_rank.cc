@@ -326,6 +326,7 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann:
   };
   RearrangeOptions ro;
   ro.deadline = deadline;
+  ro.layers_in_flight = o.layers_in_flight;
   // Ranks on one host form a node: the migration planner reads from the same node first
   // (when nodes are contiguous, equal groups of ranks) and the report counts cross-node bytes.
   Result<std::vector<std::string>> nodes = boot.AllGather(NodeName(), deadline);
@@ -354,8 +355,16 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann:
   Result<std::unique_ptr<Rearranger>> rearranger =
       Rearranger::Create(agent->get(), &boot, declared, ro);
   if (!rearranger.ok()) return fail_setup(rearranger.status().message());
-  if (o.pipeline) {  // staging for the pipeline, before anything is timed
-    Status reserved = (*rearranger)->Reserve(AsyncOptions{});
+  if (o.pipeline || (o.spare_rows == 0 && o.layers_in_flight > 1)) {
+    // Staging for the pipeline or for layers in flight in place, before anything is timed:
+    // in place a buffer (a layer's rows) per layer in flight, at most 1 GiB of them.
+    AsyncOptions staging;
+    const uint64_t layer_bytes = o.expert_bytes_value * static_cast<uint64_t>(o.slots_per_rank);
+    if (!o.pipeline) {
+      staging.max_layers_in_flight = static_cast<int>(std::clamp<uint64_t>(
+          (1ull << 30) / std::max<uint64_t>(layer_bytes, 1), 1, o.layers_in_flight));
+    }
+    Status reserved = (*rearranger)->Reserve(staging);
     if (!reserved.ok()) return fail_setup(reserved.message());
   }
 

@@ -26,6 +26,8 @@ Action MakeAction(ActionKind kind, uint32_t peer = 0, Record record = {}, ReadTa
 LayerProtocol::LayerProtocol(LayerStep step, Clock::time_point now, Clock::duration deadline)
     : step_(std::move(step)),
       deadline_(now + deadline),
+      span_(deadline),
+      held_(step_.hold_done),
       ready_(step_.reads.size(), false),
       read_done_(step_.reads.size(), false),
       served_(step_.serves.size(), false),
@@ -131,9 +133,20 @@ std::vector<Action> LayerProtocol::Start() {
   return out;
 }
 
+std::vector<Action> LayerProtocol::ReleaseDone(Clock::time_point now) {
+  std::vector<Action> out;
+  if (!held_) return out;
+  held_ = false;
+  // The layer's deadline runs again from here: it waited on the layers before it.
+  deadline_ = std::max(deadline_, now + span_);
+  MaybeDone(&out);
+  return out;
+}
+
 void LayerProtocol::MaybeDone(std::vector<Action>* out) {
   if (state_ != LayerState::kRunning || !started_) return;
   if (!done_from_[step_.self]) {
+    if (held_) return;
     const bool reads = std::all_of(read_done_.begin(), read_done_.end(), [](bool b) { return b; });
     const bool serves = std::all_of(served_.begin(), served_.end(), [](bool b) { return b; });
     if (!reads || !serves) return;

@@ -59,6 +59,11 @@ struct LayerStep {
   // nothing and expected for nothing (no MAPS, DONE or vote); a plan that reads from it or
   // serves it fails the layer at Start, naming it; its records are refused.
   std::vector<bool> members;
+  // DONE waits for ReleaseDone(): this rank's reads and serves go on meanwhile, but no rank
+  // commits the layer before it is released here. Layers run together in the synchronous
+  // loop release layer k + 1 once layer k committed on this rank, so a rank's DONE of a
+  // layer still says it committed every layer before (as when they ran one after another).
+  bool hold_done = false;
 };
 
 enum class ActionKind {
@@ -92,6 +97,9 @@ class LayerProtocol {
   // Aborts unless `rank` already sent DONE for this layer (then nothing depends on it).
   std::vector<Action> OnPeerFailed(uint32_t rank, const Status& why);
   std::vector<Action> OnTick(Clock::time_point now);
+  // Lets DONE go (LayerStep::hold_done): at once if this rank's reads and serves are over.
+  // The layer's deadline is then at least `now` + its deadline (it waited on others).
+  std::vector<Action> ReleaseDone(Clock::time_point now);
   // This rank cannot take part (bad arguments found before anything moved): abort and tell
   // every rank, so nobody waits for the deadline.
   std::vector<Action> Fail(const std::string& reason) { return Abort(reason, true); }
@@ -127,9 +135,11 @@ class LayerProtocol {
   Record Make(RecordKind kind, uint32_t expert, uint32_t source, uint32_t reader) const;
 
   const LayerStep step_;
-  const Clock::time_point deadline_;
+  Clock::time_point deadline_;
+  const Clock::duration span_;
   LayerState state_ = LayerState::kRunning;
   std::string error_;
+  bool held_;                    // DONE waits for ReleaseDone()
   std::vector<bool> ready_;      // per read: READY received
   std::vector<bool> read_done_;  // per read: our READ completed
   std::vector<bool> served_;     // per serve: READ_DONE received

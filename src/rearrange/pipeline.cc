@@ -215,32 +215,9 @@ Status RearrangerImpl::Poll() {
     run->defer_commit = true;
     run->gate = &p.gate;
     run->outcome.layer = l;
-    protocol::LayerStep step;
-    step.generation = p.first_generation + l;
-    step.epoch = boot->epoch();
-    step.members = boot->members();
-    step.layer = l;
-    step.self = self();
-    step.world = world();
-    for (const JobRead& r : run->job.reads) step.reads.push_back(r.task);
-    step.serves = run->job.serves;
-    step.old_map = run->job.old_map;
-    step.new_map = run->job.new_map;
-    step.row_map = run->job.row_map;
-    run->protocol = std::make_unique<protocol::LayerProtocol>(step, env->Now(), options.deadline);
     Run& r = *run;
     p.runs.push_back(std::move(run));
-    Execute(r, r.protocol->Start());
-    std::deque<std::pair<uint32_t, Record>> keep;
-    for (auto& [from, rec] : deferred) {
-      if (rec.generation == step.generation) {
-        bool later = false;
-        Execute(r, r.protocol->OnRecord(from, rec, env->Now(), &later));
-      } else if (rec.generation > step.generation) {
-        keep.push_back({from, rec});
-      }
-    }
-    deferred.swap(keep);
+    StartRun(r, p.first_generation + l, /*hold_done=*/false);
   }
   Handle(agent->PollNotifications(), route, vote);
   for (Run* run : p.Running()) Reap(*run);

@@ -302,22 +302,20 @@ void RearrangerImpl::CancelPending(Run& run) {
   run.pending.clear();
 }
 
-LayerOutcome RearrangerImpl::RunJob(LayerJob& job) {
-  Run run;
-  run.outcome.layer = job.layer;
+void RearrangerImpl::StartRun(Run& run, uint64_t generation_of_run, bool hold_done) {
   protocol::LayerStep step;
-  step.generation = ++generation;
+  step.generation = generation_of_run;
   step.epoch = boot->epoch();
   step.members = boot->members();
-  step.layer = job.layer;
+  step.layer = run.job.layer;
   step.self = self();
   step.world = world();
-  for (const JobRead& r : job.reads) step.reads.push_back(r.task);
-  step.serves = job.serves;
-  step.old_map = job.old_map;
-  step.new_map = job.new_map;
-  step.row_map = job.row_map;
-  run.job = std::move(job);
+  for (const JobRead& r : run.job.reads) step.reads.push_back(r.task);
+  step.serves = run.job.serves;
+  step.old_map = run.job.old_map;
+  step.new_map = run.job.new_map;
+  step.row_map = run.job.row_map;
+  step.hold_done = hold_done;
   run.protocol = std::make_unique<LayerProtocol>(step, env->Now(), options.deadline);
   LayerProtocol& p = *run.protocol;
   if (!run.job.refused.ok()) {
@@ -325,32 +323,116 @@ LayerOutcome RearrangerImpl::RunJob(LayerJob& job) {
     const std::string mine = StrCat("rank ", self(), ": ");
     if (why.rfind(mine, 0) == 0) why = why.substr(mine.size());  // Fail names this rank itself
     Execute(run, p.Fail(why));
-    run.outcome.error = p.error();
-    job = std::move(run.job);
-    return run.outcome;
+    return;
   }
   Execute(run, p.Start());
-  // Records that arrived early, during an earlier layer.
+  // Records that arrived early, during an earlier layer or call.
   std::deque<std::pair<uint32_t, protocol::Record>> later;
   for (auto& [from, rec] : deferred) {
-    bool again = false;
-    Execute(run, p.OnRecord(from, rec, env->Now(), &again));
-    if (again) later.push_back({from, rec});
+    if (rec.generation == step.generation) {
+      bool again = false;
+      Execute(run, p.OnRecord(from, rec, env->Now(), &again));
+    } else if (rec.generation > step.generation) {
+      later.push_back({from, rec});
+    }
   }
   deferred.swap(later);
-  auto route = [&](uint64_t g) -> Run* { return g <= p.generation() ? &run : nullptr; };
-  while (p.state() == LayerState::kRunning) {
+}
+
+LayerOutcome RearrangerImpl::RunJob(LayerJob& job) {
+  std::vector<LayerOutcome> out = RunJobs(
+      1, 1, [](uint32_t) { return false; }, [&job](uint32_t, int) { return std::move(job); });
+  return std::move(out.front());
+}
+
+std::vector<LayerOutcome> RearrangerImpl::RunJobs(
+    uint32_t count, size_t in_flight, const std::function<bool(uint32_t)>& staged,
+    const std::function<LayerJob(uint32_t, int)>& make) {
+  // runs[i] is the i-th job; every generation of this call is first + i on every rank.
+  std::vector<std::unique_ptr<Run>> runs;
+  const uint64_t first = generation + 1;
+  generation += count;
+  std::vector<int> free_slots;
+  for (int slot = static_cast<int>(staging.size()) - 1; slot >= 0; --slot)
+    free_slots.push_back(slot);
+  size_t applied = 0;    // jobs [0, applied) are over: applied or failed
+  bool stopped = false;  // a job failed: nothing more starts, nothing after it is applied
+  auto running = [&] {
+    std::vector<Run*> out;
+    for (size_t i = applied; i < runs.size(); ++i) {
+      if (runs[i]->protocol->state() == LayerState::kRunning) out.push_back(runs[i].get());
+    }
+    return out;
+  };
+  auto route = [&](uint64_t g) -> Run* {
+    for (const auto& r : runs) {
+      if (r->protocol->generation() >= g) return r.get();
+    }
+    return nullptr;
+  };
+  auto start = [&](uint32_t i, int slot) {
+    auto run = std::make_unique<Run>();
+    run->slot = slot;
+    run->defer_commit = true;  // applied below, in order
+    run->job = make(i, slot);
+    run->outcome.layer = run->job.layer;
+    // Its DONE waits until the job before it committed here (ReleaseDone below).
+    Run& r = *run;
+    runs.push_back(std::move(run));
+    StartRun(r, first + i, i > applied);
+  };
+  while (applied < count && !(stopped && applied == runs.size())) {
+    // Apply the leading jobs that are over, in order.
+    while (applied < runs.size() && runs[applied]->protocol->state() != LayerState::kRunning) {
+      Run& r = *runs[applied];
+      CancelPending(r);
+      if (r.protocol->state() == LayerState::kCommitted && !stopped) {
+        if (r.job.commit) r.outcome.bytes_copied += r.job.commit();
+        r.outcome.committed = true;
+        r.outcome.swapped = r.job.swap;
+      } else if (r.protocol->state() == LayerState::kAborted) {
+        r.outcome.error = r.protocol->error();
+      } else {
+        r.outcome.error =
+            StrCat("not applied: layer ", runs[applied - 1]->job.layer, " before it failed");
+      }
+      if (!r.outcome.committed && !stopped) {
+        stopped = true;  // the rest fail with it: every rank is told (ABORT)
+        for (Run* other : running()) {
+          Execute(*other,
+                  other->protocol->Fail(StrCat("layer ", r.job.layer, " failed before it")));
+        }
+      }
+      if (staged(static_cast<uint32_t>(applied))) free_slots.push_back(r.slot);
+      ++applied;
+      if (!stopped && applied < runs.size())
+        Execute(*runs[applied], runs[applied]->protocol->ReleaseDone(env->Now()));
+    }
+    // Start jobs while the window and the staging buffers allow.
+    while (!stopped && runs.size() < count && runs.size() - applied < in_flight) {
+      const uint32_t i = static_cast<uint32_t>(runs.size());
+      if (!staged(i)) {
+        start(i, 0);
+      } else if (!free_slots.empty()) {
+        start(i, free_slots.back());
+        free_slots.pop_back();
+      } else {
+        break;
+      }
+    }
+    if (applied == runs.size() && (stopped || runs.size() == count)) break;
+    if (runs[applied]->protocol->state() != LayerState::kRunning) continue;  // over at its start
     // Wakes on a notification, a finished READ or a lost peer; the timeout only paces
     // deadline checks.
     Handle(agent->WaitEvents(std::chrono::milliseconds(kTickMs)), route, {});
-    Reap(run);
-    CheckPeers({&run}, route, {});
-    Execute(run, p.OnTick(env->Now()));
+    for (Run* run : running()) Reap(*run);
+    CheckPeers(running(), route, {});
+    const auto now = env->Now();
+    for (Run* run : running()) Execute(*run, run->protocol->OnTick(now));
   }
-  CancelPending(run);
-  if (p.state() == LayerState::kAborted) run.outcome.error = p.error();
-  job = std::move(run.job);
-  return run.outcome;
+  std::vector<LayerOutcome> out;
+  for (auto& r : runs) out.push_back(std::move(r->outcome));
+  return out;
 }
 
 RearrangerImpl::RowPlan RearrangerImpl::PlanRows(uint32_t rank, uint32_t layer,
@@ -601,23 +683,28 @@ RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to
   report.status = d.CheckPlan(from, to, plan);
   if (!report.status.ok()) return report;
   const std::vector<PathTotals> paths_before = d.agent->PathBytes();
-  for (int l = 0; l < layers; ++l) {
-    internal::RearrangerImpl::LayerJob job =
-        d.MakeLayerJob(static_cast<uint32_t>(l), plan.layers[l], from, to, 0);
-    LayerOutcome o = d.RunJob(job);
+  // Layers run together, up to layers_in_flight at once; a layer that lands in staging (in
+  // place, or a rank whose new rows do not fit its spare rows) takes one of the staging
+  // buffers, so in place they run one at a time unless Reserve() allocated more.
+  std::vector<bool> staged(static_cast<size_t>(layers), true);
+  for (int l = 0; l < layers && d.layout.spare_rows != 0; ++l)
+    staged[l] = !d.PlanRows(d.self(), static_cast<uint32_t>(l), plan.layers[l]).swap;
+  std::vector<LayerOutcome> outcomes = d.RunJobs(
+      static_cast<uint32_t>(layers), static_cast<size_t>(std::max(d.options.layers_in_flight, 1)),
+      [&](uint32_t l) { return staged[l]; },
+      [&](uint32_t l, int slot) { return d.MakeLayerJob(l, plan.layers[l], from, to, slot); });
+  for (LayerOutcome& o : outcomes) {
     report.bytes_read += o.bytes_read;
     report.experts_read += o.experts_read;
     report.bytes_cross_node += o.bytes_cross_node;
     AddBytesFrom(o, &report);
-    const bool ok = o.committed;
-    report.layers.push_back(std::move(o));
-    if (!ok) {
+    if (!o.committed && report.status.ok()) {
       d.failed = true;
-      d.failure = report.layers.back().error;
+      d.failure = o.error;
       report.status = Status::Aborted(
           StrCat("rank ", d.self(), ": ", d.failure, "; this layer kept its old weights and map"));
-      break;
     }
+    report.layers.push_back(std::move(o));
   }
   report.bytes_by_path = d.agent->PathBytes();
   for (size_t i = 0; i < report.bytes_by_path.size() && i < paths_before.size(); ++i) {

@@ -4,6 +4,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <numeric>
 #include <random>
 #include <set>
 
@@ -205,7 +206,55 @@ TEST(LayerProtocolTest, EveryRankCommitsUnderAnyDeliveryOrder) {
   }
 }
 
+// A held DONE (LayerStep::hold_done): every read and serve completes, yet no rank commits
+// before every rank released its DONE; then every rank commits, once. Random worlds, ranks
+// released one by one in a random order, deliveries in between.
+TEST(LayerProtocolTest, NoRankCommitsBeforeEveryRankReleasedItsDone) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const uint32_t world = 1 + rng() % 6;
+    std::vector<LayerStep> steps = RandomSteps(world, rng);
+    for (LayerStep& st : steps) st.hold_done = true;
+    World w(steps);
+    w.Run(rng);
+    EXPECT_TRUE(w.reads.empty()) << "trial " << trial << ": reads wait for nothing";
+    std::vector<uint32_t> order(world);
+    std::iota(order.begin(), order.end(), 0u);
+    std::shuffle(order.begin(), order.end(), rng);
+    for (size_t k = 0; k < order.size(); ++k) {
+      for (uint32_t r = 0; r < world; ++r) {
+        ASSERT_EQ(w.commits[r], 0) << "trial " << trial << ": rank " << r << " committed with "
+                                   << world - k << " rank(s) still holding DONE";
+        ASSERT_EQ(w.ranks[r].state(), LayerState::kRunning) << "trial " << trial << " rank " << r;
+      }
+      w.Apply(order[k], w.ranks[order[k]].ReleaseDone(w.now));
+      EXPECT_TRUE(w.ranks[order[k]].ReleaseDone(w.now).empty()) << "released twice";
+      w.Run(rng);
+    }
+    for (uint32_t r = 0; r < world; ++r) {
+      ASSERT_EQ(w.ranks[r].state(), LayerState::kCommitted)
+          << "trial " << trial << " rank " << r << ": " << w.aborts[r];
+      ASSERT_EQ(w.commits[r], 1);
+    }
+  }
+}
+
 LayerStep TwoRankReader() { return LayerStep{5, 2, 0, 2, {{7, 1}}, {}}; }
+
+// A held layer's deadline runs again from its release: it waited on the layers before it.
+TEST(LayerProtocolTest, AReleasedLayerHasItsDeadlineAgain) {
+  LayerStep st = TwoRankReader();
+  st.hold_done = true;
+  Clock::time_point t0{};
+  LayerProtocol p(st, t0, seconds(10));
+  (void)p.Start();
+  (void)p.ReleaseDone(t0 + seconds(9));
+  EXPECT_TRUE(p.OnTick(t0 + seconds(18)).empty());
+  EXPECT_EQ(p.state(), LayerState::kRunning);
+  (void)p.OnTick(t0 + seconds(20));
+  EXPECT_EQ(p.state(), LayerState::kAborted);
+  EXPECT_NE(p.error().find("deadline"), std::string::npos) << p.error();
+}
 
 // The MAPS record rank `from` sends first (one chunk: maps of up to 2048 slots).
 Record MapsOf(uint32_t from, uint64_t gen, uint32_t layer, std::vector<int32_t> old_map = {},

@@ -177,6 +177,8 @@ std::vector<std::unique_ptr<Rank>> RearrangeOnThreads(
   return ranks;
 }
 
+// Trials alternate between layers one at a time (one staging buffer) and up to kLayers in
+// flight together (buffers reserved): every byte lands either way.
 TEST(RearrangerTest, RandomPlacementsEveryByteLands) {
   std::mt19937 rng(11);
   for (int trial = 0; trial < 20; ++trial) {
@@ -184,8 +186,14 @@ TEST(RearrangerTest, RandomPlacementsEveryByteLands) {
     ASSERT_TRUE(m.from.ok() && m.to.ok());
     const auto& after = m.after;
     std::vector<RearrangeReport> reports;
+    const int staging = trial % 2 == 0 ? 1 : 1 + trial % kLayers;
     auto ranks = RearrangeOnThreads(
-        m.before, [&](Rearranger& re) { return re.Rearrange(*m.from, *m.to); }, &reports);
+        m.before,
+        [&](Rearranger& re) {
+          EXPECT_TRUE(re.Reserve({.max_layers_in_flight = staging}).ok());
+          return re.Rearrange(*m.from, *m.to);
+        },
+        &reports);
     for (uint32_t r = 0; r < kRanks; ++r) {
       ASSERT_TRUE(reports[r].status.ok()) << reports[r].status.ToString();
       for (int l = 0; l < kLayers; ++l) {
@@ -296,8 +304,9 @@ internal::Fault OnRecord(protocol::RecordKind kind, internal::Fault::Action acti
 
 // Rollback at every phase, through the fault-injecting data path and control channel
 // (in-process, milliseconds): each fault on one rank makes every rank fail by name, keep
-// each layer all-old or all-new, and commit no layer at or after the failed one.
-TEST(RearrangerFaultTest, EveryPhaseRollsBackOnEveryRank) {
+// each layer all-old or all-new, and commit no layer at or after the failed one. With
+// `staging` buffers reserved, that many layers run at once (in place, each needs one).
+void ExpectEveryPhaseRollsBack(int staging) {
   using internal::Fault;
   using protocol::RecordKind;
   struct Case {
@@ -355,8 +364,12 @@ TEST(RearrangerFaultTest, EveryPhaseRollsBackOnEveryRank) {
     std::vector<RearrangeReport> reports;
     const auto start = std::chrono::steady_clock::now();
     auto ranks = RearrangeOnThreads(
-        m.before, [&](Rearranger& re) { return re.Rearrange(*m.from, *m.to); }, &reports,
-        {nullptr, faulty, nullptr}, std::chrono::milliseconds(400));
+        m.before,
+        [&](Rearranger& re) {
+          EXPECT_TRUE(re.Reserve({.max_layers_in_flight = staging}).ok());
+          return re.Rearrange(*m.from, *m.to);
+        },
+        &reports, {nullptr, faulty, nullptr}, std::chrono::milliseconds(400));
     const auto took = std::chrono::steady_clock::now() - start;
     EXPECT_GE(faulty->injected(), 1u) << "the fault never applied";
     int failed_layer = -1;
@@ -385,6 +398,14 @@ TEST(RearrangerFaultTest, EveryPhaseRollsBackOnEveryRank) {
     // Deadlines bound every wait: three layers of 400 ms at most, plus set-up.
     EXPECT_LT(took, std::chrono::seconds(5));
   }
+}
+
+TEST(RearrangerFaultTest, EveryPhaseRollsBackOnEveryRank) { ExpectEveryPhaseRollsBack(1); }
+
+// The same with every layer in flight at once (issue 34: layers agree and read together):
+// a layer that fails stops the ones after it, on every rank, whatever they had done.
+TEST(RearrangerFaultTest, EveryPhaseRollsBackOnEveryRankWithLayersInFlight) {
+  ExpectEveryPhaseRollsBack(kLayers);
 }
 
 // Deadlines are measured on the Env's clock: with a READY lost and a 300 s deadline, a clock

@@ -52,27 +52,48 @@ class Packer {
   // grow, so such a packing cannot beat the bound.
   double Pack(std::span<const int32_t> count, const uint8_t* held = nullptr, double cap = 0,
               double bound = std::numeric_limits<double>::infinity()) {
-    // Experts by descending share (ties: lowest expert). Successive calls change one or
-    // two counts, so the previous order is nearly sorted: insertion sort is linear then.
+    // Experts by descending share (ties: lowest expert).
+    // Only the experts whose count changed since the last call get a new share and a new
+    // place in the order (the order is total, so the result is the one a full sort gives).
     const int n = static_cast<int>(count.size());
-    share_.resize(static_cast<size_t>(n));
-    for (int32_t e = 0; e < n; ++e) share_[e] = count[e] > 0 ? weight_[e] / count[e] : 0.0;
-    if (order_.size() != static_cast<size_t>(n)) {
-      order_.resize(static_cast<size_t>(n));
-      std::iota(order_.begin(), order_.end(), 0);
-    }
     auto before = [&](int32_t a, int32_t b) {
       return share_[a] != share_[b] ? share_[a] > share_[b] : a < b;
     };
-    for (size_t i = 1; i < order_.size(); ++i) {
-      const int32_t e = order_[i];
-      size_t j = i;
-      for (; j > 0 && before(e, order_[j - 1]); --j) order_[j] = order_[j - 1];
-      order_[j] = e;
+    if (order_.size() != static_cast<size_t>(n)) {
+      share_.resize(static_cast<size_t>(n));
+      last_count_.assign(count.begin(), count.end());
+      for (int32_t e = 0; e < n; ++e) share_[e] = count[e] > 0 ? weight_[e] / count[e] : 0.0;
+      order_.resize(static_cast<size_t>(n));
+      std::iota(order_.begin(), order_.end(), 0);
+      std::sort(order_.begin(), order_.end(), before);
+    } else {
+      changed_.clear();
+      for (int32_t e = 0; e < n; ++e) {
+        if (count[e] == last_count_[e]) continue;
+        last_count_[e] = count[e];
+        share_[e] = count[e] > 0 ? weight_[e] / count[e] : 0.0;
+        changed_.push_back(e);
+      }
+      // Out of the order first (the rest stays sorted), then each back where it belongs.
+      for (int32_t e : changed_) order_.erase(std::find(order_.begin(), order_.end(), e));
+      for (int32_t e : changed_)
+        order_.insert(std::upper_bound(order_.begin(), order_.end(), e, before), e);
     }
     auto share = [&](int32_t e) { return share_[e]; };
     std::fill(load_.begin(), load_.end(), 0.0);
     std::fill(fill_.begin(), fill_.end(), 0);
+    fast_path_ = false;
+    if (held == nullptr && per_rank_ == 2 && !general_) {
+      const double m = PackTwo(count, bound);
+      fast_path_ = m >= 0;
+      if (m >= 0) return m;
+      std::fill(load_.begin(), load_.end(), 0.0);  // not for this input: the heap below
+      std::fill(fill_.begin(), fill_.end(), 0);
+    }
+    if (held == nullptr && ranks_ <= kScanRanks && !general_) {
+      fast_path_ = true;  // (not the heap)
+      return PackByScan(count, bound);
+    }
     // Ranks with room by (load, rank): the lightest first, ties to the lowest rank. A rank
     // that takes a replica of e returns to the heap only after e's last replica, so no rank
     // gets two replicas of e unless fewer ranks than replicas have room.
@@ -122,6 +143,9 @@ class Packer {
   }
 
   const std::vector<int32_t>& slots() const { return slots_; }
+  // Tests: every per_rank through the heap (the reference PackTwo is checked against).
+  void set_general(bool general) { general_ = general; }
+  bool fast_path() const { return fast_path_; }  // the last Pack() did not use the heap
 
   const std::vector<double>& loads() const { return load_; }
 
@@ -141,9 +165,123 @@ class Packer {
     return best;
   }
 
+  // Pack() for two slots per rank (EP256-like shapes), without the heap, the same choices:
+  // while every rank is empty a rank takes the lowest free index (all shares so far are > 0,
+  // so every used rank is heavier than an empty one); the first `ranks` replicas thus go to
+  // ranks 0, 1, ... in order, and their loads do not increase with the rank. Each later
+  // replica fills the rank it goes to, so the heap's pops are one pass over the ranks by
+  // (load, rank) ascending: equal loads from the last rank backward, each run ascending.
+  // Ranks that took the expert already are skipped (the heap holds them back until its last
+  // replica). Returns -1 when the input is not of that form (a share of 0 among the first
+  // `ranks` replicas, or not 2 x ranks replicas): the caller packs with the heap then.
+  double PackTwo(std::span<const int32_t> count, double bound) {
+    size_t replicas = 0;
+    for (int32_t e : order_) replicas += static_cast<size_t>(std::max(count[e], 0));
+    if (replicas != 2 * static_cast<size_t>(ranks_)) return -1;
+    // Phase one: replica k < ranks to rank k.
+    size_t k = 0, at = 0;  // replicas placed; order_ position
+    int32_t e = -1;        // the expert whose replicas are being placed
+    int left = 0;          // of its replicas
+    taken_.clear();
+    while (k < static_cast<size_t>(ranks_)) {
+      if (left == 0) {
+        do e = order_[at++];
+        while (count[e] <= 0);
+        left = count[e];
+        taken_.clear();
+        if (!(share_[e] > 0)) return -1;
+      }
+      const int r = static_cast<int>(k++);
+      slots_[static_cast<size_t>(r) * 2] = e;
+      fill_[r] = 1;
+      load_[r] = share_[e];
+      if (load_[r] >= bound) return std::numeric_limits<double>::infinity();
+      taken_.push_back(r);
+      --left;
+    }
+    // Phase two: ranks by (load, rank) ascending.
+    rank_order_.clear();
+    for (int hi = ranks_ - 1; hi >= 0;) {
+      int lo = hi;
+      while (lo > 0 && Key(load_[lo - 1]) == Key(load_[hi])) --lo;
+      for (int r = lo; r <= hi; ++r) rank_order_.push_back(r);
+      hi = lo - 1;
+    }
+    size_t front = 0;  // rank_order_[0, front) are full
+    for (;;) {
+      if (left == 0) {
+        while (at < order_.size() && count[order_[at]] <= 0) ++at;
+        if (at == order_.size()) break;
+        e = order_[at++];
+        left = count[e];
+        taken_.clear();
+      }
+      const double s = share_[e];
+      while (front < rank_order_.size() && fill_[rank_order_[front]] == 2) ++front;
+      int r = -1;
+      for (size_t i = front; i < rank_order_.size() && r < 0; ++i) {
+        const int c = rank_order_[i];
+        if (fill_[c] < 2 && std::find(taken_.begin(), taken_.end(), c) == taken_.end()) r = c;
+      }
+      if (r < 0) {  // a duplicate, as in Pack
+        auto it = std::min_element(taken_.begin(), taken_.end(), [&](int a, int b) {
+          return fill_[a] == 2   ? false
+                 : fill_[b] == 2 ? true
+                                 : std::pair(load_[a], a) < std::pair(load_[b], b);
+        });
+        r = *it;
+      }
+      slots_[static_cast<size_t>(r) * 2 + fill_[r]++] = e;
+      load_[r] += s;
+      if (load_[r] >= bound) return std::numeric_limits<double>::infinity();
+      if (std::find(taken_.begin(), taken_.end(), r) == taken_.end()) taken_.push_back(r);
+      --left;
+    }
+    return *std::max_element(load_.begin(), load_.end());
+  }
+
+  // Pack() for a few ranks (a node's 8 in hierarchical mode): a scan for the lightest rank
+  // with room that has not taken the expert (ties: lowest rank) instead of the heap; the
+  // same choices, as the heap holds exactly those ranks.
+  static constexpr int kScanRanks = 16;
+  double PackByScan(std::span<const int32_t> count, double bound) {
+    for (int32_t e : order_) {
+      if (count[e] <= 0) continue;
+      const double s = share_[e];
+      taken_.clear();
+      uint32_t taken = 0;  // ranks that took e, as bits
+      for (int k = 0; k < count[e]; ++k) {
+        int r = -1;
+        uint64_t lightest = std::numeric_limits<uint64_t>::max();
+        for (int c = 0; c < ranks_; ++c) {
+          const uint64_t key = Key(load_[c]);
+          if (fill_[c] == per_rank_ || (taken >> c & 1u) || (r >= 0 && key >= lightest)) continue;
+          r = c;
+          lightest = key;
+        }
+        if (r < 0) {  // a duplicate, as in Pack
+          auto it = std::min_element(taken_.begin(), taken_.end(), [&](int a, int b) {
+            return fill_[a] == per_rank_   ? false
+                   : fill_[b] == per_rank_ ? true
+                                           : std::pair(load_[a], a) < std::pair(load_[b], b);
+          });
+          r = *it;
+        }
+        slots_[static_cast<size_t>(r) * per_rank_ + fill_[r]++] = e;
+        load_[r] += s;
+        if (load_[r] >= bound) return std::numeric_limits<double>::infinity();
+        if (!(taken >> r & 1u)) taken_.push_back(r);
+        taken |= 1u << r;
+      }
+    }
+    return *std::max_element(load_.begin(), load_.end());
+  }
+
   std::span<const double> weight_;
   int ranks_, per_rank_;
-  std::vector<int32_t> slots_, order_;
+  bool general_ = false, fast_path_ = false;
+  std::vector<int> rank_order_;
+  std::vector<int32_t> slots_, order_, last_count_, changed_;
   std::vector<double> load_, share_;
   std::vector<int> fill_, taken_;
   // (load, rank) with the load's bits as the key: loads are never negative, and the bits of
@@ -237,6 +375,16 @@ void BalancedSlots(std::span<const double> weight, int slots, int ranks, std::sp
     Apply(layout, move);
   }
   std::copy(layout.expert.begin(), layout.expert.end(), out.begin());
+}
+
+double PackReplicas(std::span<const double> weight, std::span<const int32_t> count, int ranks,
+                    int per_rank, bool general, std::span<int32_t> out, double bound, bool* fast) {
+  Packer packer(weight, ranks, per_rank);
+  packer.set_general(general);
+  const double m = packer.Pack(count, nullptr, 0, bound);
+  if (fast != nullptr) *fast = packer.fast_path();
+  std::copy(packer.slots().begin(), packer.slots().end(), out.begin());
+  return m;
 }
 
 void StickySlots(std::span<const double> weight, std::span<const int32_t> count,

@@ -3,6 +3,7 @@
 #define EPLBX_SRC_PLAN_BALANCED_INTERNAL_H_
 
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -16,6 +17,18 @@ namespace eplbx::internal {
 // rank and another rank, and re-point a redundant replica to another expert, while that
 // lowers the heaviest rank's load. Writes out[slots] (expert ids, rank-major).
 void BalancedSlots(std::span<const double> weight, int slots, int ranks, std::span<int32_t> out);
+
+// The greedy packing BalancedSlots searches with, exposed for tests: count[e] replicas of
+// each expert onto `ranks` ranks of `per_rank` slots (sum of counts = out.size()), heaviest
+// share first onto the lightest rank with room that does not hold the expert yet (ties:
+// lowest expert, lowest rank). Returns the largest rank load (infinity once a rank reaches
+// `bound`) and the slots in `out`, rank-major. Two slots per rank (but for a zero share
+// among the first `ranks` replicas) and at most 16 ranks take paths without the heap
+// (`fast` says whether it did); `general` sends every shape through the heap (the
+// reference those paths are tested against).
+double PackReplicas(std::span<const double> weight, std::span<const int32_t> count, int ranks,
+                    int per_rank, bool general, std::span<int32_t> out,
+                    double bound = std::numeric_limits<double>::infinity(), bool* fast = nullptr);
 
 // Packs the replicas of `count` (per expert) onto `ranks` ranks of out.size() / ranks slots
 // like BalancedSlots' packing, except that a replica first goes to the lightest rank that

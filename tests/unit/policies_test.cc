@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <random>
 #include <set>
 
@@ -124,6 +125,49 @@ TEST(BalancedTest, ClosesMostOfTheGapWithFewSlotsPerRank) {
 // and the cap allows, keeps every (rank, expert) pair of the old layout (so no rank holds
 // two replicas of one expert). With changed counts the greedy may be cornered into a
 // duplicate on small shapes (as DeepSeek's packing can); only the counts are checked.
+// Two slots per rank (EP256: 512 slots on 256 ranks) and a few ranks (a node's 8) are packed
+// without the heap: the same slots and the same largest load as the heap's packing, bound or
+// no bound, on random inputs with ties (small integer weights), zero weights, experts with no
+// replica and experts with more replicas than ranks have room for apart (duplicates).
+TEST(BalancedTest, PackingsWithoutTheHeapMatchIt) {
+  std::mt19937 rng(17);
+  int fast_two = 0, fast_few = 0;
+  for (int trial = 0; trial < 6000; ++trial) {
+    const int ranks = 1 + static_cast<int>(rng() % (trial % 2 ? 16 : 40));
+    const int per_rank = trial % 2 ? 1 + static_cast<int>(rng() % 10) : 2;
+    const int slots = ranks * per_rank;
+    const int experts = 1 + static_cast<int>(rng() % slots);
+    std::vector<double> weight(static_cast<size_t>(experts));
+    for (double& w : weight) {
+      w = trial % 3 == 0 ? static_cast<double>(rng() % 4) : std::round(1e5 / (1 + rng() % 50));
+    }
+    // One replica each while they last, the rest at random (any expert).
+    std::vector<int32_t> count(static_cast<size_t>(experts), 0);
+    for (int k = 0; k < slots; ++k) ++count[k < experts ? k : rng() % experts];
+    if (trial % 4 == 1) {  // some experts without a replica
+      for (int k = 0; k < experts / 3; ++k) {
+        const size_t from = rng() % experts, to = rng() % experts;
+        if (count[from] > 0) --count[from], ++count[to];
+      }
+    }
+    std::vector<int32_t> fast(static_cast<size_t>(slots)), heap(fast.size());
+    const double m_heap = internal::PackReplicas(weight, count, ranks, per_rank, true, heap);
+    const double bound = trial % 5 < 2 ? m_heap * (0.5 + 0.6 * (rng() % 1000) / 1000.0)
+                                       : std::numeric_limits<double>::infinity();
+    bool used = false;
+    const double m_fast =
+        internal::PackReplicas(weight, count, ranks, per_rank, false, fast, bound, &used);
+    const double m_heap_bound =
+        internal::PackReplicas(weight, count, ranks, per_rank, true, heap, bound);
+    ASSERT_EQ(m_fast, m_heap_bound) << "trial " << trial;
+    (per_rank == 2 && ranks > 16 ? fast_two : fast_few) += used;
+    if (std::isinf(m_heap_bound)) continue;
+    ASSERT_EQ(fast, heap) << "trial " << trial << ": " << ranks << " ranks x " << per_rank;
+  }
+  EXPECT_GT(fast_two, 800) << "the two-slot path ran too rarely to be tested";
+  EXPECT_GT(fast_few, 2000) << "the scan ran too rarely to be tested";
+}
+
 TEST(BalancedTest, StickySlotsKeepHeldExpertsWithinCap) {
   std::mt19937_64 rng(9);
   for (int iter = 0; iter < 100; ++iter) {

@@ -42,6 +42,9 @@ struct BalancerOptions {
   int window = 1000;         // steps of load a plan is built from
   TriggerOptions trigger;
   BalancerMode mode = BalancerMode::kAsynchronous;
+  // The asynchronous mode's options; in both modes the Rearranger reserves
+  // async.max_layers_in_flight staging buffers (Rearranger::Reserve), so a synchronous
+  // rebalance in place also runs that many layers at once (RearrangeOptions::layers_in_flight).
   AsyncOptions async;
   // Asynchronous mode: the plan and the migration plan are computed on a thread of their
   // own from the step the trigger is due, and the rebalance begins plan_lag_steps steps

@@ -156,7 +156,8 @@ class Rearranger {
   Status Begin(const Placement& from, const Placement& to, const MigrationPlan& plan,
                AsyncOptions options = {});
   // Allocates (and touches) the staging buffers an asynchronous rearrangement with `options`
-  // needs, so that the first Begin does not pay for them while serving. Optional.
+  // needs (max_layers_in_flight, one layer each), so that the first Begin does not pay for
+  // them while serving; Rearrange() in place then runs that many layers at once. Optional.
   Status Reserve(const AsyncOptions& options);
   // Non-blocking: takes the records that arrived, posts the READs the budget allows,
   // starts layers as staging frees up, checks deadlines.

@@ -80,6 +80,10 @@ struct RebalanceEvent {
 
 struct SimulateResult {
   double mean_balancedness = 1.0, p5_balancedness = 1.0;
+  // The hindsight ceiling (HindsightBalance with the run's interval): the mean balancedness
+  // of placements planned on each interval's own load, moved for free. What the trigger,
+  // window and policy leave on the table is the gap to it; what the slots leave, its gap to 1.
+  double hindsight_mean_balancedness = 1.0;
   // The same from the step after the first rebalance on (without the uniform start); equal
   // to the above when nothing was rebalanced.
   double steady_mean_balancedness = 1.0, steady_p5_balancedness = 1.0;
@@ -98,6 +102,15 @@ struct SimulateResult {
 // current one if Decide says so. Errors: an empty trace, an invalid topology for the
 // trace's experts, window or interval < 1.
 Result<SimulateResult> Simulate(const LoadTrace& trace, const SimulateOptions& options);
+
+// The hindsight ceiling of a trace: for every block of `interval` steps (steps 0..interval-1,
+// then the next ...), the placement `policy` plans on that block's own summed load — known
+// only afterwards — is in force for the block and costs nothing to move in. Returns every
+// step's balance under it (per layer and total). No real EPLB reaches it: it plans with the
+// future and moves for free; the perfectly balanced oracle (1.0) is above it by what the
+// slots cannot fix. Errors: an empty trace, interval < 1, a topology that does not fit.
+Result<std::vector<Balance>> HindsightBalance(const LoadTrace& trace, const Topology& topology,
+                                              int interval, Policy policy = Policy::kBalanced);
 
 }  // namespace eplbx
 

@@ -223,9 +223,7 @@ Result<std::unique_ptr<Balancer>> Balancer::Create(Placement initial, BalancerOp
   EPLBX_RETURN_IF_ERROR(CheckLive(options.topology, initial, options.live));
   EPLBX_ASSIGN_OR_RETURN(LoadRecorder rec,
                          LoadRecorder::Create(initial.layers(), initial.experts(), options.window));
-  if (rearranger != nullptr && options.mode == BalancerMode::kAsynchronous) {
-    EPLBX_RETURN_IF_ERROR(rearranger->Reserve(options.async));
-  }
+  if (rearranger != nullptr) EPLBX_RETURN_IF_ERROR(rearranger->Reserve(options.async));
   return std::unique_ptr<Balancer>(new Balancer(
       std::make_unique<State>(std::move(options), rearranger, std::move(initial), std::move(rec))));
 }

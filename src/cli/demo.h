@@ -90,7 +90,10 @@ struct DemoOptions {
   // --serve: forward steps of real expert work with EPLB off, synchronous, asynchronous.
   bool serve = false;
   bool steps_given = false;       // --steps was passed (else 3, or 300 with --serve)
-  int interval = 50;              // steps between rebalances considered (and the window)
+  int interval = 50;              // steps between rebalances considered
+  int window = 0;                 // steps of load a plan is built from (0: the interval)
+  double min_gain = 0;            // TriggerOptions::min_gain
+  double tolerance = 0.002;       // incremental: balancedness loss allowed
   int tokens = 512;               // tokens per forward step
   int top_k = 8;                  // experts per token
   std::string work_bytes = "4K";  // bytes of an expert's row one routed token works over

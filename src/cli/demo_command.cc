@@ -851,9 +851,22 @@ void AddDemoFlags(CLI::App& cmd, DemoOptions& o) {
                  "the others serve on over the members; add:RANK@STEP: rank RANK joins at that "
                  "step (demo: its process is started then; worker: its worker, started any "
                  "time, is let in then)");
-  cmd.add_option("--interval", o.interval, "--serve: steps between rebalances (and window)")
+  cmd.add_option("--interval", o.interval, "--serve: steps between rebalances considered")
       ->capture_default_str()
       ->check(IntIn<int>(0, 1 << 30));
+  cmd.add_option("--window", o.window,
+                 "--serve: steps of load a plan is built from (0: the interval)")
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 1 << 30));
+  cmd.add_option("--min-gain", o.min_gain,
+                 "--serve: rebalance only when the plan's balancedness on the window beats the "
+                 "current one's by at least this")
+      ->capture_default_str()
+      ->check(RealIn(0, 1));
+  cmd.add_option("--tolerance", o.tolerance,
+                 "--serve, incremental: balancedness below balanced's it may keep to move less")
+      ->capture_default_str()
+      ->check(RealIn(0, 1));
   cmd.add_option("--tokens", o.tokens, "--serve: tokens per forward step")
       ->capture_default_str()
       ->check(IntIn<int>(0, 1 << 24));

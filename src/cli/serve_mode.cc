@@ -184,13 +184,30 @@ Result<std::unique_ptr<HostBackup>> DemoBackup(const DemoOptions& o, Bootstrap& 
                          o.experts, initial, wait, o.survive ? load : nullptr);
 }
 
+Result<LoadTrace> DemoTrace(const DemoOptions& o) {
+  SynthOptions so;
+  so.layers = o.layers;
+  so.experts = o.experts;
+  so.steps = o.steps;
+  so.seed = o.seed;
+  so.zipf = 1.0;
+  so.drift = 0.05;
+  so.reversion = 0.01;
+  so.phase_steps = std::max<int64_t>(o.interval * 2, o.steps / 3);
+  so.tokens = o.tokens;
+  so.top_k = o.top_k;
+  return SynthTrace(so);
+}
+
 ServingOptions ModeOptions(const DemoOptions& o, int rank, const std::string& mode, Policy policy,
                            const std::vector<bool>& live, const std::vector<Mode>& modes) {
   ServingOptions so;
   BalancerOptions& bo = so.balancer;
   bo.topology = Topology{o.ranks, 1, o.ranks * o.slots_per_rank, 1};
   bo.policy = policy;
-  bo.window = o.interval;
+  bo.window = o.window > 0 ? o.window : o.interval;
+  bo.trigger.min_gain = o.min_gain;
+  bo.tolerance = o.tolerance;
   bo.trigger.interval = mode == "off" ? o.steps + 1 : o.interval;
   bo.mode = mode == "sync" ? BalancerMode::kSynchronous : BalancerMode::kAsynchronous;
   bo.bytes_per_expert = o.expert_bytes_value;

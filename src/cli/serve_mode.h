@@ -16,10 +16,15 @@
 #include "cli/demo.h"
 #include "eplbx/backup.h"
 #include "eplbx/serving.h"
+#include "eplbx/simulate.h"
 
 namespace eplbx::cli {
 
 int64_t MonotonicNs();  // CLOCK_MONOTONIC: the same clock in every process
+
+// The gate's load of `eplbx demo --serve`: the simulator's skewed, drifting trace, the same
+// on every rank (and in the coordinator's report, for the hindsight ceiling).
+Result<LoadTrace> DemoTrace(const DemoOptions& o);
 
 struct ModeRun {
   std::vector<double> cpu_s;  // steps x layers: this rank's work on each layer

@@ -125,19 +125,7 @@ int RunServeRank(const DemoOptions& o, int rank, Bootstrap& boot, bool joining,
   // leases by up to a lease): three leases more.
   const auto round_wait =
       std::chrono::milliseconds(static_cast<int64_t>((o.deadline_s * 2 + o.lease_s * 3) * 1000));
-  // The gate: the simulator's skewed, drifting load, the same on every rank.
-  SynthOptions so;
-  so.layers = o.layers;
-  so.experts = o.experts;
-  so.steps = o.steps;
-  so.seed = o.seed;
-  so.zipf = 1.0;
-  so.drift = 0.05;
-  so.reversion = 0.01;
-  so.phase_steps = std::max<int64_t>(o.interval * 2, o.steps / 3);
-  so.tokens = o.tokens;
-  so.top_k = o.top_k;
-  Result<LoadTrace> trace = SynthTrace(so);
+  Result<LoadTrace> trace = DemoTrace(o);
   if (!trace.ok()) return fail(trace.status().message());
   const Topology topo{o.ranks, 1, o.ranks * o.slots_per_rank, 1};
   const LoadMatrix uniform = *LoadMatrix::Create(

@@ -107,6 +107,7 @@ json Summary(const SimulateResult& r, const SimulateOptions& o) {
           {"skip_above", o.trigger.skip_above},
           {"mean_balancedness", r.mean_balancedness},
           {"p5_balancedness", r.p5_balancedness},
+          {"hindsight_mean_balancedness", r.hindsight_mean_balancedness},
           {"steady_mean_balancedness", r.steady_mean_balancedness},
           {"steady_p5_balancedness", r.steady_p5_balancedness},
           {"rebalances", r.rebalances},
@@ -136,13 +137,14 @@ std::string Text(const SimulateResult& r, const SimulateOptions& o) {
   char buf[512];
   std::snprintf(buf, sizeof buf,
                 "%s, window %d, interval %d: balancedness mean %.4f, p5 %.4f (after the first "
-                "rebalance: %.4f, %.4f); %lld rebalances "
+                "rebalance: %.4f, %.4f; hindsight ceiling %.4f); %lld rebalances "
                 "(%lld considered, %lld skipped as balanced, %lld for small gain), %lld copies, "
                 "%.2f GiB moved, stall estimate %.3f s\n",
                 std::string(PolicyName(o.policy)).c_str(), o.window, o.trigger.interval,
                 r.mean_balancedness, r.p5_balancedness, r.steady_mean_balancedness,
-                r.steady_p5_balancedness, static_cast<long long>(r.rebalances),
-                static_cast<long long>(r.considered), static_cast<long long>(r.skipped_balanced),
+                r.steady_p5_balancedness, r.hindsight_mean_balancedness,
+                static_cast<long long>(r.rebalances), static_cast<long long>(r.considered),
+                static_cast<long long>(r.skipped_balanced),
                 static_cast<long long>(r.skipped_small_gain), static_cast<long long>(r.copies),
                 static_cast<double>(r.bytes_moved) / (1 << 30), r.stall_seconds_est);
   return buf;
@@ -151,11 +153,11 @@ std::string Text(const SimulateResult& r, const SimulateOptions& o) {
 std::string Row(const SimulateResult& r, const SimulateOptions& o) {
   char buf[256];
   std::snprintf(buf, sizeof buf,
-                "%-12s %6d  %8d  %8.3f  %10.3f  %8.4f  %6.4f  %11.4f  %9.4f  %10lld  %6lld  "
-                "%9.2f  %7.3f\n",
+                "%-12s %6d  %8d  %8.3f  %10.3f  %8.4f  %6.4f  %11.4f  %9.4f  %9.4f  %10lld  "
+                "%6lld  %9.2f  %7.3f\n",
                 std::string(PolicyName(o.policy)).c_str(), o.window, o.trigger.interval,
                 o.trigger.min_gain, o.trigger.skip_above, r.mean_balancedness, r.p5_balancedness,
-                r.steady_mean_balancedness, r.steady_p5_balancedness,
+                r.steady_mean_balancedness, r.steady_p5_balancedness, r.hindsight_mean_balancedness,
                 static_cast<long long>(r.rebalances), static_cast<long long>(r.copies),
                 static_cast<double>(r.bytes_moved) / (1 << 30), r.stall_seconds_est);
   return buf;
@@ -258,7 +260,7 @@ Status RunSimulate(SimulateArgs args) {
   if (runs.size() > 1) {
     text =
         "policy       window  interval  min_gain  skip_above  mean_bal  p5_bal  steady_mean  "
-        "steady_p5  rebalances  copies  GiB_moved  stall_s\n";
+        "steady_p5  hindsight  rebalances  copies  GiB_moved  stall_s\n";
   }
   for (const SimulateOptions& o : runs) {
     Result<SimulateResult> r = Simulate(trace, o);

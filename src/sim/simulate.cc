@@ -103,6 +103,42 @@ Result<LoadTrace> SynthTrace(const SynthOptions& o) {
   return trace;
 }
 
+Result<std::vector<Balance>> HindsightBalance(const LoadTrace& trace, const Topology& topology,
+                                              int interval, Policy policy) {
+  const int64_t steps = trace.steps();
+  if (steps < 1 || trace.layers < 1 || trace.experts < 1) {
+    return Status::InvalidArgument("the trace is empty; expected at least one step");
+  }
+  if (interval < 1) {
+    return Status::InvalidArgument(StrCat("interval (", interval, ") must be >= 1 steps"));
+  }
+  EPLBX_RETURN_IF_ERROR(topology.Validate(trace.experts));
+  if (policy == Policy::kIncremental) policy = Policy::kBalanced;  // nothing to keep: free moves
+  const size_t cells = static_cast<size_t>(trace.layers) * trace.experts;
+  std::vector<Balance> out;
+  out.reserve(static_cast<size_t>(steps));
+  for (int64_t begin = 0; begin < steps; begin += interval) {
+    const int64_t end = std::min<int64_t>(steps, begin + interval);
+    std::vector<double> sum(cells, 0.0);
+    for (int64_t s = begin; s < end; ++s) {
+      const std::span<const double> v = trace.step(s);
+      for (size_t i = 0; i < cells; ++i) sum[i] += v[i];
+    }
+    EPLBX_ASSIGN_OR_RETURN(LoadMatrix block,
+                           LoadMatrix::Create(trace.layers, trace.experts, std::move(sum)));
+    EPLBX_ASSIGN_OR_RETURN(Placement p, Plan(block, topology, {.policy = policy}));
+    for (int64_t s = begin; s < end; ++s) {
+      const std::span<const double> v = trace.step(s);
+      EPLBX_ASSIGN_OR_RETURN(
+          LoadMatrix load,
+          LoadMatrix::Create(trace.layers, trace.experts, std::vector<double>(v.begin(), v.end())));
+      EPLBX_ASSIGN_OR_RETURN(Balance b, ComputeBalance(p, load, topology.ranks));
+      out.push_back(std::move(b));
+    }
+  }
+  return out;
+}
+
 Result<SimulateResult> Simulate(const LoadTrace& trace, const SimulateOptions& o) {
   const int64_t steps = trace.steps();
   if (steps < 1 || trace.layers < 1 || trace.experts < 1) {
@@ -159,6 +195,11 @@ Result<SimulateResult> Simulate(const LoadTrace& trace, const SimulateOptions& o
   std::vector<double> bal(r.steps.size());
   for (size_t i = 0; i < bal.size(); ++i) bal[i] = r.steps[i].balancedness;
   summarize(bal, r.mean_balancedness, r.p5_balancedness);
+  EPLBX_ASSIGN_OR_RETURN(const std::vector<Balance> ceiling,
+                         HindsightBalance(trace, t, o.trigger.interval));
+  double ceiling_sum = 0;
+  for (const Balance& b : ceiling) ceiling_sum += b.total;
+  r.hindsight_mean_balancedness = ceiling_sum / static_cast<double>(ceiling.size());
   const size_t first = r.events.empty() ? 0 : static_cast<size_t>(r.events[0].step + 1);
   if (first < bal.size()) {
     summarize({bal.begin() + static_cast<std::ptrdiff_t>(first), bal.end()},

@@ -12,7 +12,44 @@
 
 #include "transfer/ucx/ucx_worker.h"
 
+#include <ucs/debug/log_def.h>
+
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+
 namespace eplbx::internal::ucx {
+
+namespace {
+
+// UCX prints its messages to stdout unless UCX_LOG_FILE says otherwise; stdout belongs to
+// the process that embeds eplbx (the CLI's --json report, an engine's own output). Unless
+// the user chose a log file, UCX's messages go to stderr, one line each, prefixed.
+ucs_log_func_rc_t LogToStderr(const char* file, unsigned line, const char*, ucs_log_level_t level,
+                              const ucs_log_component_config_t* comp, const char* format,
+                              va_list ap) {
+  if (level == UCS_LOG_LEVEL_FATAL) return UCS_LOG_FUNC_RC_CONTINUE;  // UCX's own handling
+  if (level != UCS_LOG_LEVEL_PRINT && comp != nullptr && level > comp->log_level)
+    return UCS_LOG_FUNC_RC_CONTINUE;  // not enabled: UCX's default handler skips it too
+  char message[1024];
+  std::vsnprintf(message, sizeof message, format, ap);
+  const char* base = std::strrchr(file, '/');
+  std::fprintf(stderr, "eplbx: UCX %s %s:%u %s\n",
+               level < UCS_LOG_LEVEL_LAST ? ucs_log_level_names[level] : "LOG",
+               base != nullptr ? base + 1 : file, line, message);
+  return UCS_LOG_FUNC_RC_STOP;
+}
+
+void RouteUcxLogToStderr() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const char* chosen = std::getenv("UCX_LOG_FILE");
+    if (chosen == nullptr || *chosen == '\0') ucs_log_push_handler(&LogToStderr);
+  });
+}
+
+}  // namespace
 
 UcxWorker::UcxWorker(const PartOptions& options, CoreListener* listener)
     : options_(options), listener_(listener) {
@@ -36,6 +73,7 @@ UcxWorker::~UcxWorker() {
 }
 
 Status UcxWorker::Start() {
+  RouteUcxLogToStderr();
   ucp_config_t* config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) return Status::Unavailable("UCX: reading configuration: " + Ucs(st));

@@ -82,20 +82,29 @@ void PlanPolicy(benchmark::State& state, eplbx::Policy policy, eplbx::Topology t
 // Registers PlanPolicy for each shape and policy (balanced and incremental also on one
 // thread: `_1thread`).
 void RegisterPolicies() {
-  const std::pair<const char*, eplbx::Topology> shapes[] = {
-      {"ep256", {.ranks = 256, .nodes = 32, .slots = 512, .groups = 8}},
-      {"dsv3", {.ranks = 32, .nodes = 4, .slots = 288, .groups = 8}}};
+  struct Shape {
+    const char* name;
+    eplbx::Topology topology;
+    int layers, experts;
+  };
+  // EP256 and DeepSeek-V3 (58 layers x 256 experts), and the serving demo's (8 x 64 on 4
+  // ranks: what its Balancer plans at every rebalance).
+  const Shape shapes[] = {
+      {"ep256", {.ranks = 256, .nodes = 32, .slots = 512, .groups = 8}, 58, 256},
+      {"dsv3", {.ranks = 32, .nodes = 4, .slots = 288, .groups = 8}, 58, 256},
+      {"demo", {.ranks = 4, .nodes = 1, .slots = 72, .groups = 1}, 8, 64}};
   const std::pair<const char*, eplbx::Policy> policies[] = {
       {"deepseek", eplbx::Policy::kDeepSeek},
       {"balanced", eplbx::Policy::kBalanced},
       {"incremental", eplbx::Policy::kIncremental}};
-  for (const auto& [shape, topology] : shapes) {
+  for (const Shape& shape : shapes) {
     for (const auto& [name, policy] : policies) {
       for (int threads : {0, 1}) {
         if (threads == 1 && policy == eplbx::Policy::kDeepSeek) continue;  // always one
         const std::string label =
-            std::string("PlanPolicy/") + shape + "_" + name + (threads == 1 ? "_1thread" : "");
-        benchmark::RegisterBenchmark(label.c_str(), PlanPolicy, policy, topology, 58, 256, threads)
+            std::string("PlanPolicy/") + shape.name + "_" + name + (threads == 1 ? "_1thread" : "");
+        benchmark::RegisterBenchmark(label.c_str(), PlanPolicy, policy, shape.topology,
+                                     shape.layers, shape.experts, threads)
             ->Unit(benchmark::kMillisecond);
       }
     }

@@ -38,8 +38,9 @@ struct PlanOptions {
   // kIncremental: allowed balancedness loss per layer against kBalanced.
   double tolerance = 0.002;
   // kBalanced and kIncremental: layers are planned independently, on this many threads (0:
-  // one per core, at most one per layer; 1: the calling thread). The result is the same
-  // whatever the number. kDeepSeek always runs on the calling thread (about a millisecond).
+  // one per core, at most one per layer, and only the calling thread for a plan of fewer
+  // than 4,096 layer-slots; 1: the calling thread). The result is the same whatever the
+  // number. kDeepSeek always runs on the calling thread (about a millisecond).
   int threads = 0;
 };
 

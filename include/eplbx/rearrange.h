@@ -34,6 +34,11 @@ namespace eplbx {
 struct RearrangeOptions {
   // Deadline of every phase: metadata exchange, and each layer's protocol.
   std::chrono::milliseconds deadline{300000};
+  // The metadata exchange and the barrier after it (Create, Rebuild) wait this long instead
+  // when it is longer (0: `deadline`). ServingGroup sets it to its round wait: over etcd a
+  // lost member is seen only when its lease runs out, and a round right after the member set
+  // changed may take that long.
+  std::chrono::milliseconds exchange_deadline{0};
   int nodes = 1;  // for the migration planner's same-node-first source choice
   // Node of every rank (optional): bytes read from another node are counted separately.
   std::vector<uint32_t> node_of_rank;

@@ -51,7 +51,8 @@ struct ServingOptions {
   // Topology, policy, window, trigger, mode, budget. `balancer.live`: the members at
   // Create (empty: the bootstrap's members()).
   BalancerOptions balancer;
-  // The Rearranger's deadlines and paths (for rebalances and for settling alike).
+  // The Rearranger's deadlines and paths (for rebalances and for settling alike); its
+  // exchange_deadline, when 0, becomes round_wait.
   RearrangeOptions rearrange;
   // How long a member waits for one round over the bootstrap (the step's collective, the
   // members' maps). With the built-in coordinator: twice its round timeout, so a member

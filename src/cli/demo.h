@@ -89,11 +89,17 @@ struct DemoOptions {
   bool pipeline = false;
   // --serve: forward steps of real expert work with EPLB off, synchronous, asynchronous.
   bool serve = false;
-  bool steps_given = false;       // --steps was passed (else 3, or 300 with --serve)
-  int interval = 50;              // steps between rebalances considered
+  bool steps_given = false;  // --steps was passed (else 3, or 300 with --serve)
+  // The serving defaults were chosen with the simulator and confirmed on the serving demo
+  // (docs/perf.md, "EPLB quality by default"): rebalance often, on a short window, only
+  // when the placement has slipped and a new one gains enough to pay for the move.
+  int interval = 5;               // steps between rebalances considered
   int window = 0;                 // steps of load a plan is built from (0: the interval)
-  double min_gain = 0;            // TriggerOptions::min_gain
+  double min_gain = 0.05;         // TriggerOptions::min_gain
+  double skip_above = 0.93;       // TriggerOptions::skip_above
   double tolerance = 0.002;       // incremental: balancedness loss allowed
+  int async_steps = 2;            // AsyncOptions::target_steps
+  int plan_lag = 1;               // BalancerOptions::plan_lag_steps
   int tokens = 512;               // tokens per forward step
   int top_k = 8;                  // experts per token
   std::string work_bytes = "4K";  // bytes of an expert's row one routed token works over
@@ -124,6 +130,9 @@ struct Weights {
   }
 };
 Result<Weights> MakeWeights(const DemoOptions& o, int rank, Agent& agent);
+// Layers in flight together (--layers-in-flight) as far as their staging buffers (a layer's
+// rows each, in place) stay within 1 GiB per rank; at least 1.
+int StagingLayers(const DemoOptions& o);
 // This rank's agent "rank<N><suffix>" (with the drill's fault wrappers when `drill`).
 Result<std::unique_ptr<Agent>> MakeDemoAgent(const DemoOptions& o, int rank, bool drill,
                                              std::string_view suffix = {});

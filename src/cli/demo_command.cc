@@ -863,6 +863,21 @@ void AddDemoFlags(CLI::App& cmd, DemoOptions& o) {
                  "current one's by at least this")
       ->capture_default_str()
       ->check(RealIn(0, 1));
+  cmd.add_option("--skip-above", o.skip_above,
+                 "--serve: no plan at a due step while the placement's balancedness on the "
+                 "window is at least this (> 1: always plan)")
+      ->capture_default_str()
+      ->check(RealIn(0, 2));
+  cmd.add_option("--async-steps", o.async_steps,
+                 "--serve, async: steps a rebalance's READs are spread over "
+                 "(AsyncOptions::target_steps)")
+      ->capture_default_str()
+      ->check(IntIn<int>(1, 1 << 20));
+  cmd.add_option("--plan-lag", o.plan_lag,
+                 "--serve, async: steps between the due step and the rebalance's begin (the "
+                 "plan is computed meanwhile on a thread; 0: inside Step)")
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 1 << 20));
   cmd.add_option("--tolerance", o.tolerance,
                  "--serve, incremental: balancedness below balanced's it may keep to move less")
       ->capture_default_str()

@@ -192,6 +192,13 @@ std::shared_ptr<internal::FaultPlan> DrillPlan(const DemoOptions& o) {
 
 }  // namespace
 
+int StagingLayers(const DemoOptions& o) {
+  const uint64_t layer_bytes =
+      o.expert_bytes_value * (static_cast<uint64_t>(o.slots_per_rank) + o.spare_rows);
+  return static_cast<int>(std::clamp<uint64_t>((1ull << 30) / std::max<uint64_t>(layer_bytes, 1), 1,
+                                               std::max(o.layers_in_flight, 1)));
+}
+
 Result<Weights> MakeWeights(const DemoOptions& o, int rank, Agent& agent) {
   // Every layer and tensor in one shared region, rows contiguous per tensor.
   Weights w;
@@ -359,11 +366,7 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann:
     // Staging for the pipeline or for layers in flight in place, before anything is timed:
     // in place a buffer (a layer's rows) per layer in flight, at most 1 GiB of them.
     AsyncOptions staging;
-    const uint64_t layer_bytes = o.expert_bytes_value * static_cast<uint64_t>(o.slots_per_rank);
-    if (!o.pipeline) {
-      staging.max_layers_in_flight = static_cast<int>(std::clamp<uint64_t>(
-          (1ull << 30) / std::max<uint64_t>(layer_bytes, 1), 1, o.layers_in_flight));
-    }
+    if (!o.pipeline) staging.max_layers_in_flight = StagingLayers(o);
     Status reserved = (*rearranger)->Reserve(staging);
     if (!reserved.ok()) return fail_setup(reserved.message());
   }

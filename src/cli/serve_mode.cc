@@ -207,6 +207,11 @@ ServingOptions ModeOptions(const DemoOptions& o, int rank, const std::string& mo
   bo.policy = policy;
   bo.window = o.window > 0 ? o.window : o.interval;
   bo.trigger.min_gain = o.min_gain;
+  bo.trigger.skip_above = o.skip_above;
+  bo.async.target_steps = o.async_steps;
+  bo.plan_lag_steps = o.plan_lag;
+  // Staging buffers (in place, a layer's rows each) for the layers in flight of both modes.
+  bo.async.max_layers_in_flight = StagingLayers(o);
   bo.tolerance = o.tolerance;
   bo.trigger.interval = mode == "off" ? o.steps + 1 : o.interval;
   bo.mode = mode == "sync" ? BalancerMode::kSynchronous : BalancerMode::kAsynchronous;

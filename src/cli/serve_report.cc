@@ -572,6 +572,10 @@ Status ReportServing(const DemoOptions& o, const std::map<int, json>& reports, d
   out["interval"] = o.interval;
   out["window"] = o.window > 0 ? o.window : o.interval;
   out["min_gain"] = o.min_gain;
+  out["skip_above"] = o.skip_above;
+  out["async_steps"] = o.async_steps;
+  out["plan_lag"] = o.plan_lag;
+  out["layers_in_flight"] = StagingLayers(o);
   out["tolerance"] = o.tolerance;
   out["policy"] = o.policy;
   out["wall_seconds"] = wall;

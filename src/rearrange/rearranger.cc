@@ -91,7 +91,8 @@ Status RearrangerImpl::Setup() {
   w.Str32(EncodeLayout(layout));
   w.U64(generation);
   w.U64(pipeline_id);
-  Result<std::vector<std::string>> gathered = boot->AllGather(w.Take(), options.deadline);
+  const std::chrono::milliseconds wait = std::max(options.deadline, options.exchange_deadline);
+  Result<std::vector<std::string>> gathered = boot->AllGather(w.Take(), wait);
   if (!gathered.ok())
     return gathered.status().WithPrefix(StrCat("rank ", self(), ": exchanging metadata"));
   std::vector<std::string> blobs(gathered->size());
@@ -166,7 +167,7 @@ Status RearrangerImpl::Setup() {
     staging.push_back(std::move(*s));
   }
   // Nobody starts moving bytes before every rank is connected to every other.
-  Status ready = boot->Barrier(options.deadline);
+  Status ready = boot->Barrier(wait);
   if (!ready.ok())
     return ready.WithPrefix(StrCat("rank ", self(), ": waiting for every rank to connect"));
   return Status::OK();

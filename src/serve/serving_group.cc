@@ -307,6 +307,9 @@ Status ServingGroup::State::Init(Agent* a, Bootstrap* b, RankLayout l, int e, Se
   boot = b;
   layout = std::move(l);
   o = std::move(opts);
+  // The Rearranger's exchanges are rounds over the bootstrap too: they wait as long as the
+  // group's rounds (a member lost over etcd is seen only when its lease runs out).
+  if (o.rearrange.exchange_deadline.count() <= 0) o.rearrange.exchange_deadline = o.round_wait;
   backups = std::move(sources);
   rows = topo().slots_per_rank();
   experts = e;

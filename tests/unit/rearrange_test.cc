@@ -387,7 +387,12 @@ void ExpectEveryPhaseRollsBack(int staging) {
     }
     EXPECT_EQ(reports[1].status.code(), Code::kAborted) << reports[1].status.ToString();
     ASSERT_GE(failed_layer, 0);
-    for (uint32_t r = 0; r < kRanks && c.same_on_every_rank; ++r) {
+    // With layers in flight, the peer rank 1 loses (one-sidedly, a partition as far as the
+    // others know) during a later layer's READ may fall in an earlier layer's DONE window:
+    // the ranks that got every DONE of it commit it, rank 1 rolls it back — the window a lost
+    // DONE opens (docs/protocol.md, "Layers in flight together"). Everything else holds.
+    const bool same = c.same_on_every_rank && !(staging > 1 && c.name == "peer lost mid-layer");
+    for (uint32_t r = 0; r < kRanks && same; ++r) {
       for (const LayerOutcome& o : reports[r].layers) {
         EXPECT_FALSE(o.committed && static_cast<int>(o.layer) >= failed_layer)
             << "rank " << r << " committed layer " << o.layer << " at/after failed layer "

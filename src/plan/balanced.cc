@@ -113,14 +113,7 @@ class Packer {
           heap_.pop_back();
           if (std::find(taken_.begin(), taken_.end(), top) == taken_.end()) r = top;
         }
-        if (r < 0) {  // a duplicate: the lightest rank with room among those that took e
-          auto it = std::min_element(taken_.begin(), taken_.end(), [&](int a, int b) {
-            return fill_[a] == per_rank_   ? false
-                   : fill_[b] == per_rank_ ? true
-                                           : std::pair(load_[a], a) < std::pair(load_[b], b);
-          });
-          r = *it;
-        }
+        if (r < 0) r = DuplicateRank();
         slots_[static_cast<size_t>(r) * per_rank_ + fill_[r]++] = e;
         load_[r] += s;
         if (load_[r] >= bound) return std::numeric_limits<double>::infinity();
@@ -223,14 +216,7 @@ class Packer {
         const int c = rank_order_[i];
         if (fill_[c] < 2 && std::find(taken_.begin(), taken_.end(), c) == taken_.end()) r = c;
       }
-      if (r < 0) {  // a duplicate, as in Pack
-        auto it = std::min_element(taken_.begin(), taken_.end(), [&](int a, int b) {
-          return fill_[a] == 2   ? false
-                 : fill_[b] == 2 ? true
-                                 : std::pair(load_[a], a) < std::pair(load_[b], b);
-        });
-        r = *it;
-      }
+      if (r < 0) r = DuplicateRank();
       slots_[static_cast<size_t>(r) * 2 + fill_[r]++] = e;
       load_[r] += s;
       if (load_[r] >= bound) return std::numeric_limits<double>::infinity();
@@ -259,14 +245,7 @@ class Packer {
           r = c;
           lightest = key;
         }
-        if (r < 0) {  // a duplicate, as in Pack
-          auto it = std::min_element(taken_.begin(), taken_.end(), [&](int a, int b) {
-            return fill_[a] == per_rank_   ? false
-                   : fill_[b] == per_rank_ ? true
-                                           : std::pair(load_[a], a) < std::pair(load_[b], b);
-          });
-          r = *it;
-        }
+        if (r < 0) r = DuplicateRank();
         slots_[static_cast<size_t>(r) * per_rank_ + fill_[r]++] = e;
         load_[r] += s;
         if (load_[r] >= bound) return std::numeric_limits<double>::infinity();
@@ -275,6 +254,16 @@ class Packer {
       }
     }
     return *std::max_element(load_.begin(), load_.end());
+  }
+
+  // A duplicate, when every rank with room took the expert already: the lightest rank with
+  // room among those that took it (ties: lowest rank).
+  int DuplicateRank() const {
+    return *std::min_element(taken_.begin(), taken_.end(), [&](int a, int b) {
+      return fill_[a] == per_rank_   ? false
+             : fill_[b] == per_rank_ ? true
+                                     : std::pair(load_[a], a) < std::pair(load_[b], b);
+    });
   }
 
   std::span<const double> weight_;

@@ -23,16 +23,28 @@ using Clock = std::chrono::steady_clock;
 constexpr uint32_t kMaxFrame = 64u << 20;
 
 // Never raises SIGPIPE: a peer that closed makes the write fail (EPIPE), not the process
-// die (issue 17, item 6). Frames go over sockets; anything else falls back to write().
-bool WriteAll(int fd, const char* p, size_t n) {
+// die (issue 17, item 6). Never blocks past `deadline`: a send that would block waits for
+// room by poll(). Frames go over sockets; anything else falls back to write() after poll().
+bool WriteAll(int fd, const char* p, size_t n, Clock::time_point deadline, Env* env) {
   bool socket = true;
   while (n > 0) {
-    ssize_t w = socket ? send(fd, p, n, MSG_NOSIGNAL) : write(fd, p, n);
+    ssize_t w = socket ? send(fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT) : write(fd, p, n);
     if (w < 0 && errno == ENOTSOCK) {
       socket = false;
-      continue;
+      w = -1;
+      errno = EAGAIN;  // poll before a write that might block
     }
     if (w < 0 && errno == EINTR) continue;
+    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - env->Now()).count();
+      if (left <= 0) return false;
+      pollfd pfd{fd, POLLOUT, 0};
+      int r = poll(&pfd, 1, static_cast<int>(std::min<long long>(left, 1000)));
+      if (r < 0 && errno != EINTR) return false;
+      if (r > 0 && (pfd.revents & (POLLERR | POLLHUP | POLLNVAL)) != 0) return false;
+      continue;
+    }
     if (w <= 0) return false;
     p += w;
     n -= static_cast<size_t>(w);
@@ -44,12 +56,14 @@ bool WriteAll(int fd, const char* p, size_t n) {
 
 namespace internal {
 
-bool WriteFrame(int fd, uint8_t type, std::string_view body) {
+bool WriteFrame(int fd, uint8_t type, std::string_view body, Clock::time_point deadline, Env* env) {
+  env = EnvOrDefault(env);
   internal::ByteWriter w;
   w.U8(type);
   w.U32(static_cast<uint32_t>(body.size()));
   std::string head = w.Take();
-  return WriteAll(fd, head.data(), head.size()) && WriteAll(fd, body.data(), body.size());
+  return WriteAll(fd, head.data(), head.size(), deadline, env) &&
+         WriteAll(fd, body.data(), body.size(), deadline, env);
 }
 
 // Reads exactly n bytes before `deadline`; false on EOF, error or timeout (*timed_out).
@@ -156,8 +170,9 @@ SocketBootstrap::~SocketBootstrap() {
 }
 
 Status SocketBootstrap::SendMessage(std::string_view bytes) {
-  if (!WriteFrame(fd_, kMessage, bytes)) {
-    return Status::Unavailable(StrCat("rank ", rank_, ": the coordinator is gone"));
+  if (!WriteFrame(fd_, kMessage, bytes, env_->Now() + internal::kWriteWait, env_)) {
+    return Status::Unavailable(StrCat("rank ", rank_, ": the coordinator is gone or took no ",
+                                      "report for ", internal::kWriteWait.count(), " ms"));
   }
   return Status::OK();
 }
@@ -168,7 +183,7 @@ Result<std::vector<std::string>> SocketBootstrap::AllGather(std::string_view min
   contribution.U64(epoch_);
   std::string frame = contribution.Take();
   frame.append(mine);
-  if (!WriteFrame(fd_, kContributeAt, frame)) {
+  if (!WriteFrame(fd_, kContributeAt, frame, env_->Now() + timeout, env_)) {
     // The coordinator may have said why before it closed (a refused joiner).
     uint8_t type = 0;
     std::string why;
@@ -178,7 +193,9 @@ Result<std::vector<std::string>> SocketBootstrap::AllGather(std::string_view min
         type == kFailed) {
       return Status::Unavailable(why);
     }
-    return Status::Unavailable(StrCat("rank ", rank_, ": the coordinator is gone (all-gather)"));
+    return Status::Unavailable(StrCat("rank ", rank_,
+                                      ": the coordinator is gone or took no frame for ",
+                                      timeout.count(), " ms (all-gather)"));
   }
   uint8_t type = 0;
   std::string body;
@@ -233,16 +250,35 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, const CoordinatorOption
         "a coordinator without membership needs a connection for every rank");
   }
   internal::CoordinatorCore core(open, options.membership, options.round_timeout);
+  // A frame a member does not take within this long (its link is down: the send buffer stays
+  // full) closes its connection like a hang-up, so one dead link never stalls the others
+  // for longer than a round may take.
+  const auto write_wait =
+      options.round_timeout.count() > 0 ? options.round_timeout : internal::kWriteWait;
   // Carries out what the core decided: the lost ranks first (whoever hears of a loss from a
-  // round's answer finds on_lost already called), then the frames in order, then messages.
+  // round's answer finds on_lost already called), then the frames in order, then messages;
+  // again while a member whose frame did not leave is closed.
   auto act = [&] {
-    for (uint32_t r : core.TakeLost()) {
-      if (options.on_lost) options.on_lost(r);
-    }
-    for (const internal::CoordinatorSend& s : core.TakeSends())
-      WriteFrame(fd[s.rank], s.type, s.body);
-    for (auto& [r, body] : core.TakeMessages()) {
-      if (options.on_message) options.on_message(r, std::move(body));
+    while (true) {
+      for (uint32_t r : core.TakeLost()) {
+        if (options.on_lost) options.on_lost(r);
+      }
+      std::vector<size_t> broken;
+      for (const internal::CoordinatorSend& s : core.TakeSends()) {
+        if (std::find(broken.begin(), broken.end(), s.rank) != broken.end()) continue;
+        if (!WriteFrame(fd[s.rank], s.type, s.body, env->Now() + write_wait, env))
+          broken.push_back(s.rank);
+      }
+      for (auto& [r, body] : core.TakeMessages()) {
+        if (options.on_message) options.on_message(r, std::move(body));
+      }
+      bool closed = false;
+      for (size_t r : broken) {
+        if (!core.open(r)) continue;
+        core.Closed(r);
+        closed = true;
+      }
+      if (!closed) return;
     }
   };
   auto last_frame = env->Now();
@@ -250,7 +286,7 @@ Status ServeSocketBootstrap(const std::vector<int>& fds, const CoordinatorOption
     if (options.stop && options.stop()) return Status::OK();
     for (const auto& [rank, f] : options.joins ? options.joins() : JoinSource::result_type{}) {
       if (std::string refusal = core.Join(rank); !refusal.empty()) {
-        WriteFrame(f, kFailed, refusal);
+        WriteFrame(f, kFailed, refusal, env->Now() + internal::kWriteWait, env);
         close(f);
         continue;
       }

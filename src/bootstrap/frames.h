@@ -24,7 +24,15 @@ enum FrameType : uint8_t {
   kRefused = 9,        // coordinator -> member (membership): [u64 epoch][members][why]; try again
 };
 
-bool WriteFrame(int fd, uint8_t type, std::string_view body);
+// How long a frame may take to leave when nothing says otherwise: a peer whose link is down
+// stops acknowledging, the socket's send buffer fills and a plain send() would block until
+// the kernel gives up on the connection (minutes).
+inline constexpr std::chrono::milliseconds kWriteWait{5000};
+
+// False on error or when the whole frame did not leave before `deadline` (on env's clock;
+// null: Env::Default()); the stream is then unusable (part of a frame may have left).
+bool WriteFrame(int fd, uint8_t type, std::string_view body,
+                std::chrono::steady_clock::time_point deadline, Env* env = nullptr);
 // False on EOF, error, an oversized frame or `deadline` (then *timed_out).
 // `deadline` is on env's clock (null: Env::Default()).
 bool ReadFrame(int fd, std::chrono::steady_clock::time_point deadline, uint8_t* type,

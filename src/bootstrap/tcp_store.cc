@@ -218,7 +218,7 @@ bool TcpStore::Admit(int fd, const std::string& body) {
     Refuse(fd, refusal);
     return false;
   }
-  if (!internal::WriteFrame(fd, internal::kWelcome, {})) {
+  if (!internal::WriteFrame(fd, internal::kWelcome, {}, env_->Now() + kFrameWait, env_)) {
     close(fd);  // left right after its hello
     return false;
   }
@@ -227,7 +227,8 @@ bool TcpStore::Admit(int fd, const std::string& body) {
 }
 
 void TcpStore::Refuse(int fd, const std::string& refusal) {
-  internal::WriteFrame(fd, internal::kFailed, refusal);  // may fail: the peer may be gone
+  internal::WriteFrame(fd, internal::kFailed, refusal, env_->Now() + kFrameWait,
+                       env_);  // may fail: the peer may be gone
   sockaddr_storage sa{};
   socklen_t len = sizeof(sa);
   char host[INET6_ADDRSTRLEN] = "unknown";
@@ -296,7 +297,7 @@ Status TcpStore::Serve(std::chrono::milliseconds join_timeout,
       return;
     }
     // "join": this process is no member yet; it joins the group where it is.
-    if (!internal::WriteFrame(fd, internal::kWelcome, "join")) {
+    if (!internal::WriteFrame(fd, internal::kWelcome, "join", env_->Now() + kFrameWait, env_)) {
       close(fd);
       return;
     }
@@ -379,7 +380,7 @@ Result<std::unique_ptr<SocketBootstrap>> JoinTcpStore(const std::string& addr, u
       uint8_t type = 0;
       std::string body;
       bool timed_out = false;
-      if (internal::WriteFrame(fd, internal::kHello, w.Take()) &&
+      if (internal::WriteFrame(fd, internal::kHello, w.Take(), deadline, env) &&
           internal::ReadFrame(fd, deadline, &type, &body, &timed_out, env)) {
         if (type == internal::kWelcome) {
           auto boot = std::make_unique<SocketBootstrap>(fd, rank, world, env);

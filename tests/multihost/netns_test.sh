@@ -42,14 +42,15 @@ done
 master=10.77.$((($$ % 200) + 1)).1
 port=$((20000 + $$ % 20000))
 
-# run_ranks NAME EXTRA_FLAGS... : starts rank i in namespace i, waits for all.
+# run_ranks NAME EXTRA_FLAGS... : starts rank i in namespace i, waits for all (a rank that
+# hangs is killed after 90 s: its exit code, 124, fails the part with the logs).
 run_ranks() {
   local name=$1; shift
   local pids=()
   for i in 0 1 2; do
     ip netns exec "${ns[$i]}" env EPLBX_MASTER_ADDR=$master EPLBX_MASTER_PORT=$port EPLBX_RANK=$i \
       EPLBX_WORLD_SIZE=3 EPLBX_TOKEN=s3cret-$tag EPLBX_NODE=host$i UCX_NET_DEVICES=v${tag}$i \
-      "$EPLBX" worker "$@" >"$work/$name.$i.json" 2>"$work/$name.$i.err" &
+      timeout 90 "$EPLBX" worker "$@" >"$work/$name.$i.json" 2>"$work/$name.$i.err" &
     pids+=($!)
   done
   local codes=()

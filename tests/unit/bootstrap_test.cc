@@ -109,7 +109,8 @@ TEST(TcpStoreTest, AFloodOfWrongTokenHellosKeepsABoundedRecord) {
         if (!connected) usleep(20000);
       }
       ASSERT_TRUE(connected);
-      ASSERT_TRUE(internal::WriteFrame(fd, internal::kHello, body));
+      ASSERT_TRUE(internal::WriteFrame(fd, internal::kHello, body,
+                                       std::chrono::steady_clock::now() + std::chrono::seconds(5)));
       uint8_t type = 0;
       std::string reply;
       bool timed_out = false;
@@ -223,7 +224,8 @@ TEST(TcpStoreTest, AHelloThenCloseDoesNotKillTheStore) {
     w.U32(0);
     w.U32(2);
     w.Str16("guess");
-    ASSERT_TRUE(internal::WriteFrame(fd, internal::kHello, w.Take()));
+    ASSERT_TRUE(internal::WriteFrame(fd, internal::kHello, w.Take(),
+                                     std::chrono::steady_clock::now() + std::chrono::seconds(5)));
     linger off{1, 0};  // close with RST: the refusal cannot be delivered
     setsockopt(fd, SOL_SOCKET, SO_LINGER, &off, sizeof(off));
     close(fd);
@@ -614,6 +616,73 @@ TEST(CoordinatorTest, ANewProcessJoinsUnderANewEpoch) {
   EXPECT_EQ(lost, (std::set<uint32_t>{2}));
   close(c0);
   close(c1);
+}
+
+// A member whose link is down takes no frames: its socket's buffer fills. The coordinator's
+// send to it gives up after the round timeout and closes it like a hang-up, so the others go
+// on without it (a blocking send had stalled every survivor until the kernel gave up on the
+// connection: minutes). A member's contribution to a coordinator that takes nothing ends
+// within the round's timeout the same way.
+TEST(CoordinatorTest, AMemberThatTakesNoFramesIsLostNotWaitedOn) {
+  int a[2], b[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, a), 0);
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, b), 0);
+  SocketBootstrap m0(a[1], 0, 2);
+  std::atomic<bool> done{false};
+  std::mutex mu;
+  std::set<uint32_t> lost;
+  Status served = Status::Internal("unset");
+  std::thread coordinator([&] {
+    served = ServeSocketBootstrap({a[0], b[0]}, {.idle_timeout = milliseconds(20000),
+                                                 .stop = [&] { return done.load(); },
+                                                 .round_timeout = milliseconds(300),
+                                                 .on_lost =
+                                                     [&](uint32_t r) {
+                                                       std::lock_guard<std::mutex> lock(mu);
+                                                       lost.insert(r);
+                                                     },
+                                                 .membership = true});
+  });
+  const auto start = std::chrono::steady_clock::now();
+  // Rank 1 contributes 4 MiB once and never reads: the 8 MiB answer cannot leave.
+  const std::string big(4 << 20, 'x');
+  internal::ByteWriter w;
+  w.U64(1);
+  std::string frame = w.Take() + big;
+  ASSERT_TRUE(
+      internal::WriteFrame(b[1], internal::kContributeAt, frame, start + milliseconds(5000)));
+  auto g = m0.AllGather(big, milliseconds(5000));
+  ASSERT_TRUE(g.ok()) << g.status().ToString();
+  EXPECT_EQ(g->size(), 2u);
+  // Rank 0 goes on alone (told of the new epoch once, then a plain round).
+  for (int i = 0; i < 3; ++i) {
+    g = m0.AllGather("zero", milliseconds(5000));
+    if (g.ok()) break;
+    EXPECT_EQ(g.status().code(), Code::kAborted) << g.status().ToString();
+  }
+  ASSERT_TRUE(g.ok()) << g.status().ToString();
+  EXPECT_EQ(*g, (std::vector<std::string>{"zero", ""}));
+  EXPECT_EQ(m0.members(), (std::vector<bool>{true, false}));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(4));
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(lost, (std::set<uint32_t>{1}));
+  }
+  done = true;
+  coordinator.join();
+  EXPECT_TRUE(served.ok()) << served.ToString();
+  close(b[1]);
+  // A member's contribution that cannot leave: the coordinator's end takes nothing.
+  int c[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, c), 0);
+  SocketBootstrap stuck(c[1], 0, 2);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = stuck.AllGather(std::string(8 << 20, 'y'), milliseconds(300));
+  EXPECT_EQ(r.status().code(), Code::kUnavailable) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("took no frame for 300 ms"), std::string::npos)
+      << r.status().ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(2));
+  close(c[0]);
 }
 
 TEST(RendezvousEnvTest, NamesTheMissingVariable) {

@@ -62,6 +62,10 @@ struct SimulateOptions {
   TriggerOptions trigger;
   uint64_t bytes_per_expert = 44040192;  // 42 MiB: a DeepSeek-V3 expert in bf16
   double link_gbps = 400.0;              // per-rank link for the stall estimate
+  // Steps a new placement takes to come into force beyond the step after the one that
+  // decided it: the asynchronous path's plan lag plus the steps its READs are spread over
+  // (BalancerOptions::plan_lag_steps + AsyncOptions::target_steps). 0: from the next step.
+  int lag_steps = 0;
 };
 
 struct SimulateStep {

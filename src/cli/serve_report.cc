@@ -51,6 +51,9 @@ struct ModeSummary {
   double tokens_per_s = 0, p50 = 0, p99 = 0, p99_rebalancing = 0, p99_quiet = 0;
   double stall_ms = 0;  // mean over rebalances of the largest per-step cost during it
   double mean_balancedness = 0;
+  // Where the time went: the slowest ranks' work, the ranks' mean work (what the oracle
+  // takes) and the Balancer's cost, summed over steps (seconds).
+  double work_s = 0, mean_work_s = 0, cost_s = 0;
   uint64_t bytes_read = 0, bytes_copied = 0, rows_checked = 0, bad_rows = 0;
   int rebalances = 0, failed = 0;
   json log = json::array();                       // rank 0's rebalances, with phase timings
@@ -532,6 +535,9 @@ Status ReportServing(const DemoOptions& o, const std::map<int, json>& reports, d
         last_out = std::max(last_out, exit[r][s]);
       }
       cost_ms[s] = std::max(0.0, (last_out - last_in) * 1e-6);
+      m.work_s += slowest;
+      m.mean_work_s += mean;
+      m.cost_s += cost_ms[s] * 1e-3;
       m.step_ms.push_back(slowest * 1e3 + cost_ms[s]);
       total_s += m.step_ms.back() * 1e-3;
       if (modes.empty()) oracle_ms[s] = mean * 1e3;
@@ -622,6 +628,11 @@ Status ReportServing(const DemoOptions& o, const std::map<int, json>& reports, d
                   {"step_ms_p99_quiet", m.p99_quiet},
                   {"stall_ms_per_rebalance", m.stall_ms},
                   {"mean_balancedness", m.mean_balancedness},
+                  {"time_s",
+                   {{"work_slowest_rank", m.work_s},
+                    {"work_mean_rank", m.mean_work_s},
+                    {"balancer", m.cost_s},
+                    {"work_balancedness", m.work_s > 0 ? m.mean_work_s / m.work_s : 0.0}}},
                   {"rebalances", m.rebalances},
                   {"failed_rebalances", m.failed},
                   {"bytes_read", m.bytes_read},

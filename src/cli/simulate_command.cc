@@ -59,10 +59,10 @@ Result<std::vector<std::pair<std::string, std::vector<std::string>>>> ParseSweep
     if (eq != std::string::npos) {
       const std::string key = token.substr(0, eq);
       if (key != "window" && key != "interval" && key != "policy" && key != "min_gain" &&
-          key != "skip_above") {
+          key != "skip_above" && key != "lag") {
         return Status::InvalidArgument(
             StrCat("--sweep: unknown setting '", key,
-                   "' (expected window, interval, policy, min_gain or skip_above)"));
+                   "' (expected window, interval, policy, min_gain, skip_above or lag)"));
       }
       for (const auto& a : axes) {
         if (a.first == key) return Status::InvalidArgument(StrCat("--sweep: '", key, "' twice"));
@@ -95,6 +95,8 @@ Status Apply(SimulateOptions& o, const std::string& key, const std::string& valu
     EPLBX_ASSIGN_OR_RETURN(o.trigger.min_gain, internal::ParseReal(value, what, 0, 1));
   } else if (key == "skip_above") {
     EPLBX_ASSIGN_OR_RETURN(o.trigger.skip_above, internal::ParseReal(value, what, 0, 2));
+  } else if (key == "lag") {
+    EPLBX_ASSIGN_OR_RETURN(o.lag_steps, internal::ParseInteger<int>(value, what, 0, 1000000));
   }
   return Status::OK();
 }
@@ -105,6 +107,7 @@ json Summary(const SimulateResult& r, const SimulateOptions& o) {
           {"interval", o.trigger.interval},
           {"min_gain", o.trigger.min_gain},
           {"skip_above", o.trigger.skip_above},
+          {"lag", o.lag_steps},
           {"mean_balancedness", r.mean_balancedness},
           {"p5_balancedness", r.p5_balancedness},
           {"hindsight_mean_balancedness", r.hindsight_mean_balancedness},
@@ -135,31 +138,32 @@ json Series(const SimulateResult& r) {
 
 std::string Text(const SimulateResult& r, const SimulateOptions& o) {
   char buf[512];
-  std::snprintf(buf, sizeof buf,
-                "%s, window %d, interval %d: balancedness mean %.4f, p5 %.4f (after the first "
-                "rebalance: %.4f, %.4f; hindsight ceiling %.4f); %lld rebalances "
-                "(%lld considered, %lld skipped as balanced, %lld for small gain), %lld copies, "
-                "%.2f GiB moved, stall estimate %.3f s\n",
-                std::string(PolicyName(o.policy)).c_str(), o.window, o.trigger.interval,
-                r.mean_balancedness, r.p5_balancedness, r.steady_mean_balancedness,
-                r.steady_p5_balancedness, r.hindsight_mean_balancedness,
-                static_cast<long long>(r.rebalances), static_cast<long long>(r.considered),
-                static_cast<long long>(r.skipped_balanced),
-                static_cast<long long>(r.skipped_small_gain), static_cast<long long>(r.copies),
-                static_cast<double>(r.bytes_moved) / (1 << 30), r.stall_seconds_est);
+  std::snprintf(
+      buf, sizeof buf,
+      "%s, window %d, interval %d, lag %d: balancedness mean %.4f, p5 %.4f (after the first "
+      "rebalance: %.4f, %.4f; hindsight ceiling %.4f); %lld rebalances "
+      "(%lld considered, %lld skipped as balanced, %lld for small gain), %lld copies, "
+      "%.2f GiB moved, stall estimate %.3f s\n",
+      std::string(PolicyName(o.policy)).c_str(), o.window, o.trigger.interval, o.lag_steps,
+      r.mean_balancedness, r.p5_balancedness, r.steady_mean_balancedness, r.steady_p5_balancedness,
+      r.hindsight_mean_balancedness, static_cast<long long>(r.rebalances),
+      static_cast<long long>(r.considered), static_cast<long long>(r.skipped_balanced),
+      static_cast<long long>(r.skipped_small_gain), static_cast<long long>(r.copies),
+      static_cast<double>(r.bytes_moved) / (1 << 30), r.stall_seconds_est);
   return buf;
 }
 
 std::string Row(const SimulateResult& r, const SimulateOptions& o) {
   char buf[256];
   std::snprintf(buf, sizeof buf,
-                "%-12s %6d  %8d  %8.3f  %10.3f  %8.4f  %6.4f  %11.4f  %9.4f  %9.4f  %10lld  "
+                "%-12s %6d  %8d  %3d  %8.3f  %10.3f  %8.4f  %6.4f  %11.4f  %9.4f  %9.4f  %10lld  "
                 "%6lld  %9.2f  %7.3f\n",
                 std::string(PolicyName(o.policy)).c_str(), o.window, o.trigger.interval,
-                o.trigger.min_gain, o.trigger.skip_above, r.mean_balancedness, r.p5_balancedness,
-                r.steady_mean_balancedness, r.steady_p5_balancedness, r.hindsight_mean_balancedness,
-                static_cast<long long>(r.rebalances), static_cast<long long>(r.copies),
-                static_cast<double>(r.bytes_moved) / (1 << 30), r.stall_seconds_est);
+                o.lag_steps, o.trigger.min_gain, o.trigger.skip_above, r.mean_balancedness,
+                r.p5_balancedness, r.steady_mean_balancedness, r.steady_p5_balancedness,
+                r.hindsight_mean_balancedness, static_cast<long long>(r.rebalances),
+                static_cast<long long>(r.copies), static_cast<double>(r.bytes_moved) / (1 << 30),
+                r.stall_seconds_est);
   return buf;
 }
 
@@ -259,7 +263,7 @@ Status RunSimulate(SimulateArgs args) {
   std::string text;
   if (runs.size() > 1) {
     text =
-        "policy       window  interval  min_gain  skip_above  mean_bal  p5_bal  steady_mean  "
+        "policy       window  interval  lag  min_gain  skip_above  mean_bal  p5_bal  steady_mean  "
         "steady_p5  hindsight  rebalances  copies  GiB_moved  stall_s\n";
   }
   for (const SimulateOptions& o : runs) {
@@ -362,6 +366,11 @@ void AddSimulateCommands(CLI::App& app, Action& run) {
                   "Skip when current balancedness on the window is at least this (>1: never)")
       ->capture_default_str()
       ->check(RealIn(0, 2));
+  sim->add_option("--lag", o.lag_steps,
+                  "Steps a new placement waits beyond the next step (asynchronous: plan lag + "
+                  "READ steps)")
+      ->capture_default_str()
+      ->check(IntIn<int>(0, 1000000));
   sim->add_option("--bytes-per-expert", o.bytes_per_expert, "Bytes of one expert (all tensors)")
       ->capture_default_str()
       ->check(IntIn<uint64_t>(0, uint64_t{1} << 48));

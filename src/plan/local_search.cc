@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <optional>
 
 namespace eplbx::internal {
 
@@ -260,28 +261,58 @@ class RepointEvaluator {
 
 // Re-pointing a redundant replica: one on `top` to an expert `top` lacks (top sheds load),
 // or one elsewhere to an expert `top` holds (that expert's share on `top` shrinks).
+// With a goal, a bound skips a candidate before it is evaluated when it cannot beat the best:
+// re-pointing slot a (expert x on rank ra) to y changes ra by y's new share minus x's share,
+// makes the ranks holding x heavier (x has one replica fewer) and those holding y lighter by
+// y's share drop, so the excess it removes is at most min(excess of ra, x's share - y's new
+// share) plus, over y's replicas, min(excess of the replica's rank, y's share drop).
 void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* before, Move& best) {
   const int n = static_cast<int>(l.count.size());
   const double top_load = l.load[top];
-  RepointEvaluator eval(l);
+  std::vector<double> y_relief;  // with a goal: the bound's part from y's replicas
+  if (l.goal > 0) {
+    y_relief.assign(static_cast<size_t>(n), 0.0);
+    for (size_t s = 0; s < l.expert.size(); ++s) {
+      const int32_t e = l.expert[s];
+      if (e < 0) continue;
+      const double drop = l.share(e) - l.weight[e] / (l.count[e] + 1);
+      y_relief[e] += std::min(Excess(l, l.load[l.rank_of(s)]), drop);
+    }
+  }
+  std::optional<RepointEvaluator> eval;  // built for the first candidate the bound keeps
   auto consider = [&](int a, int32_t y) {
     const int32_t x = l.expert[a];
     const int ra = l.rank_of(static_cast<size_t>(a));
     if (x < 0 || y == x || l.count[x] < 2 || l.count[y] >= l.ranks || l.holds(ra, y)) return;
+    const int copies = Paid(before, l.count.size(), ra, y) - Paid(before, l.count.size(), ra, x);
+    if (l.goal > 0) {
+      const double sy_new = l.weight[y] / (l.count[y] + 1);
+      // (plus a hair for rounding in the evaluation's sums)
+      const double bound = std::min(Excess(l, l.load[ra]), std::max(0.0, l.share(x) - sy_new)) +
+                           y_relief[y] + 1e-12 * l.goal;
+      if (CannotBeat(copies > 0 ? bound / copies : 4 * bound, best)) return;
+    }
+    if (!eval) eval.emplace(l);
     double relief;
-    const double worst = eval.Worst(a, y, &relief);
+    const double worst = eval->Worst(a, y, &relief);
     if (l.goal <= 0 && worst >= top_load * (1 - 1e-12)) return;
     if (l.goal <= 0) relief = top_load - worst;
-    const int copies = Paid(before, l.count.size(), ra, y) - Paid(before, l.count.size(), ra, x);
     Consider(best, relief, copies, {a, -1, -1, -1, y});
   };
-  for (int a = top * l.per_rank; a < (top + 1) * l.per_rank; ++a) {
+  // Only replicas of experts with several can be re-pointed (the same candidates in the
+  // same order as every slot against every expert: the others are rejected at once).
+  std::vector<int> redundant;
+  for (size_t s = 0; s < l.expert.size(); ++s) {
+    if (l.expert[s] >= 0 && l.count[l.expert[s]] >= 2) redundant.push_back(static_cast<int>(s));
+  }
+  for (int a : redundant) {
+    if (l.rank_of(static_cast<size_t>(a)) != top) continue;
     for (int32_t y = 0; y < n; ++y) consider(a, y);
   }
   for (int k = top * l.per_rank; k < (top + 1) * l.per_rank; ++k) {
     const int32_t y = l.expert[k];
-    if (y < 0) continue;
-    for (int a = 0; a < static_cast<int>(l.expert.size()); ++a) {
+    if (y < 0 || l.count[y] >= l.ranks) continue;
+    for (int a : redundant) {
       if (l.rank_of(static_cast<size_t>(a)) != top) consider(a, y);
     }
   }

@@ -144,6 +144,9 @@ Result<SimulateResult> Simulate(const LoadTrace& trace, const SimulateOptions& o
   if (steps < 1 || trace.layers < 1 || trace.experts < 1) {
     return Status::InvalidArgument("the trace is empty; expected at least one step");
   }
+  if (o.lag_steps < 0 || o.lag_steps > 1000000) {
+    return Status::InvalidArgument(StrCat("lag (", o.lag_steps, ") must be 0 .. 1000000 steps"));
+  }
   if (o.window < 1 || o.trigger.interval < 1) {
     return Status::InvalidArgument(StrCat("window (", o.window, ") and interval (",
                                           o.trigger.interval, ") must be >= 1 steps"));
@@ -169,10 +172,27 @@ Result<SimulateResult> Simulate(const LoadTrace& trace, const SimulateOptions& o
                          Balancer::Create(std::move(current), bo));
   SimulateResult r;
   r.steps.reserve(static_cast<size_t>(steps));
+  // With a lag, the placements committed after each of the last lag_steps steps wait their
+  // turn: step s is served by the one committed after step s - 1 - lag_steps.
+  std::vector<Placement> waiting;  // [k]: committed after step (step - 1 - lag_steps + k)
+  waiting.push_back(balancer->placement());
   for (int64_t step = 0; step < steps; ++step) {
     EPLBX_ASSIGN_OR_RETURN(const BalancerStep b, balancer->Step(trace.step(step)));
-    r.steps.push_back({step, b.balancedness, b.began});
+    double balancedness = b.balancedness;
+    if (o.lag_steps > 0) {
+      const std::span<const double> v = trace.step(step);
+      EPLBX_ASSIGN_OR_RETURN(
+          LoadMatrix load,
+          LoadMatrix::Create(trace.layers, trace.experts, std::vector<double>(v.begin(), v.end())));
+      EPLBX_ASSIGN_OR_RETURN(Balance in_force, ComputeBalance(waiting.front(), load, t.ranks));
+      balancedness = in_force.total;
+    }
+    r.steps.push_back({step, balancedness, b.began});
     (void)balancer->Commit();
+    if (o.lag_steps > 0) {
+      waiting.push_back(balancer->placement());
+      if (static_cast<int64_t>(waiting.size()) > o.lag_steps + 1) waiting.erase(waiting.begin());
+    }
   }
   const BalancerReport& report = balancer->report();
   r.considered = report.considered;

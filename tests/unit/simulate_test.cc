@@ -133,6 +133,30 @@ TEST(SimulateTest, ScoresThePlacementInForceWithoutLookAhead) {
   EXPECT_LE(r.p5_balancedness, r.mean_balancedness);
 }
 
+// The asynchronous path's lag: a placement decided at step 9 serves from step 10 + lag.
+TEST(SimulateTest, ALaggedPlacementServesLagStepsLater) {
+  LoadTrace t{1, 8, {}};
+  const std::vector<double> row{80, 40, 20, 10, 5, 5, 5, 5};
+  for (int s = 0; s < 30; ++s) t.values.insert(t.values.end(), row.begin(), row.end());
+  SimulateOptions o{.topology = {.ranks = 4, .slots = 12}, .window = 5, .trigger = {}};
+  o.trigger.interval = 10;
+  const SimulateResult now = *Simulate(t, o);
+  for (int lag : {1, 3}) {
+    o.lag_steps = lag;
+    const SimulateResult r = *Simulate(t, o);
+    ASSERT_EQ(r.steps.size(), 30u);
+    EXPECT_EQ(r.rebalances, now.rebalances);  // the same decisions
+    for (int s = 0; s < 30; ++s) {
+      const int served_by = s < 10 + lag ? std::min(s, 9) : s;  // the uniform start until then
+      EXPECT_DOUBLE_EQ(r.steps[s].balancedness, now.steps[served_by].balancedness)
+          << "lag " << lag << " step " << s;
+    }
+    EXPECT_LT(r.mean_balancedness, now.mean_balancedness);
+  }
+  o.lag_steps = -1;
+  EXPECT_FALSE(Simulate(t, o).ok());
+}
+
 TEST(SimulateTest, GatesSkipAndErrors) {
   const LoadTrace t = *SynthTrace({.layers = 2, .experts = 16, .steps = 60});
   SimulateOptions o{.topology = {.ranks = 4, .slots = 20}, .window = 20, .trigger = {}};

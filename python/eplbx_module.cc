@@ -588,6 +588,11 @@ class PyServingGroup {
     const BalancerStep st = Take(std::move(r));
     return py::dict(py::arg("balancedness") = st.balancedness, py::arg("began") = st.began);
   }
+  void Poll() {
+    ServingGroup& g = group();
+    py::gil_scoped_release release;
+    g.Poll();
+  }
   // [(layer, phy2log, row_of_slot)] in force from now on.
   py::list Commit() {
     ServingGroup& g = group();
@@ -757,6 +762,7 @@ PYBIND11_MODULE(_eplbx, m) {
            py::arg("group") = "eplbx")
       .def("step", &PyServingGroup::Step, py::arg("counts"))
       .def("commit", &PyServingGroup::Commit)
+      .def("poll", &PyServingGroup::Poll)
       .def("sync", &PyServingGroup::Sync)
       .def("drain", &PyServingGroup::Drain, py::arg("rank"))
       .def("close", &PyServingGroup::Close)

@@ -141,6 +141,12 @@ class Balancer {
   Result<BalancerStep> StepSlots(std::span<const double> slot_counts);
   // At a safe point between forward passes, once per step: the layers to switch to now.
   BalancerCommit Commit();
+  // Between the layers of a forward pass, as often as the engine likes (on the thread that
+  // calls Step and Commit): drives the asynchronous rebalance in flight (takes the peers'
+  // records, posts READs within the step's budget), so that it completes in fewer steps;
+  // never switches a layer (that happens in Commit). Returns at once when nothing is in
+  // flight. The time it takes counts as the rebalance's poll_s.
+  void Poll();
 
   // The member set changed (eplbx/serving.h does this for an engine): from now on
   // `placement` is in force over the ranks `live` flags (empty: every rank; as

@@ -116,6 +116,9 @@ class ServingGroup {
   // At the engine's safe point, once per step: the layers whose new map (and, in swap
   // mode, row table) are in force from now on.
   BalancerCommit Commit();
+  // Between the layers of a forward pass: Balancer::Poll (the rebalance in flight needs
+  // fewer steps).
+  void Poll();
   // The step's collective over the bootstrap (an engine with a collective of its own calls
   // OnMembershipChanged() when that fails instead). Returns true when the member set had
   // changed and the group settled over the new one (last_recovery() says how), false when

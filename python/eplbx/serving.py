@@ -99,6 +99,12 @@ class ServingGroup:
         """At the safe point: [(layer, phy2log, row_of_slot)] in force from now on."""
         return self._g.commit()
 
+    def poll(self):
+        """Between the layers of a forward pass: drives the asynchronous rebalance in flight
+        (takes peers' records, posts READs within the step's budget) so it needs fewer steps;
+        never switches a layer. Returns at once when nothing is in flight."""
+        self._g.poll()
+
     def sync(self):
         """The step's collective. True when the member set changed and the group settled over
         the new one (see recoveries); raises MembershipChangedError when it could not."""

@@ -407,6 +407,14 @@ Result<BalancerStep> Balancer::State::Start(Planned planned, BalancerStep out) {
   return out;
 }
 
+void Balancer::Poll() {
+  State& s = *state_;
+  if (!s.active) return;
+  const auto t0 = SteadyClock::now();
+  (void)s.rearranger->Poll();  // its failure comes to every rank through Commit
+  s.last().poll_s += Since(t0);
+}
+
 BalancerCommit Balancer::Commit() {
   State& s = *state_;
   BalancerCommit out;

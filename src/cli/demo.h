@@ -94,11 +94,11 @@ struct DemoOptions {
   // (docs/perf.md, "EPLB quality by default"): rebalance often, on a short window, only
   // when the placement has slipped and a new one gains enough to pay for the move.
   int interval = 5;               // steps between rebalances considered
-  int window = 0;                 // steps of load a plan is built from (0: the interval)
+  int window = 2;                 // steps of load a plan is built from (0: the interval)
   double min_gain = 0.05;         // TriggerOptions::min_gain
   double skip_above = 0.93;       // TriggerOptions::skip_above
   double tolerance = 0.002;       // incremental: balancedness loss allowed
-  int async_steps = 2;            // AsyncOptions::target_steps
+  int async_steps = 1;            // AsyncOptions::target_steps
   int plan_lag = 1;               // BalancerOptions::plan_lag_steps
   int tokens = 512;               // tokens per forward step
   int top_k = 8;                  // experts per token

@@ -855,7 +855,8 @@ void AddDemoFlags(CLI::App& cmd, DemoOptions& o) {
       ->capture_default_str()
       ->check(IntIn<int>(0, 1 << 30));
   cmd.add_option("--window", o.window,
-                 "--serve: steps of load a plan is built from (0: the interval)")
+                 "--serve: steps of load a plan is built from (0: the interval; the load drifts "
+                 "every step, so the last two forecast the next ones best)")
       ->capture_default_str()
       ->check(IntIn<int>(0, 1 << 30));
   cmd.add_option("--min-gain", o.min_gain,

@@ -72,7 +72,8 @@ void Mode::TakeRowTables() {
 
 // The expert work of one step on `mode`'s weights: every row this rank holds, each routed
 // token over `work` bytes of tensor 0 (which `segments` cycle through), checked against the
-// pattern of the expert the placement in force names.
+// pattern of the expert the placement in force names; after each layer, a Poll of the
+// rebalance in flight.
 void Work(const DemoOptions& o, int rank, int step, std::span<const double> counts, Mode& mode,
           uint64_t work, uint64_t segments) {
   const Weights& w = mode.w;
@@ -115,6 +116,9 @@ void Work(const DemoOptions& o, int rank, int step, std::span<const double> coun
                                   " does not hold expert ", e, ", which its map says");
       }
     }
+    // Between layers the engine's thread drives the rebalance in flight (asynchronous mode;
+    // nothing otherwise): its cost counts in the layer's time.
+    mode.group->Poll();
     mode.m.cpu_s.push_back(ThreadCpuSeconds() - cpu0);
   }
   mode.m.checksum += sink;

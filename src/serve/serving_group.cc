@@ -373,6 +373,10 @@ BalancerCommit ServingGroup::Commit() {
   return c;
 }
 
+void ServingGroup::Poll() {
+  if (!state_->left) state_->balancer->Poll();
+}
+
 Result<bool> ServingGroup::Sync() {
   State& s = *state_;
   if (s.left) return Status::InvalidArgument("this rank was drained and left the group");

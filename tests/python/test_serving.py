@@ -73,6 +73,8 @@ def serve(g, rank, weights, results, start, torch, die_at=None, await_join=True,
     while step < end(g, await_join, cap):
         if die_at is not None and step == die_at:
             os.kill(os.getpid(), signal.SIGKILL)  # as a crashed process would
+        for _ in range(2):  # between the layers of the forward pass, as an engine would
+            g.poll()
         g.step(counts(step))
         g.commit()
         bad = check_rows(torch, g, rank, weights)

@@ -312,11 +312,7 @@ Result<BalancerStep> Balancer::Step(std::span<const double> expert_counts) {
   s.balancedness = b.total;
   EPLBX_RETURN_IF_ERROR(s.recorder.Record(expert_counts));
   ++s.report.steps;
-  if (s.active) {
-    const auto t0 = SteadyClock::now();
-    (void)s.rearranger->Poll();  // its failure comes to every rank through Commit
-    s.last().poll_s += Since(t0);
-  }
+  Poll();  // drives the rebalance in flight, if any
   if (s.planning.valid()) {
     if (s.report.steps < s.begin_at) return out;
     const auto t0 = SteadyClock::now();

@@ -109,14 +109,28 @@ TEST(TraceFileTest, RoundTripAndErrorsNameTheLine) {
   EXPECT_NE(error("\n\n").find("no steps"), std::string::npos);
 }
 
+// One layer of 8 experts, skewed; the same load at every step of a trace; the simulator on 4
+// ranks x 12 slots considering a rebalance every 10 steps on a 5-step window.
+std::vector<double> SkewedRow() { return {80, 40, 20, 10, 5, 5, 5, 5}; }
+
+LoadTrace Repeated(const std::vector<double>& row, int steps) {
+  LoadTrace t{1, static_cast<int>(row.size()), {}};
+  for (int s = 0; s < steps; ++s) t.values.insert(t.values.end(), row.begin(), row.end());
+  return t;
+}
+
+SimulateOptions EveryTenSteps() {
+  SimulateOptions o{.topology = {.ranks = 4, .slots = 12}, .window = 5, .trigger = {}};
+  o.trigger.interval = 10;
+  return o;
+}
+
 // A constant load: after the first rebalance the placement in force is the plan of exactly
 // that load, so every later step scores what the planner reports; no look-ahead before it.
 TEST(SimulateTest, ScoresThePlacementInForceWithoutLookAhead) {
-  LoadTrace t{1, 8, {}};
-  const std::vector<double> row{80, 40, 20, 10, 5, 5, 5, 5};
-  for (int s = 0; s < 30; ++s) t.values.insert(t.values.end(), row.begin(), row.end());
-  SimulateOptions o{.topology = {.ranks = 4, .slots = 12}, .window = 5, .trigger = {}};
-  o.trigger.interval = 10;
+  const std::vector<double> row = SkewedRow();
+  const LoadTrace t = Repeated(row, 30);
+  SimulateOptions o = EveryTenSteps();
   const SimulateResult r = *Simulate(t, o);
   ASSERT_EQ(r.steps.size(), 30u);
   const LoadMatrix load = *LoadMatrix::Create(1, 8, row);
@@ -135,11 +149,9 @@ TEST(SimulateTest, ScoresThePlacementInForceWithoutLookAhead) {
 
 // The asynchronous path's lag: a placement decided at step 9 serves from step 10 + lag.
 TEST(SimulateTest, ALaggedPlacementServesLagStepsLater) {
-  LoadTrace t{1, 8, {}};
-  const std::vector<double> row{80, 40, 20, 10, 5, 5, 5, 5};
-  for (int s = 0; s < 30; ++s) t.values.insert(t.values.end(), row.begin(), row.end());
-  SimulateOptions o{.topology = {.ranks = 4, .slots = 12}, .window = 5, .trigger = {}};
-  o.trigger.interval = 10;
+  const std::vector<double> row = SkewedRow();
+  const LoadTrace t = Repeated(row, 30);
+  SimulateOptions o = EveryTenSteps();
   const SimulateResult now = *Simulate(t, o);
   for (int lag : {1, 3}) {
     o.lag_steps = lag;
@@ -188,9 +200,8 @@ TEST(SimulateTest, GatesSkipAndErrors) {
 // one block, so it is far above the simulated run; errors are named.
 TEST(SimulateTest, TheHindsightCeilingPlansEachIntervalOnItsOwnLoad) {
   const Topology topo{.ranks = 4, .slots = 12};
-  LoadTrace same{1, 8, {}};
-  const std::vector<double> row{80, 40, 20, 10, 5, 5, 5, 5};
-  for (int s = 0; s < 25; ++s) same.values.insert(same.values.end(), row.begin(), row.end());
+  const std::vector<double> row = SkewedRow();
+  const LoadTrace same = Repeated(row, 25);
   const LoadMatrix load = *LoadMatrix::Create(1, 8, row);
   const double planned =
       ComputeBalance(*Plan(load, topo, {.policy = Policy::kBalanced}), load, topo.ranks)->total;

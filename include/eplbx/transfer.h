@@ -230,6 +230,18 @@ class Agent {
   Result<TransferId> Write(PeerId peer, std::span<const Descriptor> local,
                            std::span<const Descriptor> remote,
                            std::optional<std::string> notify = std::nullopt);
+  // One READ of a ReadMany(): what Read() takes.
+  struct ReadRequest {
+    PeerId peer = 0;
+    std::vector<Descriptor> local, remote;
+    std::optional<std::string> notify;
+  };
+  // Posts each request as Read() would, in order, and returns each one's id or error. For
+  // an event loop that posts many READs at once: a Read() that finds nothing else in flight
+  // copies on the calling thread beside the copy threads (it expects the caller to wait for
+  // it), so the next READs would be posted only after it; these are all handed over (same-
+  // host copies of at most inline_copy_bytes are still copied here) and run in this order.
+  std::vector<Result<TransferId>> ReadMany(std::span<const ReadRequest> requests);
 
   // kInProgress, kDone, or kError with the reason. Terminal states never change.
   // An unknown (or released) id gives kError with kNotFound.
@@ -244,6 +256,10 @@ class Agent {
 
   // Sends `payload` (at most kMaxNotificationBytes) to the peer. Ordered per peer.
   Status Notify(PeerId peer, std::string_view payload);
+  // Sends each payload as Notify would, in order, and returns one status a payload; over
+  // UCX they travel together, up to 64 KiB a message (one wake-up of each side's progress
+  // thread and of the receiver instead of one each), and arrive as separate notifications.
+  std::vector<Status> NotifyMany(PeerId peer, std::vector<std::string> payloads);
   // Notifications received so far, oldest first (removes them).
   std::vector<Notification> PollNotifications();
   // Like PollNotifications, but waits up to `timeout` for at least one.

@@ -174,53 +174,26 @@ Status RearrangerImpl::Setup() {
 }
 
 void RearrangerImpl::Execute(Run& run, std::vector<Action> actions) {
-  LayerProtocol& p = *run.protocol;
   LayerJob& job = run.job;
-  std::deque<Action> work(actions.begin(), actions.end());
-  auto more = [&](std::vector<Action> next) { work.insert(work.end(), next.begin(), next.end()); };
-  while (!work.empty()) {
-    Action a = std::move(work.front());
-    work.pop_front();
+  for (Action& a : actions) {
     switch (a.kind) {
-      case ActionKind::kSend: {
-        Status s = agent->Notify(peer_of[a.peer], protocol::EncodeRecord(a.record));
-        if (!s.ok() && a.record.kind != protocol::RecordKind::kAbort)
-          more(p.OnPeerFailed(a.peer, s));
+      case ActionKind::kSend:
+        if (outbox.size() < world()) outbox.resize(world());
+        outbox[a.peer].push_back({&run, a.record.kind, protocol::EncodeRecord(a.record)});
         break;
-      }
       case ActionKind::kPostRead: {
+        if (hold_sends > 0 && !flushing) {
+          posts.emplace_back(&run, std::move(a));
+          break;
+        }
         if (run.gate != nullptr && !(*run.gate)(RowBytes(job.layer))) {
           run.held.push_back(std::move(a));
           break;
         }
-        const JobRead* jr = nullptr;
-        for (const JobRead& r : job.reads) {
-          if (r.task.expert == a.read.expert && r.task.source == a.read.source) jr = &r;
-        }
-        const auto& tensors = layout.layers[job.layer];
-        std::vector<Descriptor> local, remote;
-        LayerOutcome& outcome = run.outcome;
-        for (size_t t = 0; t < tensors.size(); ++t) {
-          const TensorSpec& theirs = all[a.read.source].layers[job.layer][t];
-          local.push_back(Descriptor::Of(jr->dst[t], tensors[t].bytes_per_expert));
-          remote.push_back(
-              {theirs.base + jr->src_row * theirs.bytes_per_expert, theirs.bytes_per_expert});
-          outcome.bytes_read += tensors[t].bytes_per_expert;
-          outcome.bytes_from_rank.resize(world(), 0);
-          outcome.bytes_from_rank[a.read.source] += tensors[t].bytes_per_expert;
-          if (options.node_of_rank.size() == world() &&
-              options.node_of_rank[a.read.source] != options.node_of_rank[self()]) {
-            outcome.bytes_cross_node += tensors[t].bytes_per_expert;
-          }
-        }
-        Result<TransferId> id =
-            agent->Read(peer_of[a.read.source], local, remote, protocol::EncodeRecord(a.record));
-        ++outcome.experts_read;
-        if (id.ok()) {
-          run.pending.push_back({*id, a.read, RowBytes(job.layer)});
-        } else {
-          more(p.OnReadComplete(a.read, id.status()));
-        }
+        Agent::ReadRequest request = PrepareRead(run, a);
+        Result<TransferId> id = agent->Read(peer_of[a.read.source], request.local, request.remote,
+                                            std::move(request.notify));
+        Posted(run, a.read, std::move(id));
         break;
       }
       case ActionKind::kCommit:
@@ -233,6 +206,81 @@ void RearrangerImpl::Execute(Run& run, std::vector<Action> actions) {
         break;
     }
   }
+  if (hold_sends == 0) Flush();
+}
+
+Agent::ReadRequest RearrangerImpl::PrepareRead(Run& run, const Action& a) {
+  const LayerJob& job = run.job;
+  const JobRead* jr = nullptr;
+  for (const JobRead& r : job.reads) {
+    if (r.task.expert == a.read.expert && r.task.source == a.read.source) jr = &r;
+  }
+  const auto& tensors = layout.layers[job.layer];
+  Agent::ReadRequest request;
+  request.peer = peer_of[a.read.source];
+  request.notify = protocol::EncodeRecord(a.record);  // READ_DONE, once the bytes landed
+  LayerOutcome& outcome = run.outcome;
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const TensorSpec& theirs = all[a.read.source].layers[job.layer][t];
+    request.local.push_back(Descriptor::Of(jr->dst[t], tensors[t].bytes_per_expert));
+    request.remote.push_back(
+        {theirs.base + jr->src_row * theirs.bytes_per_expert, theirs.bytes_per_expert});
+    outcome.bytes_read += tensors[t].bytes_per_expert;
+    outcome.bytes_from_rank.resize(world(), 0);
+    outcome.bytes_from_rank[a.read.source] += tensors[t].bytes_per_expert;
+    if (options.node_of_rank.size() == world() &&
+        options.node_of_rank[a.read.source] != options.node_of_rank[self()]) {
+      outcome.bytes_cross_node += tensors[t].bytes_per_expert;
+    }
+  }
+  ++outcome.experts_read;
+  return request;
+}
+
+void RearrangerImpl::Posted(Run& run, const ReadTask& task, Result<TransferId> id) {
+  if (id.ok()) {
+    run.pending.push_back({*id, task, RowBytes(run.job.layer)});
+  } else {
+    Execute(run, run.protocol->OnReadComplete(task, id.status()));
+  }
+}
+
+void RearrangerImpl::Flush() {
+  if (flushing) return;  // a failure below queued more: the loop takes it
+  flushing = true;
+  for (bool more = true; more;) {
+    more = false;
+    for (uint32_t peer = 0; peer < outbox.size(); ++peer) {
+      if (outbox[peer].empty()) continue;
+      std::vector<Outgoing> batch;
+      batch.swap(outbox[peer]);
+      std::vector<std::string> payloads;
+      payloads.reserve(batch.size());
+      for (Outgoing& o : batch) payloads.push_back(std::move(o.bytes));
+      std::vector<Status> sent = agent->NotifyMany(peer_of[peer], std::move(payloads));
+      for (size_t i = 0; i < batch.size() && i < sent.size(); ++i) {
+        if (sent[i].ok() || batch[i].kind == protocol::RecordKind::kAbort) continue;
+        Execute(*batch[i].run, batch[i].run->protocol->OnPeerFailed(peer, sent[i]));
+        more = true;
+      }
+    }
+    if (!more && !posts.empty()) {
+      std::vector<std::pair<Run*, Action>> now;
+      now.swap(posts);
+      std::stable_sort(now.begin(), now.end(), [](const auto& a, const auto& b) {
+        return a.first->protocol->generation() < b.first->protocol->generation();
+      });
+      // A layer that failed meanwhile posts nothing more.
+      std::erase_if(
+          now, [](const auto& p) { return p.first->protocol->state() != LayerState::kRunning; });
+      std::vector<Agent::ReadRequest> requests;
+      for (auto& [run, a] : now) requests.push_back(PrepareRead(*run, a));
+      std::vector<Result<TransferId>> ids = agent->ReadMany(requests);
+      for (size_t i = 0; i < now.size(); ++i) Posted(*now[i].first, now[i].second.read, ids[i]);
+      more = true;  // a READ that could not be posted may have queued records
+    }
+  }
+  flushing = false;
 }
 
 void RearrangerImpl::Handle(std::vector<Notification> notes,
@@ -351,6 +399,7 @@ std::vector<LayerOutcome> RearrangerImpl::RunJobs(
     const std::function<LayerJob(uint32_t, int)>& make) {
   // runs[i] is the i-th job; every generation of this call is first + i on every rank.
   std::vector<std::unique_ptr<Run>> runs;
+  ++hold_sends;  // records leave once a turn (Flush before each wait and at the end)
   const uint64_t first = generation + 1;
   generation += count;
   std::vector<int> free_slots;
@@ -424,13 +473,16 @@ std::vector<LayerOutcome> RearrangerImpl::RunJobs(
     if (applied == runs.size() && (stopped || runs.size() == count)) break;
     if (runs[applied]->protocol->state() != LayerState::kRunning) continue;  // over at its start
     // Wakes on a notification, a finished READ or a lost peer; the timeout only paces
-    // deadline checks.
+    // deadline checks. This turn's records leave first, each peer's together.
+    Flush();
     Handle(agent->WaitEvents(std::chrono::milliseconds(kTickMs)), route, {});
     for (Run* run : running()) Reap(*run);
     CheckPeers(running(), route, {});
     const auto now = env->Now();
     for (Run* run : running()) Execute(*run, run->protocol->OnTick(now));
   }
+  Flush();  // ABORTs and DONEs of the last turn
+  --hold_sends;
   std::vector<LayerOutcome> out;
   for (auto& r : runs) out.push_back(std::move(r->outcome));
   return out;

@@ -147,9 +147,33 @@ class RearrangerImpl {
   RearrangerImpl();
   ~RearrangerImpl();
 
-  // Runs `actions` of `run`: sends records, posts READs (through run.gate when set: a READ
-  // it refuses waits in run.held), commits.
+  // Runs `actions` of `run`: queues records (outbox), posts READs (through run.gate when
+  // set: a READ it refuses waits in run.held), commits. The records leave at its end, unless
+  // a loop holds them (hold_sends) to send once a turn.
   void Execute(Run& run, std::vector<protocol::Action> actions);
+  // Sends what the outbox holds: each peer's records as one NotifyMany, in order (over UCX
+  // one message instead of one per record: on a busy host every message costs a wake-up of
+  // three threads). A record that cannot leave is its run's lost peer, as before.
+  void Flush();
+  // A READ's request (its bytes counted in run's outcome), and what follows its post: pending,
+  // or failed at once.
+  Agent::ReadRequest PrepareRead(Run& run, const protocol::Action& a);
+  void Posted(Run& run, const protocol::ReadTask& task, Result<TransferId> id);
+  struct Outgoing {
+    Run* run = nullptr;
+    protocol::RecordKind kind = protocol::RecordKind::kReady;
+    std::string bytes;
+  };
+  std::vector<std::vector<Outgoing>> outbox;  // per rank
+  // READs held with the records (hold_sends), posted by Flush after the records left,
+  // oldest layer first: a turn takes the READYs of many layers from one source before the
+  // next source's, and a rank's copies run in the order posted, so the first layers'
+  // READs end first everywhere and their commits overlap the later layers' READs.
+  std::vector<std::pair<Run*, protocol::Action>> posts;
+  // > 0: Execute leaves records in the outbox (RunJobs flushes before it waits and before
+  // it returns, so a turn's records to a peer travel together).
+  int hold_sends = 0;
+  bool flushing = false;
   // Handles the records in `notes`: route(g) is the run with the smallest generation >= g
   // (null: none started yet). A record goes to the run of its generation; one later than
   // every run is deferred; an older one is stale. Votes go to `vote` when set.

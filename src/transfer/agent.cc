@@ -161,6 +161,16 @@ Result<TransferId> Agent::Read(PeerId peer, std::span<const Descriptor> local,
   return core_->Post(internal::XferOp::kRead, peer, local, remote, std::move(notify));
 }
 
+std::vector<Result<TransferId>> Agent::ReadMany(std::span<const ReadRequest> requests) {
+  std::vector<Result<TransferId>> out;
+  out.reserve(requests.size());
+  for (const ReadRequest& r : requests) {
+    out.push_back(core_->Post(internal::XferOp::kRead, r.peer, r.local, r.remote, r.notify,
+                              /*may_help=*/false));
+  }
+  return out;
+}
+
 Result<TransferId> Agent::Write(PeerId peer, std::span<const Descriptor> local,
                                 std::span<const Descriptor> remote,
                                 std::optional<std::string> notify) {
@@ -174,6 +184,9 @@ TransferStatus Agent::Wait(TransferId id, std::chrono::milliseconds timeout) con
 Status Agent::Cancel(TransferId id) { return core_->Cancel(id); }
 Status Agent::Release(TransferId id) { return core_->Release(id); }
 Status Agent::Notify(PeerId peer, std::string_view payload) { return core_->Notify(peer, payload); }
+std::vector<Status> Agent::NotifyMany(PeerId peer, std::vector<std::string> payloads) {
+  return core_->NotifyMany(peer, std::move(payloads));
+}
 std::vector<Notification> Agent::PollNotifications() {
   return core_->PollNotifications(std::chrono::milliseconds(0));
 }

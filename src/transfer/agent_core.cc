@@ -499,7 +499,7 @@ Status AgentCore::CheckRemote(XferOp op, const PeerRecord& p, size_t i, const De
 
 Result<TransferId> AgentCore::Post(XferOp op, PeerId peer, std::span<const Descriptor> local,
                                    std::span<const Descriptor> remote,
-                                   std::optional<std::string> notify) {
+                                   std::optional<std::string> notify, bool may_help) {
   std::array<PathRequest, kMaxPaths> parts;
   TransferId id = 0;
   uint32_t mask = 0;
@@ -553,7 +553,7 @@ Result<TransferId> AgentCore::Post(XferOp op, PeerId peer, std::span<const Descr
           Segment{local[i].addr, remote[i].addr, local[i].bytes, region, local_region});
       mask |= 1u << path;
     }
-    const bool alone = transfers_.empty();
+    const bool alone = may_help && transfers_.empty();
     id = next_transfer_++;
     Xfer& x = transfers_[id];
     x.peer = peer;
@@ -654,21 +654,41 @@ Status AgentCore::Release(TransferId id) {
   return Status::OK();
 }
 
-Status AgentCore::Notify(PeerId peer, std::string_view payload) {
-  if (payload.size() > Agent::kMaxNotificationBytes) {
-    return Status::InvalidArgument(StrCat("agent '", name_, "': notification of ", payload.size(),
+Status AgentCore::CheckNotify(PeerId peer, size_t bytes) const {
+  if (bytes > Agent::kMaxNotificationBytes) {
+    return Status::InvalidArgument(StrCat("agent '", name_, "': notification of ", bytes,
                                           " bytes, the limit is ", Agent::kMaxNotificationBytes));
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = peers_.find(peer);
-    if (it == peers_.end()) return Status::NotFound(StrCat("agent '", name_, "': no peer ", peer));
-    if (!it->second.reachable) {
-      return Status::Unavailable(StrCat("agent '", name_, "': peer unreachable: '",
-                                        it->second.meta.name, "' (", it->second.failure, ")"));
-    }
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = peers_.find(peer);
+  if (it == peers_.end()) return Status::NotFound(StrCat("agent '", name_, "': no peer ", peer));
+  if (!it->second.reachable) {
+    return Status::Unavailable(StrCat("agent '", name_, "': peer unreachable: '",
+                                      it->second.meta.name, "' (", it->second.failure, ")"));
   }
+  return Status::OK();
+}
+
+Status AgentCore::Notify(PeerId peer, std::string_view payload) {
+  EPLBX_RETURN_IF_ERROR(CheckNotify(peer, payload.size()));
   return parts_.control->Notify(peer, std::string(payload));
+}
+
+std::vector<Status> AgentCore::NotifyMany(PeerId peer, std::vector<std::string> payloads) {
+  // A payload refused here is left out (its status says why); the rest go, in order.
+  std::vector<Status> out(payloads.size());
+  std::vector<std::string> sent;
+  std::vector<size_t> index;
+  for (size_t i = 0; i < payloads.size(); ++i) {
+    out[i] = CheckNotify(peer, payloads[i].size());
+    if (!out[i].ok()) continue;
+    sent.push_back(std::move(payloads[i]));
+    index.push_back(i);
+  }
+  if (sent.empty()) return out;
+  std::vector<Status> result = parts_.control->NotifyMany(peer, std::move(sent));
+  for (size_t k = 0; k < index.size() && k < result.size(); ++k) out[index[k]] = result[k];
+  return out;
 }
 
 std::vector<Notification> AgentCore::PollNotifications(std::chrono::milliseconds timeout,
@@ -756,6 +776,14 @@ void AgentCore::OnNotification(std::string sender, std::string payload) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     notifications_.push_back(Notification{std::move(sender), std::move(payload)});
+  }
+  cv_.notify_all();
+}
+
+void AgentCore::OnNotifications(std::string sender, std::vector<std::string> payloads) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (std::string& p : payloads) notifications_.push_back(Notification{sender, std::move(p)});
   }
   cv_.notify_all();
 }

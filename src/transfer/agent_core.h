@@ -53,14 +53,18 @@ class AgentCore : public CoreListener {
   Status Disconnect(PeerId peer);
   Result<PeerInfo> Peer(PeerId peer) const;
 
+  // `may_help`: a transfer posted while nothing else is in flight may be copied by the
+  // calling thread too (PathRequest::alone).
   Result<TransferId> Post(XferOp op, PeerId peer, std::span<const Descriptor> local,
-                          std::span<const Descriptor> remote, std::optional<std::string> notify);
+                          std::span<const Descriptor> remote, std::optional<std::string> notify,
+                          bool may_help = true);
   TransferStatus GetStatus(TransferId id) const;
   TransferStatus Wait(TransferId id, std::chrono::milliseconds timeout) const;
   Status Cancel(TransferId id);
   Status Release(TransferId id);
 
   Status Notify(PeerId peer, std::string_view payload);
+  std::vector<Status> NotifyMany(PeerId peer, std::vector<std::string> payloads);
   // Waits up to `timeout` for a notification; with or_completion, also returns once a
   // transfer became terminal or a peer was lost since the last such call.
   std::vector<Notification> PollNotifications(std::chrono::milliseconds timeout,
@@ -69,6 +73,7 @@ class AgentCore : public CoreListener {
   // CoreListener (the control channel's; data paths report through PathSink)
   void OnDataDone(TransferId id, Status status) override;
   void OnNotification(std::string sender, std::string payload) override;
+  void OnNotifications(std::string sender, std::vector<std::string> payloads) override;
   void OnPeerFailed(PeerId peer, Status reason) override;
 
  private:
@@ -82,6 +87,9 @@ class AgentCore : public CoreListener {
     void OnNotification(std::string sender, std::string payload) override {
       core_->OnNotification(std::move(sender), std::move(payload));
     }
+    void OnNotifications(std::string sender, std::vector<std::string> payloads) override {
+      core_->OnNotifications(std::move(sender), std::move(payloads));
+    }
     void OnPeerFailed(PeerId peer, Status reason) override {
       core_->OnPeerFailed(peer, std::move(reason));
     }
@@ -90,6 +98,9 @@ class AgentCore : public CoreListener {
     AgentCore* const core_;
     const size_t index_;
   };
+
+  // Whether a notification of `bytes` may go to `peer` now (size, known, reachable).
+  Status CheckNotify(PeerId peer, size_t bytes) const;
 
   struct LocalRegion {
     uint64_t id = 0;

@@ -57,6 +57,11 @@ class CoreListener {
   virtual void OnDataDone(TransferId id, Status status) = 0;
   // Control channel: a notification from a peer.
   virtual void OnNotification(std::string sender, std::string payload) = 0;
+  // Control channel: several from one peer, in the order sent (one message of
+  // ControlChannel::NotifyMany). A listener that forwards overrides it to keep them together.
+  virtual void OnNotifications(std::string sender, std::vector<std::string> payloads) {
+    for (std::string& p : payloads) OnNotification(sender, std::move(p));
+  }
   // Either: the peer is gone (silent past the timeout, broken connection, process exited).
   virtual void OnPeerFailed(PeerId peer, Status reason) = 0;
 };
@@ -73,6 +78,9 @@ class ListenerSlot final : public CoreListener {
   }
   void OnNotification(std::string sender, std::string payload) override {
     target_->OnNotification(std::move(sender), std::move(payload));
+  }
+  void OnNotifications(std::string sender, std::vector<std::string> payloads) override {
+    target_->OnNotifications(std::move(sender), std::move(payloads));
   }
   void OnPeerFailed(PeerId peer, Status reason) override {
     target_->OnPeerFailed(peer, std::move(reason));
@@ -123,6 +131,15 @@ class ControlChannel {
   // left (OK) or cannot leave (the reason) — unless this returns an error, then never.
   virtual Status Notify(PeerId peer, std::string payload,
                         std::function<void(Status)> sent = nullptr) = 0;
+  // Sends `payloads` in order, as Notify would one after another, and returns one status a
+  // payload (an error: that one cannot leave). A channel may pack them into fewer messages
+  // (UCX: one message of up to 64 KiB); this one sends them one by one.
+  virtual std::vector<Status> NotifyMany(PeerId peer, std::vector<std::string> payloads) {
+    std::vector<Status> out;
+    out.reserve(payloads.size());
+    for (std::string& p : payloads) out.push_back(Notify(peer, std::move(p)));
+    return out;
+  }
 };
 
 // Which memory a path moves, and between which peers.

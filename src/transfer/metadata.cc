@@ -171,12 +171,41 @@ Result<MessageHeader> DecodeMessageHeader(std::string_view bytes, size_t* consum
   if (version != kMessageVersion) {
     return Status::NotSupported(StrCat("message header: version ", version, " not supported"));
   }
-  if (kind < 1 || kind > static_cast<uint8_t>(MessageKind::kStage))
+  if (kind < 1 || kind > static_cast<uint8_t>(MessageKind::kNotifyBatch))
     return Status::Corruption(StrCat("message header: unknown kind ", +kind));
   h.kind = static_cast<MessageKind>(kind);
   if (!r.Str16("sender", Agent::kMaxNameBytes, &h.sender)) return r.status();
   *consumed = r.pos();
   return h;
+}
+
+std::string EncodeNotifyBatch(const std::vector<std::string>& payloads) {
+  ByteWriter w;
+  w.U32(static_cast<uint32_t>(payloads.size()));
+  for (const std::string& p : payloads) w.Str32(p);
+  return w.Take();
+}
+
+Result<std::vector<std::string>> DecodeNotifyBatch(std::string_view body) {
+  ByteReader r(body, "notification batch");
+  uint32_t count = 0;
+  if (!r.U32("count", &count)) return r.status();
+  if (count == 0 || count > kMaxBatchNotifications) {
+    return Status::Corruption(StrCat("notification batch: ", count, " notifications (expected 1..",
+                                     kMaxBatchNotifications, ")"));
+  }
+  std::vector<std::string> out;
+  out.reserve(std::min<size_t>(count, r.remaining() / 4));
+  for (uint32_t i = 0; i < count; ++i) {
+    std::string payload;
+    if (!r.Str32(StrCat("notification ", i), Agent::kMaxNotificationBytes, &payload))
+      return r.status();
+    out.push_back(std::move(payload));
+  }
+  if (r.remaining() != 0) {
+    return Status::Corruption(StrCat("notification batch: ", r.remaining(), " trailing bytes"));
+  }
+  return out;
 }
 
 }  // namespace eplbx::internal

@@ -59,8 +59,15 @@ Result<AgentMetadata> DecodeAgentMetadata(std::string_view blob);
 
 // Header of an active message between agents.
 // kStage: a message of the cuda_staged data path (its head follows the header; its rows, if
-// any, travel as the message's data).
-enum class MessageKind : uint8_t { kNotify = 1, kPing = 2, kPong = 3, kStage = 4 };
+// any, travel as the message's data). kNotifyBatch: several notifications to one peer in
+// one message (Agent::NotifyMany), delivered one by one in order.
+enum class MessageKind : uint8_t {
+  kNotify = 1,
+  kPing = 2,
+  kPong = 3,
+  kStage = 4,
+  kNotifyBatch = 5
+};
 inline constexpr char kMessageMagic[4] = {'E', 'P', 'X', 'M'};
 inline constexpr uint16_t kMessageVersion = 1;
 
@@ -72,6 +79,14 @@ struct MessageHeader {
 std::string EncodeMessageHeader(const MessageHeader& h);
 // Decodes the header at the start of `bytes`; *consumed is its length (the payload follows).
 Result<MessageHeader> DecodeMessageHeader(std::string_view bytes, size_t* consumed);
+
+// The body of a kNotifyBatch message: a count, then each notification as a 32-bit length
+// and its bytes. At most kMaxBatchNotifications of at most Agent::kMaxNotificationBytes
+// each; decoding rejects anything else (a zero count, an oversized or truncated entry,
+// trailing bytes), naming what is wrong.
+inline constexpr size_t kMaxBatchNotifications = 4096;
+std::string EncodeNotifyBatch(const std::vector<std::string>& payloads);
+Result<std::vector<std::string>> DecodeNotifyBatch(std::string_view body);
 
 }  // namespace eplbx::internal
 

@@ -1,4 +1,5 @@
-// libFuzzer: the agent metadata blob decoder (bytes from peers).
+// libFuzzer: the agent metadata blob decoder, the message header and the notification
+// batch decoders (bytes from peers).
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
@@ -35,5 +36,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   size_t used = 0;
   (void)eplbx::internal::DecodeMessageHeader(in, &used);
+  // A notification batch (the body of a kNotifyBatch message from a peer).
+  auto batch = eplbx::internal::DecodeNotifyBatch(in);
+  if (batch.ok() && eplbx::internal::EncodeNotifyBatch(*batch) != in) __builtin_trap();
   return 0;
 }

@@ -199,6 +199,88 @@ TEST_P(TransferMultiProcTest, NotificationsArriveAfterTheData) {
   }
 }
 
+// NotifyMany: every payload arrives once, in order with Notify's before and after, as a
+// notification of its own, though the UCX channel packs them into 64 KiB messages (here
+// 4,100 small payloads split over the 4,096-a-message limit, and a 60 KiB one that goes
+// alone). ReadMany: each READ lands and its notification follows its bytes; one with a
+// bad descriptor among them fails alone.
+TEST_P(TransferMultiProcTest, NotifyManyAndReadManyKeepOrderAndEachTransfer) {
+  constexpr uint64_t kBytes = 8ull << 20;
+  constexpr uint64_t kPeerSeed = 21;
+  RemotePeer peer = RemotePeer::Start("peer", kBytes, kPeerSeed, GetParam().memory);
+  ASSERT_FALSE(peer.blob.empty());
+  auto agent = MakeAgent("batcher");
+  ASSERT_NE(agent, nullptr);
+  std::vector<uint8_t> local(kBytes, 0);
+  auto region = agent->RegisterMemory(local.data(), local.size());
+  ASSERT_TRUE(region.ok()) << region.status().ToString();
+  auto pid = agent->Connect(peer.blob);
+  ASSERT_TRUE(pid.ok()) << pid.status().ToString();
+
+  std::vector<std::string> expected;  // "<size> <first word>"
+  auto note = [&](const std::string& p) {
+    expected.push_back(std::to_string(p.size()) + " " + p.substr(0, p.find(' ')));
+  };
+  std::vector<std::string> batch;
+  for (int i = 0; i < 4100; ++i) {
+    std::string p = "m";
+    p += std::to_string(i);
+    batch.push_back(std::move(p));
+  }
+  batch.insert(batch.begin() + 7, "big " + std::string(60 << 10, 'x'));
+  ASSERT_TRUE(agent->Notify(*pid, "first").ok());
+  note("first");
+  for (const std::string& p : batch) note(p);
+  std::vector<Status> sent = agent->NotifyMany(*pid, batch);
+  ASSERT_EQ(sent.size(), batch.size());
+  for (const Status& s : sent) EXPECT_TRUE(s.ok()) << s.ToString();
+  // One oversized payload is refused by name; the ones around it go.
+  std::vector<std::string> mixed = {"before", std::string(Agent::kMaxNotificationBytes + 1, 'o'),
+                                    "after"};
+  sent = agent->NotifyMany(*pid, mixed);
+  ASSERT_EQ(sent.size(), 3u);
+  EXPECT_TRUE(sent[0].ok() && sent[2].ok());
+  EXPECT_EQ(sent[1].code(), Code::kInvalidArgument) << sent[1].ToString();
+  note("before");
+  note("after");
+  ASSERT_TRUE(agent->Notify(*pid, "last").ok());
+  note("last");
+  peer.child->Send("ECHO " + std::to_string(expected.size()) + " 30000");
+  for (size_t i = 0; i < expected.size(); ++i) {
+    ASSERT_EQ(peer.child->Expect("GOT "), "batcher " + expected[i]) << "notification " << i;
+  }
+
+  // ReadMany: 12 READs of 256 KiB at scattered offsets, the 5th out of the peer's bounds.
+  std::vector<Agent::ReadRequest> reads;
+  constexpr uint64_t kRow = 256u << 10;
+  for (uint64_t i = 0; i < 12; ++i) {
+    Agent::ReadRequest r;
+    r.peer = *pid;
+    const uint64_t src = ((i * 7) % 12) * kRow + 64 * i;
+    r.local = {Descriptor::Of(local.data() + i * kRow, kRow - 64)};
+    r.remote = {{peer.base + (i == 4 ? kBytes : src), kRow - 64}};
+    r.notify = "CHECK " + std::to_string(src) + " " + std::to_string(kRow - 64) + " " +
+               std::to_string(peer.Hash(src, kRow - 64));
+    reads.push_back(std::move(r));
+  }
+  peer.child->Send("EXPECT 11 30000");
+  std::vector<Result<TransferId>> ids = agent->ReadMany(reads);
+  ASSERT_EQ(ids.size(), reads.size());
+  EXPECT_EQ(ids[4].status().code(), Code::kOutOfRange) << ids[4].status().ToString();
+  for (uint64_t i = 0; i < reads.size(); ++i) {
+    if (i == 4) continue;
+    ASSERT_TRUE(ids[i].ok()) << ids[i].status().ToString();
+    TransferStatus st = agent->Wait(*ids[i], std::chrono::seconds(30));
+    ASSERT_EQ(st.state, TransferState::kDone) << st.error.ToString();
+    const uint64_t src = ((i * 7) % 12) * kRow + 64 * i;
+    for (uint64_t k = 0; k < kRow - 64; k += 4093) {
+      ASSERT_EQ(local[i * kRow + k], PatternByte(kPeerSeed, src + k)) << "READ " << i;
+    }
+  }
+  for (int k = 0; k < 11; ++k) EXPECT_EQ(peer.child->Expect("NOTIFY "), "batcher OK") << k;
+  peer.child->Send("QUIT");
+}
+
 // A peer process with --memory file and a same-host agent connected to it (its file
 // mapped here), with `local_bytes` of registered memory to read into.
 struct ShmReader {

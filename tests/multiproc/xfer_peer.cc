@@ -2,6 +2,8 @@
 // filled with a known pattern, prints its metadata, then obeys one command per stdin line:
 //   CONNECT <hex blob>          -> PEER <id> | ERR <message>
 //   HASH <offset> <length>      -> HASH <fnv1a of that range of its buffer>
+//   ECHO <count> <timeout_ms>   -> prints GOT <peer> <size> <first word> for each of the next
+//                                  <count> notifications
 //   EXPECT <count> <timeout_ms> -> waits for <count> notifications "CHECK <off> <len> <hash>"
 //                                  and prints NOTIFY <payload> OK|BAD for each (the bytes
 //                                  must be in place when the notification arrives), or
@@ -174,6 +176,27 @@ int main(int argc, char** argv) {
           p >> tag >> off >> len >> want;
           const bool ok = tag == "CHECK" && off + len <= bytes && hash(off, len) == want;
           std::cout << "NOTIFY " << n.peer << " " << (ok ? "OK" : "BAD") << std::endl;
+          ++seen;
+        }
+      }
+      if (seen < count) std::cout << "TIMEOUT " << seen << std::endl;
+    } else if (cmd == "ECHO") {
+      // ECHO <count> <timeout_ms>: prints GOT <peer> <size> <first word> for each of the next
+      // <count> notifications, in the order they arrive.
+      size_t count = 0;
+      int wait_ms = 0;
+      in >> count >> wait_ms;
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(wait_ms);
+      size_t seen = 0;
+      while (seen < count) {
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+            deadline - std::chrono::steady_clock::now());
+        if (left.count() <= 0) break;
+        for (const auto& n : (*agent)->WaitNotifications(left)) {
+          std::istringstream p(n.payload);
+          std::string word;
+          p >> word;
+          std::cout << "GOT " << n.peer << " " << n.payload.size() << " " << word << std::endl;
           ++seen;
         }
       }

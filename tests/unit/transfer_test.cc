@@ -244,6 +244,36 @@ TEST(MessageHeaderTest, RoundTripsAndRejectsMalformed) {
   EXPECT_FALSE(internal::DecodeMessageHeader(magic, &used).ok());
 }
 
+TEST(MessageHeaderTest, NotificationBatchesRoundTripAndRejectEachMalformation) {
+  const std::vector<std::string> payloads = {"a", "", std::string(1000, 'z'), "last"};
+  const std::string body = internal::EncodeNotifyBatch(payloads);
+  auto d = internal::DecodeNotifyBatch(body);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(*d, payloads);
+  for (size_t n = 0; n < body.size(); ++n) {
+    EXPECT_FALSE(internal::DecodeNotifyBatch(body.substr(0, n)).ok()) << n;
+  }
+  auto message = [](std::string_view bytes) {
+    return internal::DecodeNotifyBatch(bytes).status().message();
+  };
+  EXPECT_NE(message(body + "x").find("1 trailing bytes"), std::string::npos) << message(body + "x");
+  EXPECT_NE(message(internal::EncodeNotifyBatch({})).find("0 notifications"), std::string::npos);
+  std::string many = body;
+  many[0] = static_cast<char>(0xff);
+  many[1] = static_cast<char>(0xff);  // 65,535 notifications claimed
+  EXPECT_NE(message(many).find("65535 notifications (expected 1..4096)"), std::string::npos)
+      << message(many);
+  const std::string big =
+      internal::EncodeNotifyBatch({std::string(Agent::kMaxNotificationBytes + 1, 'b')});
+  EXPECT_NE(message(big).find("the limit is 65536"), std::string::npos) << message(big);
+  // The kind is known to the header decoder.
+  const std::string h = internal::EncodeMessageHeader({internal::MessageKind::kNotifyBatch, "r"});
+  size_t used = 0;
+  auto hd = internal::DecodeMessageHeader(h, &used);
+  ASSERT_TRUE(hd.ok()) << hd.status().ToString();
+  EXPECT_EQ(hd->kind, internal::MessageKind::kNotifyBatch);
+}
+
 TEST(TransportTest, ParsesNames) {
   EXPECT_EQ(*ParseTransport("shm"), Transport::kShm);
   EXPECT_EQ(*ParseTransport("tcp"), Transport::kTcp);
@@ -302,6 +332,39 @@ TEST_F(LoopbackAgentTest, ReadWriteAndNotifyAfterData) {
   EXPECT_EQ(a_->Release(*w).code(), Code::kNotFound);
   EXPECT_TRUE(a_->Notify(peer_, "hello").ok());
   EXPECT_EQ(b_->WaitNotifications(std::chrono::milliseconds(10)).at(0).payload, "hello");
+}
+
+TEST_F(LoopbackAgentTest, NotifyManyAndReadManyGoOneByOneInOrder) {
+  std::vector<Status> sent =
+      b_->NotifyMany(*b_->Connect(a_->Metadata()),
+                     {"one", std::string(Agent::kMaxNotificationBytes + 1, 'x'), "three"});
+  ASSERT_EQ(sent.size(), 3u);
+  EXPECT_TRUE(sent[0].ok() && sent[2].ok());
+  EXPECT_EQ(sent[1].code(), Code::kInvalidArgument);
+  auto n = a_->PollNotifications();
+  ASSERT_EQ(n.size(), 2u);
+  EXPECT_EQ(n[0].payload, "one");
+  EXPECT_EQ(n[1].payload, "three");
+  std::vector<Agent::ReadRequest> reads(3);
+  for (size_t i = 0; i < reads.size(); ++i) {
+    reads[i].peer = peer_;
+    reads[i].local = {Descriptor::Of(abuf_.data() + 100 * i, 10)};
+    reads[i].remote = {Descriptor::Of(bbuf_.data() + 7 * i, 10)};
+    reads[i].notify = "read " + std::to_string(i);
+  }
+  reads[1].remote = {Descriptor{~0ull - 2, 10}};  // wraps: refused, the others go
+  auto ids = a_->ReadMany(reads);
+  ASSERT_EQ(ids.size(), 3u);
+  EXPECT_EQ(ids[1].status().code(), Code::kOutOfRange);
+  for (size_t i : {size_t{0}, size_t{2}}) {
+    ASSERT_TRUE(ids[i].ok()) << ids[i].status().ToString();
+    EXPECT_EQ(a_->Wait(*ids[i], std::chrono::seconds(1)).state, TransferState::kDone);
+    EXPECT_EQ(abuf_[100 * i + 9], bbuf_[7 * i + 9]);
+  }
+  auto got = b_->PollNotifications();
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[0].payload, "read 0");
+  EXPECT_EQ(got[1].payload, "read 2");
 }
 
 TEST_F(LoopbackAgentTest, BadDescriptorsAreRejectedBeforeAnythingMoves) {

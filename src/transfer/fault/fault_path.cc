@@ -224,6 +224,9 @@ class FaultyPath final : public DataPath, public CoreListener {
   void OnNotification(std::string sender, std::string payload) override {
     core_->OnNotification(std::move(sender), std::move(payload));
   }
+  void OnNotifications(std::string sender, std::vector<std::string> payloads) override {
+    core_->OnNotifications(std::move(sender), std::move(payloads));
+  }
   void OnPeerFailed(PeerId peer, Status reason) override {
     core_->OnPeerFailed(peer, std::move(reason));
   }

@@ -179,6 +179,17 @@ ucs_status_t UcxWorker::OnAm(void* arg, const void* header, size_t header_length
     case MessageKind::kNotify:
       self->listener_->OnNotification(std::move(h->sender), std::string(bytes.substr(consumed)));
       break;
+    case MessageKind::kNotifyBatch: {
+      Result<std::vector<std::string>> batch = DecodeNotifyBatch(bytes.substr(consumed));
+      if (batch.ok()) {
+        self->listener_->OnNotifications(std::move(h->sender), std::move(*batch));
+      } else {
+        // Delivered as it came: the receiver's decoder names the sender and what is wrong,
+        // instead of a layer waiting for its deadline.
+        self->listener_->OnNotification(std::move(h->sender), std::string(bytes.substr(consumed)));
+      }
+      break;
+    }
     case MessageKind::kPing:
       if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 && param->reply_ep != nullptr) {
         auto* msg = new AmMessage{

@@ -275,11 +275,46 @@ Status UcxWorker::Notify(PeerId peer, std::string payload, std::function<void(St
   return Status::OK();
 }
 
+std::vector<Status> UcxWorker::NotifyMany(PeerId peer, std::vector<std::string> payloads) {
+  Result<std::shared_ptr<PeerState>> p = LivePeer(peer);
+  if (!p.ok()) return std::vector<Status>(payloads.size(), p.status());
+  std::vector<Status> out(payloads.size());
+  Enqueue([this, p = std::move(*p), payloads = std::move(payloads)]() mutable {
+    if (p->failed) return;
+    // Consecutive payloads share a message while it stays within 64 KiB (one payload: a
+    // plain notification, as Notify sends it).
+    constexpr size_t kBatchBytes = Agent::kMaxNotificationBytes;
+    size_t first = 0;
+    while (first < payloads.size()) {
+      size_t last = first + 1, bytes = 4 + 4 + payloads[first].size();
+      while (last < payloads.size() && last - first < kMaxBatchNotifications &&
+             bytes + 4 + payloads[last].size() <= kBatchBytes) {
+        bytes += 4 + payloads[last].size();
+        ++last;
+      }
+      if (last - first == 1) {
+        SendAm(*p, MessageKind::kNotify, std::move(payloads[first]), nullptr);
+      } else {
+        std::vector<std::string> group(std::make_move_iterator(payloads.begin() + first),
+                                       std::make_move_iterator(payloads.begin() + last));
+        SendAm(*p, MessageKind::kNotifyBatch, EncodeNotifyBatch(group), nullptr);
+      }
+      first = last;
+    }
+  });
+  return out;
+}
+
 void UcxWorker::Enqueue(std::function<void()> fn) {
+  bool was_empty = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    was_empty = commands_.empty();
     commands_.push_back(std::move(fn));
   }
+  // The progress thread takes every queued command when it wakes, and looks at the queue
+  // again before it sleeps: one wake-up for a queue that was empty is enough.
+  if (!was_empty) return;
   uint64_t one = 1;
   [[maybe_unused]] ssize_t n = write(wake_fd_, &one, sizeof(one));
 }

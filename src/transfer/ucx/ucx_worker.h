@@ -118,6 +118,8 @@ class UcxWorker final : public ControlChannel {
   Status Connect(PeerId id, std::string_view peer_name, std::string_view conn_info) override;
   void Disconnect(PeerId id) override;
   Status Notify(PeerId peer, std::string payload, std::function<void(Status)> sent) override;
+  // One command for the progress thread, and one active message per 64 KiB of payloads.
+  std::vector<Status> NotifyMany(PeerId peer, std::vector<std::string> payloads) override;
 
   // For the "ucx" data path (ucx_path.cc), which reports to `rma_listener`.
   void set_rma_listener(CoreListener* listener) { rma_listener_ = listener; }

@@ -73,7 +73,8 @@ struct AgentConfig {
   // connection) is unreachable: its in-flight transfers fail with kUnavailable naming it,
   // and later calls to it fail at once until it is connected again.
   std::chrono::milliseconds peer_timeout{30000};
-  // Threads that copy for same-host peers. 0: min(2, hardware threads).
+  // Threads that copy for same-host peers (SCHED_BATCH: docs/transfer.md). 0:
+  // EPLBX_COPY_THREADS from the Env if set (1..64), else min(2, hardware threads).
   int copy_threads = 0;
   // Same-host transfers (shm, cma) of at most this many bytes are copied on the calling
   // thread inside Read()/Write(), which then return with the transfer already done: no

@@ -5,7 +5,8 @@
 //
 // One generation per layer step. A source sends READY(expert, reader) to every reader of
 // its rows (they are stable: nothing is overwritten before commit). A reader posts its READ
-// on READY with READ_DONE attached, so READ_DONE reaches the source after the data landed.
+// on READY; the action carries READ_DONE, which the caller sends to the source only once
+// the READ completed (the data landed).
 // A rank whose READs completed and whose readers all sent READ_DONE sends DONE to every
 // rank; a rank commits (staging -> weights, new map published) once DONE came from all.
 // Any failure sends ABORT(reason) to every rank; the layer then keeps its old bytes and map.
@@ -68,7 +69,7 @@ struct LayerStep {
 
 enum class ActionKind {
   kSend,      // send `record` to rank `peer`
-  kPostRead,  // READ `read` with `record` (READ_DONE) attached for its source
+  kPostRead,  // READ `read`; send `record` (READ_DONE) to its source once it completed
   kCommit,    // every rank is done: commit the layer
   kAbort,     // the layer failed (`reason`); ABORT records were already emitted as kSend
 };

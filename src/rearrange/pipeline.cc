@@ -201,6 +201,33 @@ void StopRuns(RearrangerImpl& d, RearrangerImpl::Pipeline& p, const std::string&
 Status RearrangerImpl::Poll() {
   if (!Busy()) return Status::OK();
   Pipeline& p = *pipe;
+  // This call's records leave together, each peer's as one message, and its READs are
+  // posted together (Flush), as in the synchronous loop's turns; a record that cannot leave
+  // fails its layer there, before the checks below.
+  ++hold_sends;
+  PollTurn();
+  Flush();
+  --hold_sends;
+  if (p.failure.ok()) {
+    for (const auto& run : p.runs) {
+      if (run->protocol->state() == LayerState::kAborted) {
+        p.failure = Status::Aborted(StrCat("rank ", self(), ": ", run->protocol->error()));
+        break;
+      }
+    }
+  }
+  if (p.failure.ok() && env->Now() > p.deadline) {
+    p.failure = Status::Timeout(StrCat(
+        "rank ", self(), ": the rearrangement passed its deadline of ", p.opt.deadline.count(),
+        " ms after ", p.step, " steps with ", p.applied, " of ", p.layers, " layers committed (",
+        p.ReadyPrefix(), " ready here)", p.refused_note.empty() ? "" : "; ", p.refused_note));
+  }
+  if (!p.failure.ok()) StopRuns(*this, p, p.failure.message());
+  return p.failure;
+}
+
+void RearrangerImpl::PollTurn() {
+  Pipeline& p = *pipe;
   auto route = [&p](uint64_t g) { return p.Route(g); };
   auto vote = [&p, this](uint32_t from, const Record& r) {
     p.TakeVote(from, r, world(), boot->epoch());
@@ -224,7 +251,7 @@ Status RearrangerImpl::Poll() {
   CheckPeers(p.Running(), route, vote);
   const auto now = env->Now();
   for (Run* run : p.Running()) Execute(*run, run->protocol->OnTick(now));
-  // READs the budget held back, oldest layer first.
+  // READs the budget held back, oldest layer first (Flush asks the budget for each).
   for (Run* run : p.Running()) {
     while (!run->held.empty() && p.Fits(RowBytes(run->job.layer))) {
       Action a = std::move(run->held.front());
@@ -232,22 +259,6 @@ Status RearrangerImpl::Poll() {
       Execute(*run, {std::move(a)});
     }
   }
-  if (p.failure.ok()) {
-    for (const auto& run : p.runs) {
-      if (run->protocol->state() == LayerState::kAborted) {
-        p.failure = Status::Aborted(StrCat("rank ", self(), ": ", run->protocol->error()));
-        break;
-      }
-    }
-  }
-  if (p.failure.ok() && now > p.deadline) {
-    p.failure = Status::Timeout(StrCat(
-        "rank ", self(), ": the rearrangement passed its deadline of ", p.opt.deadline.count(),
-        " ms after ", p.step, " steps with ", p.applied, " of ", p.layers, " layers committed (",
-        p.ReadyPrefix(), " ready here)", p.refused_note.empty() ? "" : "; ", p.refused_note));
-  }
-  if (!p.failure.ok()) StopRuns(*this, p, p.failure.message());
-  return p.failure;
 }
 
 CommitResult RearrangerImpl::Commit() {

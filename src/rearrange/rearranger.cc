@@ -191,9 +191,8 @@ void RearrangerImpl::Execute(Run& run, std::vector<Action> actions) {
           break;
         }
         Agent::ReadRequest request = PrepareRead(run, a);
-        Result<TransferId> id = agent->Read(peer_of[a.read.source], request.local, request.remote,
-                                            std::move(request.notify));
-        Posted(run, a.read, std::move(id));
+        Result<TransferId> id = agent->Read(peer_of[a.read.source], request.local, request.remote);
+        Posted(run, a, std::move(id));
         break;
       }
       case ActionKind::kCommit:
@@ -218,7 +217,6 @@ Agent::ReadRequest RearrangerImpl::PrepareRead(Run& run, const Action& a) {
   const auto& tensors = layout.layers[job.layer];
   Agent::ReadRequest request;
   request.peer = peer_of[a.read.source];
-  request.notify = protocol::EncodeRecord(a.record);  // READ_DONE, once the bytes landed
   LayerOutcome& outcome = run.outcome;
   for (size_t t = 0; t < tensors.size(); ++t) {
     const TensorSpec& theirs = all[a.read.source].layers[job.layer][t];
@@ -237,11 +235,11 @@ Agent::ReadRequest RearrangerImpl::PrepareRead(Run& run, const Action& a) {
   return request;
 }
 
-void RearrangerImpl::Posted(Run& run, const ReadTask& task, Result<TransferId> id) {
+void RearrangerImpl::Posted(Run& run, const Action& a, Result<TransferId> id) {
   if (id.ok()) {
-    run.pending.push_back({*id, task, RowBytes(run.job.layer)});
+    run.pending.push_back({*id, a.read, RowBytes(run.job.layer), protocol::EncodeRecord(a.record)});
   } else {
-    Execute(run, run.protocol->OnReadComplete(task, id.status()));
+    Execute(run, run.protocol->OnReadComplete(a.read, id.status()));
   }
 }
 
@@ -260,7 +258,17 @@ void RearrangerImpl::Flush() {
       std::vector<Status> sent = agent->NotifyMany(peer_of[peer], std::move(payloads));
       for (size_t i = 0; i < batch.size() && i < sent.size(); ++i) {
         if (sent[i].ok() || batch[i].kind == protocol::RecordKind::kAbort) continue;
-        Execute(*batch[i].run, batch[i].run->protocol->OnPeerFailed(peer, sent[i]));
+        Run& run = *batch[i].run;
+        Result<PeerInfo> info = agent->Peer(peer_of[peer]);
+        if (info.ok() && info->reachable) {
+          // The peer is there and waits for this record, so the layer commits nowhere: fail
+          // it now. (As a lost peer, a peer whose DONE arrived while the record waited in
+          // the outbox would let this rank commit while the peer waits for its deadline.)
+          Execute(run, run.protocol->Fail(StrCat(protocol::KindName(batch[i].kind), " to rank ",
+                                                 peer, " could not leave: ", sent[i].message())));
+        } else {
+          Execute(run, run.protocol->OnPeerFailed(peer, sent[i]));
+        }
         more = true;
       }
     }
@@ -274,9 +282,24 @@ void RearrangerImpl::Flush() {
       std::erase_if(
           now, [](const auto& p) { return p.first->protocol->state() != LayerState::kRunning; });
       std::vector<Agent::ReadRequest> requests;
-      for (auto& [run, a] : now) requests.push_back(PrepareRead(*run, a));
+      std::vector<std::pair<Run*, Action>> batch;
+      for (auto& [run, a] : now) {
+        if (run->gate == nullptr) {
+          requests.push_back(PrepareRead(*run, a));
+          batch.emplace_back(run, std::move(a));
+          continue;
+        }
+        // The pipeline's budget counts the bytes in flight: each READ it lets go is posted
+        // before the next is asked; one it holds back waits in its run (Poll posts it later).
+        if (!(*run->gate)(RowBytes(run->job.layer))) {
+          run->held.push_back(std::move(a));
+          continue;
+        }
+        std::vector<Agent::ReadRequest> one = {PrepareRead(*run, a)};
+        Posted(*run, a, std::move(agent->ReadMany(one).front()));
+      }
       std::vector<Result<TransferId>> ids = agent->ReadMany(requests);
-      for (size_t i = 0; i < now.size(); ++i) Posted(*now[i].first, now[i].second.read, ids[i]);
+      for (size_t i = 0; i < batch.size(); ++i) Posted(*batch[i].first, batch[i].second, ids[i]);
       more = true;  // a READ that could not be posted may have queued records
     }
   }
@@ -319,6 +342,15 @@ void RearrangerImpl::Reap(Run& run) {
     }
     (void)agent->Release(run.pending[i].id);
     const ReadTask task = run.pending[i].task;
+    if (s.state == TransferState::kDone) {
+      // The bytes landed: READ_DONE goes to the source with this turn's other records (the
+      // DONE this completion may allow leaves after it). Sent here rather than attached to
+      // the READ, a completion needs no hand-off to the control channel's thread before the
+      // loop hears of it.
+      if (outbox.size() < world()) outbox.resize(world());
+      outbox[task.source].push_back(
+          {&run, protocol::RecordKind::kReadDone, std::move(run.pending[i].read_done)});
+    }
     run.pending.erase(run.pending.begin() + static_cast<long>(i));
     Execute(run, run.protocol->OnReadComplete(
                      task, s.state == TransferState::kDone ? Status::OK() : s.error));

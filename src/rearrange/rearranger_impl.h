@@ -97,6 +97,7 @@ class RearrangerImpl {
     TransferId id;
     protocol::ReadTask task;
     uint64_t bytes = 0;
+    std::string read_done;  // the READ_DONE record for the source, sent once the bytes landed
   };
   // A layer's protocol and what it has in flight.
   struct Run {
@@ -139,6 +140,7 @@ class RearrangerImpl {
   Status Begin(const Placement& from, const Placement& to, const MigrationPlan& plan,
                const AsyncOptions& options);
   Status Poll();
+  void PollTurn();  // Poll's turn: starts, records, READs (held until Poll flushes them)
   Status Reserve(const AsyncOptions& options);
   CommitResult Commit();
   AsyncProgress Progress() const;
@@ -155,10 +157,10 @@ class RearrangerImpl {
   // one message instead of one per record: on a busy host every message costs a wake-up of
   // three threads). A record that cannot leave is its run's lost peer, as before.
   void Flush();
-  // A READ's request (its bytes counted in run's outcome), and what follows its post: pending,
-  // or failed at once.
+  // A READ's request (its bytes counted in run's outcome), and what follows its post: pending
+  // (its READ_DONE kept to be sent when Reap finds it landed), or failed at once.
   Agent::ReadRequest PrepareRead(Run& run, const protocol::Action& a);
-  void Posted(Run& run, const protocol::ReadTask& task, Result<TransferId> id);
+  void Posted(Run& run, const protocol::Action& a, Result<TransferId> id);
   struct Outgoing {
     Run* run = nullptr;
     protocol::RecordKind kind = protocol::RecordKind::kReady;

@@ -107,7 +107,14 @@ Result<std::shared_ptr<AgentCore>> AgentCore::Create(std::string name, AgentConf
         StrCat("agent '", name, "': ", paths->size(), " data paths, at most ", kMaxPaths));
   }
   if (config.copy_threads <= 0) {
-    config.copy_threads = static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 2u));
+    if (std::string v = env->GetVar("EPLBX_COPY_THREADS").value_or(""); !v.empty()) {
+      Result<int> n = ParseInteger<int>(v, "EPLBX_COPY_THREADS", 1, 64);
+      if (!n.ok()) return n.status().WithPrefix(StrCat("agent '", name, "'"));
+      config.copy_threads = *n;
+    } else {
+      config.copy_threads =
+          static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 1u, 2u));
+    }
   }
   std::string host = config.host_id;
   if (host.empty()) {

@@ -1,5 +1,6 @@
 #include "transfer/shm/copier.h"
 
+#include <sched.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <sys/uio.h>
@@ -131,7 +132,17 @@ void TouchPagesForRead(const void* p, size_t n) {
 }
 
 ShmCopier::ShmCopier(int threads, uint64_t inline_max_bytes) : inline_max_bytes_(inline_max_bytes) {
-  for (int i = 0; i < std::max(threads, 1); ++i) threads_.emplace_back([this] { Worker(); });
+  for (int i = 0; i < std::max(threads, 1); ++i) {
+    threads_.emplace_back([this] {
+      // Bulk work: a copy thread that wakes does not preempt the thread that woke it (the
+      // one posting the next READs, or a protocol thread that has a message to pass on), and
+      // is treated as the CPU-bound work it is; its share of the CPU is unchanged (same
+      // weight as nice 0). Where the policy cannot be set, the thread copies as it is.
+      sched_param none{};
+      (void)sched_setscheduler(0, SCHED_BATCH, &none);
+      Worker();
+    });
+  }
 }
 
 ShmCopier::~ShmCopier() {

@@ -14,7 +14,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto r = DecodeRecord(in);
   if (!r.ok()) return 0;
   if (EncodeRecord(*r) != in) __builtin_trap();
-  LayerStep step{r->generation, r->layer, 0, 3, {{1, 1}, {2, 2}}, {{3, 1}}};
+  LayerStep step;
+  step.generation = r->generation;
+  step.layer = r->layer;
+  step.self = 0;
+  step.world = 3;
+  step.reads = {{1, 1}, {2, 2}};
+  step.serves = {{3, 1}};
   LayerProtocol p(step, Clock::time_point{}, std::chrono::seconds(1));
   p.Start();
   bool deferred = false;

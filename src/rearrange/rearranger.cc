@@ -178,8 +178,7 @@ void RearrangerImpl::Execute(Run& run, std::vector<Action> actions) {
   for (Action& a : actions) {
     switch (a.kind) {
       case ActionKind::kSend:
-        if (outbox.size() < world()) outbox.resize(world());
-        outbox[a.peer].push_back({&run, a.record.kind, protocol::EncodeRecord(a.record)});
+        Queue(run, a.peer, a.record.kind, protocol::EncodeRecord(a.record));
         break;
       case ActionKind::kPostRead: {
         if (hold_sends > 0 && !flushing) {
@@ -241,6 +240,11 @@ void RearrangerImpl::Posted(Run& run, const Action& a, Result<TransferId> id) {
   } else {
     Execute(run, run.protocol->OnReadComplete(a.read, id.status()));
   }
+}
+
+void RearrangerImpl::Queue(Run& run, uint32_t peer, protocol::RecordKind kind, std::string bytes) {
+  if (outbox.size() < world()) outbox.resize(world());
+  outbox[peer].push_back({&run, kind, std::move(bytes)});
 }
 
 void RearrangerImpl::Flush() {
@@ -347,9 +351,7 @@ void RearrangerImpl::Reap(Run& run) {
       // DONE this completion may allow leaves after it). Sent here rather than attached to
       // the READ, a completion needs no hand-off to the control channel's thread before the
       // loop hears of it.
-      if (outbox.size() < world()) outbox.resize(world());
-      outbox[task.source].push_back(
-          {&run, protocol::RecordKind::kReadDone, std::move(run.pending[i].read_done)});
+      Queue(run, task.source, protocol::RecordKind::kReadDone, std::move(run.pending[i].read_done));
     }
     run.pending.erase(run.pending.begin() + static_cast<long>(i));
     Execute(run, run.protocol->OnReadComplete(

@@ -157,6 +157,8 @@ class RearrangerImpl {
   // one message instead of one per record: on a busy host every message costs a wake-up of
   // three threads). A record that cannot leave is its run's lost peer, as before.
   void Flush();
+  // Adds a record of `run` for `peer` to the outbox.
+  void Queue(Run& run, uint32_t peer, protocol::RecordKind kind, std::string bytes);
   // A READ's request (its bytes counted in run's outcome), and what follows its post: pending
   // (its READ_DONE kept to be sent when Reap finds it landed), or failed at once.
   Agent::ReadRequest PrepareRead(Run& run, const protocol::Action& a);

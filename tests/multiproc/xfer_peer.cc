@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <sstream>
@@ -39,6 +40,24 @@
 
 using eplbx::testing::FillPattern;
 using eplbx::testing::Fnv1a;
+
+// Hands each of the next `count` notifications to `each` as they arrive, waiting at most
+// `wait_ms` in all; prints TIMEOUT <seen> when fewer came.
+static void ForNotifications(eplbx::Agent& agent, size_t count, int wait_ms,
+                             const std::function<void(const eplbx::Notification&)>& each) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(wait_ms);
+  size_t seen = 0;
+  while (seen < count) {
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) break;
+    for (const auto& n : agent.WaitNotifications(left)) {
+      each(n);
+      ++seen;
+    }
+  }
+  if (seen < count) std::cout << "TIMEOUT " << seen << std::endl;
+}
 
 int main(int argc, char** argv) {
   std::string name = "peer";
@@ -163,44 +182,26 @@ int main(int argc, char** argv) {
       size_t count = 0;
       int wait_ms = 0;
       in >> count >> wait_ms;
-      const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(wait_ms);
-      size_t seen = 0;
-      while (seen < count) {
-        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-            deadline - std::chrono::steady_clock::now());
-        if (left.count() <= 0) break;
-        for (const auto& n : (*agent)->WaitNotifications(left)) {
-          std::istringstream p(n.payload);
-          std::string tag;
-          uint64_t off = 0, len = 0, want = 0;
-          p >> tag >> off >> len >> want;
-          const bool ok = tag == "CHECK" && off + len <= bytes && hash(off, len) == want;
-          std::cout << "NOTIFY " << n.peer << " " << (ok ? "OK" : "BAD") << std::endl;
-          ++seen;
-        }
-      }
-      if (seen < count) std::cout << "TIMEOUT " << seen << std::endl;
+      ForNotifications(**agent, count, wait_ms, [&](const eplbx::Notification& n) {
+        std::istringstream p(n.payload);
+        std::string tag;
+        uint64_t off = 0, len = 0, want = 0;
+        p >> tag >> off >> len >> want;
+        const bool ok = tag == "CHECK" && off + len <= bytes && hash(off, len) == want;
+        std::cout << "NOTIFY " << n.peer << " " << (ok ? "OK" : "BAD") << std::endl;
+      });
     } else if (cmd == "ECHO") {
       // ECHO <count> <timeout_ms>: prints GOT <peer> <size> <first word> for each of the next
       // <count> notifications, in the order they arrive.
       size_t count = 0;
       int wait_ms = 0;
       in >> count >> wait_ms;
-      const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(wait_ms);
-      size_t seen = 0;
-      while (seen < count) {
-        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-            deadline - std::chrono::steady_clock::now());
-        if (left.count() <= 0) break;
-        for (const auto& n : (*agent)->WaitNotifications(left)) {
-          std::istringstream p(n.payload);
-          std::string word;
-          p >> word;
-          std::cout << "GOT " << n.peer << " " << n.payload.size() << " " << word << std::endl;
-          ++seen;
-        }
-      }
-      if (seen < count) std::cout << "TIMEOUT " << seen << std::endl;
+      ForNotifications(**agent, count, wait_ms, [](const eplbx::Notification& n) {
+        std::istringstream p(n.payload);
+        std::string word;
+        p >> word;
+        std::cout << "GOT " << n.peer << " " << n.payload.size() << " " << word << std::endl;
+      });
     } else if (cmd == "SHRINK") {
       uint64_t keep = 0;
       in >> keep;

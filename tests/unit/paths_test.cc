@@ -212,6 +212,18 @@ TEST(PathChoiceTest, VariablesComeFromTheEnv) {
   vars.Set("EPLBX_PATHS", "shm,bogus");
   EXPECT_NE(Agent::Create("env-d", c).status().message().find("unknown data path 'bogus'"),
             std::string::npos);
+  vars.Unset("EPLBX_PATHS");
+  vars.Unset("EPLBX_TRANSPORT");
+  // Copy threads: 1..64; anything else is refused by name, naming the agent.
+  vars.Set("EPLBX_COPY_THREADS", "3");
+  EXPECT_TRUE(Agent::Create("env-e", c).ok());
+  for (const char* bad : {"0", "65", "two", "-1"}) {
+    vars.Set("EPLBX_COPY_THREADS", bad);
+    const Status s = Agent::Create("env-f", c).status();
+    EXPECT_NE(s.message().find("EPLBX_COPY_THREADS"), std::string::npos)
+        << bad << ": " << s.ToString();
+    EXPECT_NE(s.message().find("agent 'env-f'"), std::string::npos) << bad << ": " << s.ToString();
+  }
 }
 
 // ---- the fault-injecting wrappers, on loopback agents ---------------------------------

@@ -229,8 +229,13 @@ class Packer {
   // Pack() for a few ranks (a node's 8 in hierarchical mode): a scan for the lightest rank
   // with room that has not taken the expert (ties: lowest rank) instead of the heap; the
   // same choices, as the heap holds exactly those ranks.
+  // The scan is branch-free over keys: a full rank's, or one that took the expert, is the
+  // largest key, which no load's bits reach.
   static constexpr int kScanRanks = 16;
   double PackByScan(std::span<const int32_t> count, double bound) {
+    constexpr uint64_t kNone = std::numeric_limits<uint64_t>::max();
+    uint64_t key[kScanRanks];
+    for (int c = 0; c < ranks_; ++c) key[c] = per_rank_ > 0 ? Key(0.0) : kNone;
     for (int32_t e : order_) {
       if (count[e] <= 0) continue;
       const double s = share_[e];
@@ -238,16 +243,17 @@ class Packer {
       uint32_t taken = 0;  // ranks that took e, as bits
       for (int k = 0; k < count[e]; ++k) {
         int r = -1;
-        uint64_t lightest = std::numeric_limits<uint64_t>::max();
+        uint64_t lightest = kNone;
         for (int c = 0; c < ranks_; ++c) {
-          const uint64_t key = Key(load_[c]);
-          if (fill_[c] == per_rank_ || (taken >> c & 1u) || (r >= 0 && key >= lightest)) continue;
-          r = c;
-          lightest = key;
+          const uint64_t k_c = (taken >> c & 1u) ? kNone : key[c];
+          const bool lighter = k_c < lightest;
+          lightest = lighter ? k_c : lightest;
+          r = lighter ? c : r;
         }
         if (r < 0) r = DuplicateRank();
         slots_[static_cast<size_t>(r) * per_rank_ + fill_[r]++] = e;
         load_[r] += s;
+        key[r] = fill_[r] == per_rank_ ? kNone : Key(load_[r]);
         if (load_[r] >= bound) return std::numeric_limits<double>::infinity();
         if (!(taken >> r & 1u)) taken_.push_back(r);
         taken |= 1u << r;
@@ -288,13 +294,14 @@ class Packer {
 constexpr int kCheapest = 6;
 constexpr size_t kTakers = 3;
 
+// Stops early, too, once the packed maximum is at most `enough`.
 std::vector<int32_t> SearchCounts(std::span<const double> weight, int slots, int cap,
-                                  Packer& packer, int budget) {
+                                  Packer& packer, int budget, double enough) {
   const int n = static_cast<int>(weight.size());
   std::vector<int32_t> count = GreedyCounts(weight, slots, cap);
   double best = packer.Pack(count);
   std::vector<int32_t> donors, takers;
-  for (int step = 0; step < budget; ++step) {
+  for (int step = 0; step < budget && best > enough; ++step) {
     const auto& load = packer.loads();
     const int top = static_cast<int>(std::max_element(load.begin(), load.end()) - load.begin());
     const int per_rank = slots / static_cast<int>(load.size());
@@ -347,23 +354,43 @@ std::vector<int32_t> SearchCounts(std::span<const double> weight, int slots, int
 
 }  // namespace
 
-void BalancedSlots(std::span<const double> weight, int slots, int ranks, std::span<int32_t> out) {
+namespace {
+
+// At most one replica per rank while the slots allow it.
+int ReplicaCap(int experts, int slots, int ranks) {
+  return std::max(ranks, (slots + experts - 1) / experts);
+}
+
+}  // namespace
+
+double BalancedFloor(std::span<const double> weight, int slots, int ranks) {
+  const int cap = ReplicaCap(static_cast<int>(weight.size()), slots, ranks);
+  double total = 0, largest = 0;
+  for (double w : weight) {
+    total += w;
+    largest = std::max(largest, w);
+  }
+  return std::max(total / ranks, largest / cap);
+}
+
+double BalancedSlots(std::span<const double> weight, int slots, int ranks, std::span<int32_t> out,
+                     double enough) {
   const int n = static_cast<int>(weight.size());
   const int per_rank = slots / ranks;
-  // At most one replica per rank while the slots allow it.
-  const int cap = std::max(ranks, (slots + n - 1) / n);
+  const int cap = ReplicaCap(n, slots, ranks);
   Packer packer(weight, ranks, per_rank);
-  SearchCounts(weight, slots, cap, packer, /*budget=*/2 * ranks);
+  SearchCounts(weight, slots, cap, packer, /*budget=*/2 * ranks, enough);
   // Local search on the heaviest rank: swaps of one or two replicas. (Re-pointing replicas
   // adds little after the count search and doubles the time: measured, docs/placement.md.)
   Layout layout(weight, packer.slots(), ranks);
   layout.repoints = false;
-  for (int iter = 0; iter < 64 * ranks; ++iter) {
+  for (int iter = 0; iter < 64 * ranks && layout.load[layout.Heaviest()] > enough; ++iter) {
     const Move move = BestMove(layout, layout.Heaviest(), nullptr);
     if (move.a < 0) break;
     Apply(layout, move);
   }
   std::copy(layout.expert.begin(), layout.expert.end(), out.begin());
+  return layout.load[layout.Heaviest()];
 }
 
 double PackReplicas(std::span<const double> weight, std::span<const int32_t> count, int ranks,

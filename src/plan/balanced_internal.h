@@ -15,8 +15,19 @@ namespace eplbx::internal {
 // packing: heaviest replica first onto the lightest rank with room that does not hold the
 // expert yet (ties: lowest rank); then local search: swap replicas between the heaviest
 // rank and another rank, and re-point a redundant replica to another expert, while that
-// lowers the heaviest rank's load. Writes out[slots] (expert ids, rank-major).
-void BalancedSlots(std::span<const double> weight, int slots, int ranks, std::span<int32_t> out);
+// lowers the heaviest rank's load. Writes out[slots] (expert ids, rank-major) and returns
+// the largest rank load.
+// No step of the search raises that maximum, so a search cut short once it is at most
+// `enough` (0: never) ends at the full search's maximum where that is above `enough`, and
+// at or below `enough` where the full search's is: a caller for whom no maximum below
+// `enough` matters (another node's ranks are at least that heavy, or the floor below)
+// gets the same max(maximum, enough) for less work.
+double BalancedSlots(std::span<const double> weight, int slots, int ranks, std::span<int32_t> out,
+                     double enough = 0);
+
+// A largest rank load no placement of BalancedSlots can go below: the mean rank load, and
+// the share of the heaviest expert with as many replicas as BalancedSlots allows.
+double BalancedFloor(std::span<const double> weight, int slots, int ranks);
 
 // The greedy packing BalancedSlots searches with, exposed for tests: count[e] replicas of
 // each expert onto `ranks` ranks of `per_rank` slots (sum of counts = out.size()), heaviest

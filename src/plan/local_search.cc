@@ -28,6 +28,8 @@ int Layout::Heaviest() const {
 }
 
 void Layout::Recompute() {
+  shares.resize(count.size());
+  for (size_t e = 0; e < count.size(); ++e) shares[e] = count[e] ? weight[e] / count[e] : 0.0;
   std::fill(load.begin(), load.end(), 0.0);
   held.assign(static_cast<size_t>(ranks) * count.size(), 0);
   for (size_t s = 0; s < expert.size(); ++s) {
@@ -182,9 +184,9 @@ void ConsiderPairSwaps(const Layout& l, int top, const std::vector<uint8_t>* bef
       const auto hi = mid + std::min<ptrdiff_t>(kPairProbe, theirs.end() - mid);
       for (auto q = lo; q != hi; ++q) {
         const double d = p.sum - q->sum;
-        if (d <= 0 || !valid(p, *q)) continue;
+        if (d <= 0) continue;
         const double worst = std::max(top_load - d, l.load[r] + d);
-        if (l.goal <= 0 && worst >= top_load * (1 - 1e-12)) continue;
+        if ((l.goal <= 0 && worst >= top_load * (1 - 1e-12)) || !valid(p, *q)) continue;
         const int copies = SwapCost(before, n, top, l.expert[p.a], r, l.expert[q->a]) +
                            SwapCost(before, n, top, l.expert[p.b], r, l.expert[q->b]);
         Consider(best, Relief(l, top_load, l.load[r], top_load - d, l.load[r] + d), copies,
@@ -297,7 +299,7 @@ void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* befo
     const double worst = eval->Worst(a, y, &relief);
     if (l.goal <= 0 && worst >= top_load * (1 - 1e-12)) return;
     if (l.goal <= 0) relief = top_load - worst;
-    Consider(best, relief, copies, {a, -1, -1, -1, y});
+    Consider(best, relief, copies, {a, -1, -1, -1, y, x});
   };
   // Only replicas of experts with several can be re-pointed (the same candidates in the
   // same order as every slot against every expert: the others are rejected at once).
@@ -323,29 +325,33 @@ void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* befo
 SwapCache::SwapCache(int ranks)
     : ranks_(ranks),
       best_(static_cast<size_t>(ranks) * ranks),
-      valid_(static_cast<size_t>(ranks) * ranks, 0) {}
+      computed_(static_cast<size_t>(ranks) * ranks, 0),
+      changed_(static_cast<size_t>(ranks), 0) {}
 
 const Move& SwapCache::Get(const Layout& l, int t, int r, const std::vector<uint8_t>* before) {
   const size_t k = static_cast<size_t>(t) * ranks_ + r;
-  if (!valid_[k]) {
+  if (computed_[k] <= std::max({all_changed_, changed_[t], changed_[r]})) {
     best_[k] = Move{};
     ConsiderSwaps(l, t, before, best_[k], r);
-    valid_[k] = 1;
+    computed_[k] = clock_ + 1;  // newer than every change so far, older than the next
   }
   return best_[k];
 }
 
 void SwapCache::Invalidate(const Layout& l, const Move& applied) {
-  if (applied.b < 0) {  // a re-point changes shares on every rank holding either expert
-    std::fill(valid_.begin(), valid_.end(), 0);
+  Forget(l.rank_of(static_cast<size_t>(applied.a)));
+  if (applied.b >= 0) {
+    Forget(l.rank_of(static_cast<size_t>(applied.b)));
     return;
   }
-  for (int u :
-       {l.rank_of(static_cast<size_t>(applied.a)), l.rank_of(static_cast<size_t>(applied.b))}) {
-    for (int r = 0; r < ranks_; ++r) {
-      valid_[static_cast<size_t>(u) * ranks_ + r] = 0;
-      valid_[static_cast<size_t>(r) * ranks_ + u] = 0;
-    }
+  // A re-point: the shares of both experts changed on every rank holding either (the slot's
+  // own rank held the old one). Without the old expert (a move not from BestMove): all.
+  if (applied.from < 0) {
+    all_changed_ = ++clock_;
+    return;
+  }
+  for (int r = 0; r < ranks_; ++r) {
+    if (l.holds(r, applied.from) || l.holds(r, applied.to)) Forget(r);
   }
 }
 

@@ -20,8 +20,9 @@ struct Layout {
   double goal = 0;                 // a rank load that is good enough (moves gain nothing below it)
   bool repoints = true;            // consider re-pointing redundant replicas (changes counts)
   std::vector<uint8_t> held;       // ranks x experts: replicas of the expert on the rank
+  std::vector<double> shares;      // expert -> weight / count (0 without replicas)
 
-  double share(int32_t e) const { return count[e] ? weight[e] / count[e] : 0.0; }
+  double share(int32_t e) const { return shares[e]; }
   int rank_of(size_t slot) const { return static_cast<int>(slot) / per_rank; }
   bool holds(int rank, int32_t e) const;
   int Heaviest() const;  // lowest rank among equals
@@ -34,7 +35,8 @@ struct Layout {
 struct Move {
   int a = -1, b = -1, a2 = -1, b2 = -1;
   int32_t to = -1;
-  double gain = 0;  // relief (load removed from the heaviest rank, or above the goal) per copy
+  int32_t from = -1;  // a re-point: the expert slot a held (BestMove fills it in)
+  double gain = 0;    // relief (load removed from the heaviest rank, or above the goal) per copy
 };
 
 // The best move that lowers the load of rank `top` (the heaviest) without raising any rank
@@ -57,7 +59,10 @@ Move BestMove(const Layout& layout, int top, const std::vector<uint8_t>* before,
 
 // The best single swap between each ordered pair of ranks (from the first to the second),
 // kept across moves: a swap changes the loads and holdings of its two ranks only, so only
-// pairs with one of them are searched again (a re-point changes shares: all are).
+// pairs with one of them are searched again; a re-point changes the two experts' shares,
+// so pairs with a rank holding either (or the re-pointed slot's rank) are. A pair's entry
+// is stale when it was computed before either rank last changed (stamps, so forgetting a
+// rank costs one write, not a row and a column).
 class SwapCache {
  public:
   explicit SwapCache(int ranks);
@@ -65,9 +70,13 @@ class SwapCache {
   void Invalidate(const Layout& layout, const Move& applied);
 
  private:
+  void Forget(int rank) { changed_[static_cast<size_t>(rank)] = ++clock_; }
+
   int ranks_;
   std::vector<Move> best_;
-  std::vector<uint8_t> valid_;
+  std::vector<uint64_t> computed_;  // per pair: the clock after its last search
+  std::vector<uint64_t> changed_;   // per rank: the clock when it last changed
+  uint64_t clock_ = 0, all_changed_ = 0;
 };
 
 void Apply(Layout& layout, const Move& move);

@@ -2,6 +2,7 @@
 // gathered or swapped between nodes, nodes renamed to match a previous placement.
 #include "plan/nodes.h"
 
+#include <map>
 #include <numeric>
 
 #include "plan/incremental_internal.h"
@@ -227,25 +228,63 @@ std::vector<int32_t> Substitute(const LayerContext& c, std::span<const int32_t> 
 
 bool Regroup(const LayerContext& c, std::span<const int32_t> previous,
              std::span<const int32_t> start, const std::vector<int32_t>& node_of,
-             const std::vector<int32_t>& local, double goal,
+             const std::vector<int32_t>& local, double goal, double miss,
              const std::function<bool(const std::vector<int32_t>&)>& accept) {
   const Topology& t = c.topology;
   const int rpn = t.ranks_per_node();
+  const size_t per_node = start.size() / static_cast<size_t>(t.nodes);
+  const size_t per_rank = per_node / static_cast<size_t>(rpn);
   std::vector<uint8_t> keep(static_cast<size_t>(t.nodes), 1);  // local's part meets the goal
   const std::vector<double> load = internal::RankLoads(c.weight, local, t.ranks);
   for (int r = 0; r < t.ranks; ++r) {
     if (load[r] > goal) keep[r / rpn] = 0;
   }
+  // A node's part of a candidate depends only on the groups the candidate gives it, so it
+  // is searched once per (node, groups). Every expert of a part lives on its node alone,
+  // so its rank loads are those of the whole candidate; a part with a rank above `miss`
+  // fails every candidate it is in, which is then passed over without searching its other
+  // nodes or asking `accept`.
+  struct Part {
+    std::vector<int32_t> slots;
+    bool misses;
+  };
+  std::map<std::vector<int32_t>, Part> parts;  // key: the node, then its groups ascending
+  std::vector<int32_t> count(c.weight.size());
   for (const std::vector<int32_t>& next : GroupSwaps(c, start, node_of, goal * rpn)) {
     std::vector<int32_t> out = local;
-    for (int node = 0; node < t.nodes; ++node) {
+    bool misses = false;
+    for (int node = 0; node < t.nodes && !misses; ++node) {
       bool same = keep[node];
       for (int g = 0; g < t.groups && same; ++g) same = (node_of[g] == node) == (next[g] == node);
       if (same) continue;
-      const std::vector<int32_t> slots = Substitute(c, start, next, node);
-      ImproveNode(c, Slice(c, slots, node), previous, slots, goal, out);
+      std::vector<int32_t> key{node};
+      for (int g = 0; g < t.groups; ++g) {
+        if (next[g] == node) key.push_back(g);
+      }
+      const size_t first = static_cast<size_t>(node) * per_node;
+      auto it = parts.find(key);
+      if (it == parts.end()) {
+        const std::vector<int32_t> slots = Substitute(c, start, next, node);
+        std::vector<int32_t> searched(slots.size());
+        ImproveNode(c, Slice(c, slots, node), previous, slots, goal, searched);
+        Part part{{searched.begin() + first, searched.begin() + first + per_node}, false};
+        // Its rank loads as RankLoads sums them (slot order, shares over the part's counts).
+        std::fill(count.begin(), count.end(), 0);
+        for (int32_t e : part.slots) {
+          if (e >= 0) ++count[e];
+        }
+        std::vector<double> rank_load(static_cast<size_t>(rpn), 0.0);
+        for (size_t s = 0; s < per_node; ++s) {
+          const int32_t e = part.slots[s];
+          if (e >= 0) rank_load[s / per_rank] += c.weight[e] / count[e];
+        }
+        part.misses = *std::max_element(rank_load.begin(), rank_load.end()) > miss;
+        it = parts.emplace(std::move(key), std::move(part)).first;
+      }
+      std::copy(it->second.slots.begin(), it->second.slots.end(), out.begin() + first);
+      misses = it->second.misses;
     }
-    if (accept(out)) return true;
+    if (!misses && accept(out)) return true;
   }
   return false;
 }

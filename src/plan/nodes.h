@@ -79,10 +79,12 @@ std::vector<int32_t> Substitute(const LayerContext& c, std::span<const int32_t> 
 // (the groups' nodes in `start`) in turn, the nodes whose groups change, or whose part of
 // `local` misses the goal, are searched again from `start` with the arriving groups
 // substituted (Substitute), and the others keep `local`; copies are pairs absent from
-// `previous`. Returns whether `accept` took a candidate.
+// `previous`. Returns whether `accept` took a candidate. A node's part is searched once
+// per set of groups it gets; a candidate with a node whose heaviest rank is above `miss`
+// (a load with which `accept` certainly refuses) is passed over unfinished and unasked.
 bool Regroup(const LayerContext& c, std::span<const int32_t> previous,
              std::span<const int32_t> start, const std::vector<int32_t>& node_of,
-             const std::vector<int32_t>& local, double goal,
+             const std::vector<int32_t>& local, double goal, double miss,
              const std::function<bool(const std::vector<int32_t>&)>& accept);
 
 // Renames the nodes of `next` (moves whole node blocks of slots) so that as many experts

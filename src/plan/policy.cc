@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <limits>
 #include <numeric>
 #include <system_error>
 #include <thread>
@@ -54,8 +55,12 @@ void DeepSeekSlots(const LayerContext& c, std::span<int32_t> out) {
 
 void BalancedSlotsForLayer(const LayerContext& c, std::span<int32_t> out) {
   const Topology& t = c.topology;
+  // The layer's balancedness is its largest rank load: the search stops once a packing
+  // reaches a maximum the layer has anyway (the floor below which no packing goes; with
+  // nodes, also the largest that a node searched before reached).
   if (!c.hierarchical || t.nodes == 1) {
-    internal::BalancedSlots(c.weight, t.slots, t.ranks, out);
+    internal::BalancedSlots(c.weight, t.slots, t.ranks, out,
+                            internal::BalancedFloor(c.weight, t.slots, t.ranks));
   } else {
     const int experts = static_cast<int>(c.weight.size());
     const int group_size = experts / t.groups;
@@ -63,17 +68,26 @@ void BalancedSlotsForLayer(const LayerContext& c, std::span<int32_t> out) {
     for (int e = 0; e < experts; ++e) group_load[e / group_size] += c.weight[e];
     const std::vector<int32_t> node_of = internal::AssignGroupsToNodes(group_load, t.nodes);
     const int slots_per_node = t.slots / t.nodes;
+    std::vector<std::vector<int32_t>> ids(static_cast<size_t>(t.nodes));  // ascending
+    for (int e = 0; e < experts; ++e) ids[node_of[e / group_size]].push_back(e);
+    std::vector<std::vector<double>> local(ids.size());
+    std::vector<double> floor(ids.size());
     for (int node = 0; node < t.nodes; ++node) {
-      std::vector<int32_t> ids;  // the node's experts, ascending
-      for (int e = 0; e < experts; ++e) {
-        if (node_of[e / group_size] == node) ids.push_back(e);
-      }
-      std::vector<double> local(ids.size());
-      for (size_t i = 0; i < ids.size(); ++i) local[i] = c.weight[ids[i]];
+      for (int32_t e : ids[node]) local[node].push_back(c.weight[e]);
+      floor[node] = internal::BalancedFloor(local[node], slots_per_node, t.ranks_per_node());
+    }
+    // Nodes with the highest floor first (ties: lowest node): the one likely to end the
+    // heaviest sets the bar the others stop at.
+    std::vector<int> order(static_cast<size_t>(t.nodes));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return floor[a] > floor[b]; });
+    double enough = *std::max_element(floor.begin(), floor.end());
+    for (int node : order) {
       std::span<int32_t> node_out = out.subspan(static_cast<size_t>(node) * slots_per_node,
                                                 static_cast<size_t>(slots_per_node));
-      internal::BalancedSlots(local, slots_per_node, t.ranks_per_node(), node_out);
-      for (int32_t& e : node_out) e = ids[e];
+      enough = std::max(enough, internal::BalancedSlots(local[node], slots_per_node,
+                                                        t.ranks_per_node(), node_out, enough));
+      for (int32_t& e : node_out) e = ids[node][e];
     }
   }
   // Never worse than deepseek on any layer.
@@ -127,6 +141,10 @@ void IncrementalSlots(const LayerContext& c, std::span<const int32_t> previous, 
   const double total = std::accumulate(c.weight.begin(), c.weight.end(), 0.0);
   // The largest rank load that meets the target.
   const double goal = target > 0 ? total / t.ranks / target : total;
+  // A rank load above which `done` certainly refuses: the candidate's mean rank load is the
+  // total up to rounding (far below the margin).
+  const double miss = target - 1e-12 > 0 ? total / t.ranks / (target - 1e-12) * (1 + 1e-9)
+                                         : std::numeric_limits<double>::infinity();
   auto done = [&](const std::vector<int32_t>& candidate) {
     if (internal::SlotsBalancedness(c.weight, candidate, t.ranks) < target - 1e-12) return false;
     std::copy(candidate.begin(), candidate.end(), out.begin());
@@ -150,7 +168,7 @@ void IncrementalSlots(const LayerContext& c, std::span<const int32_t> previous, 
   if (!begin.empty()) {
     const std::vector<int32_t> local = internal::ImproveByNode(c, start, begin, goal);
     if (done(local)) return;
-    if (by_node && internal::Regroup(c, start, begin, node_of, local, goal, done)) return;
+    if (by_node && internal::Regroup(c, start, begin, node_of, local, goal, miss, done)) return;
     if (!by_node) {
       std::vector<int32_t> count(c.weight.size(), 0);
       for (int32_t e : balanced) ++count[e];

@@ -202,27 +202,36 @@ class RepointEvaluator {
  public:
   explicit RepointEvaluator(const Layout& l)
       : l_(l),
-        ranks_of_(l.count.size()),
-        by_load_(static_cast<size_t>(l.ranks)),
+        first_(l.count.size() + 1, 0),
         delta_(static_cast<size_t>(l.ranks), 0.0),
         touched_flag_(static_cast<size_t>(l.ranks), 0) {
-    for (size_t s = 0; s < l.expert.size(); ++s) {
-      if (l.expert[s] >= 0) ranks_of_[l.expert[s]].push_back(l.rank_of(s));
+    // Each expert's ranks in slot order, as one array with offsets.
+    for (int32_t e : l.expert) {
+      if (e >= 0) ++first_[static_cast<size_t>(e) + 1];
     }
-    std::iota(by_load_.begin(), by_load_.end(), 0);
-    std::stable_sort(by_load_.begin(), by_load_.end(),
-                     [&](int a, int b) { return l.load[a] > l.load[b]; });
+    for (size_t e = 0; e < l.count.size(); ++e) first_[e + 1] += first_[e];
+    ranks_.resize(first_.back());
+    std::vector<int> at(first_.begin(), first_.end() - 1);
+    for (size_t s = 0; s < l.expert.size(); ++s) {
+      if (l.expert[s] >= 0) ranks_[at[l.expert[s]]++] = l.rank_of(s);
+    }
+    if (l.goal <= 0) {  // the largest load is asked for only without a goal
+      by_load_.resize(static_cast<size_t>(l.ranks));
+      std::iota(by_load_.begin(), by_load_.end(), 0);
+      std::stable_sort(by_load_.begin(), by_load_.end(),
+                       [&](int a, int b) { return l.load[a] > l.load[b]; });
+    }
   }
 
-  // The largest rank load after the change; *relief: the total excess (Excess) it removes
-  // from the ranks it changes.
+  // The largest rank load after the change (without a goal; 0 with one); *relief: the
+  // total excess (Excess) it removes from the ranks it changes.
   double Worst(int a, int32_t y, double* relief) {
     const int32_t x = l_.expert[a];
     const int ra = l_.rank_of(static_cast<size_t>(a));
     const double sx = l_.share(x), sx_new = l_.weight[x] / (l_.count[x] - 1);
     const double sy = l_.share(y), sy_new = l_.weight[y] / (l_.count[y] + 1);
-    for (int r : ranks_of_[x]) Touch(r, sx_new - sx);
-    for (int r : ranks_of_[y]) Touch(r, sy_new - sy);
+    for (int k = first_[x]; k < first_[x + 1]; ++k) Touch(ranks_[k], sx_new - sx);
+    for (int k = first_[y]; k < first_[y + 1]; ++k) Touch(ranks_[k], sy_new - sy);
     Touch(ra, sy_new - sx_new);  // slot a: x's new share leaves, y's arrives
     double worst = 0;
     *relief = 0;
@@ -241,7 +250,7 @@ class RepointEvaluator {
       touched_flag_[r] = 0;
     }
     touched_.clear();
-    return worst;
+    return l_.goal > 0 ? 0 : worst;
   }
 
  private:
@@ -254,8 +263,8 @@ class RepointEvaluator {
   }
 
   const Layout& l_;
-  std::vector<std::vector<int>> ranks_of_;
-  std::vector<int> by_load_;
+  std::vector<int> first_, ranks_;  // expert e's ranks: ranks_[first_[e], first_[e + 1])
+  std::vector<int> by_load_;        // without a goal: ranks by load, heaviest first
   std::vector<double> delta_;
   std::vector<uint8_t> touched_flag_;
   std::vector<int> touched_;
@@ -324,12 +333,16 @@ void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* befo
 
 SwapCache::SwapCache(int ranks)
     : ranks_(ranks),
-      best_(static_cast<size_t>(ranks) * ranks),
-      computed_(static_cast<size_t>(ranks) * ranks, 0),
+      row_(static_cast<size_t>(ranks), -1),
       changed_(static_cast<size_t>(ranks), 0) {}
 
-const Move& SwapCache::Get(const Layout& l, int t, int r, const std::vector<uint8_t>* before) {
-  const size_t k = static_cast<size_t>(t) * ranks_ + r;
+Move SwapCache::Get(const Layout& l, int t, int r, const std::vector<uint8_t>* before) {
+  if (row_[t] < 0) {
+    row_[t] = static_cast<int>(best_.size() / static_cast<size_t>(ranks_));
+    best_.resize(best_.size() + static_cast<size_t>(ranks_));
+    computed_.resize(best_.size(), 0);
+  }
+  const size_t k = static_cast<size_t>(row_[t]) * ranks_ + r;
   if (computed_[k] <= std::max({all_changed_, changed_[t], changed_[r]})) {
     best_[k] = Move{};
     ConsiderSwaps(l, t, before, best_[k], r);
@@ -361,9 +374,11 @@ Move BestMove(const Layout& layout, int top, const std::vector<uint8_t>* before,
     // The same search as below, from the cached best swap of each pair of ranks: ranks in
     // order (top first), and between equal gains of one rank the earlier (slot on it, other
     // rank, its slot), which is the one the scan below finds first.
+    // (A rank at or above the goal takes no swap: its entries are empty, so not asked.)
     auto consider_rank = [&](int t) {
       for (int r = 0; r < layout.ranks; ++r) {
-        const Move& m = cache->Get(layout, t, r, before);
+        if (layout.load[r] >= layout.goal) continue;
+        const Move m = cache->Get(layout, t, r, before);
         if (m.a < 0) continue;
         const bool earlier = m.gain == best.gain && best.a >= 0 &&
                              layout.rank_of(static_cast<size_t>(best.a)) == t && m.a < best.a;

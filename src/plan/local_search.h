@@ -63,16 +63,18 @@ Move BestMove(const Layout& layout, int top, const std::vector<uint8_t>* before,
 // so pairs with a rank holding either (or the re-pointed slot's rank) are. A pair's entry
 // is stale when it was computed before either rank last changed (stamps, so forgetting a
 // rank costs one write, not a row and a column).
+// Rows are kept only for the ranks swaps are asked from (those above the goal).
 class SwapCache {
  public:
   explicit SwapCache(int ranks);
-  const Move& Get(const Layout& layout, int from, int to, const std::vector<uint8_t>* before);
+  Move Get(const Layout& layout, int from, int to, const std::vector<uint8_t>* before);
   void Invalidate(const Layout& layout, const Move& applied);
 
  private:
   void Forget(int rank) { changed_[static_cast<size_t>(rank)] = ++clock_; }
 
   int ranks_;
+  std::vector<int> row_;  // per rank: its row in best_ and computed_, -1 for none
   std::vector<Move> best_;
   std::vector<uint64_t> computed_;  // per pair: the clock after its last search
   std::vector<uint64_t> changed_;   // per rank: the clock when it last changed

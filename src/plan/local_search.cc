@@ -336,19 +336,55 @@ SwapCache::SwapCache(int ranks)
       row_(static_cast<size_t>(ranks), -1),
       changed_(static_cast<size_t>(ranks), 0) {}
 
-Move SwapCache::Get(const Layout& l, int t, int r, const std::vector<uint8_t>* before) {
+int SwapCache::Row(int t) {
   if (row_[t] < 0) {
-    row_[t] = static_cast<int>(best_.size() / static_cast<size_t>(ranks_));
+    row_[t] = static_cast<int>(row_best_.size());
     best_.resize(best_.size() + static_cast<size_t>(ranks_));
     computed_.resize(best_.size(), 0);
+    row_best_.emplace_back();
+    row_seen_.push_back(0);
+    row_known_.push_back(0);
   }
-  const size_t k = static_cast<size_t>(row_[t]) * ranks_ + r;
+  return row_[t];
+}
+
+Move SwapCache::Get(const Layout& l, int t, int r, const std::vector<uint8_t>* before) {
+  const size_t k = static_cast<size_t>(Row(t)) * ranks_ + r;
   if (computed_[k] <= std::max({all_changed_, changed_[t], changed_[r]})) {
     best_[k] = Move{};
     ConsiderSwaps(l, t, before, best_[k], r);
     computed_[k] = clock_ + 1;  // newer than every change so far, older than the next
   }
   return best_[k];
+}
+
+Move SwapCache::RowBest(const Layout& l, int t, const std::vector<uint8_t>* before) {
+  const int row = Row(t);
+  const uint64_t seen = row_seen_[row];
+  Move best = row_best_[row];
+  auto other = [&](const Move& m) { return l.rank_of(static_cast<size_t>(m.b)); };
+  // A rank at or above the goal takes no swap: its entries are empty, so not asked.
+  auto offer = [&](int r) {
+    if (r < 0 || l.load[r] >= l.goal) return;
+    const Move m = Get(l, t, r, before);
+    if (m.a < 0) return;
+    if (best.a < 0 || m.gain > best.gain ||
+        (m.gain == best.gain && (m.a < best.a || (m.a == best.a && r < other(best))))) {
+      best = m;
+    }
+  };
+  const bool scan = !row_known_[row] || all_changed_ > seen || changed_[t] > seen ||
+                    (best.a >= 0 && changed_[other(best)] > seen);
+  if (scan) {
+    best = Move{};
+    for (int r = 0; r < ranks_; ++r) offer(r);
+  } else {  // entries of ranks unchanged since are as they were, none above the best
+    for (uint64_t i = seen; i < clock_; ++i) offer(log_[i]);
+  }
+  row_best_[row] = best;
+  row_seen_[row] = clock_;
+  row_known_[row] = 1;
+  return best;
 }
 
 void SwapCache::Invalidate(const Layout& l, const Move& applied) {
@@ -360,6 +396,7 @@ void SwapCache::Invalidate(const Layout& l, const Move& applied) {
   // A re-point: the shares of both experts changed on every rank holding either (the slot's
   // own rank held the old one). Without the old expert (a move not from BestMove): all.
   if (applied.from < 0) {
+    log_.push_back(-1);
     all_changed_ = ++clock_;
     return;
   }
@@ -371,19 +408,12 @@ void SwapCache::Invalidate(const Layout& l, const Move& applied) {
 Move BestMove(const Layout& layout, int top, const std::vector<uint8_t>* before, SwapCache* cache) {
   Move best;
   if (cache != nullptr && layout.goal > 0) {
-    // The same search as below, from the cached best swap of each pair of ranks: ranks in
-    // order (top first), and between equal gains of one rank the earlier (slot on it, other
-    // rank, its slot), which is the one the scan below finds first.
-    // (A rank at or above the goal takes no swap: its entries are empty, so not asked.)
+    // The same search as below, from the cached best swap of each rank: ranks in order
+    // (top first), a later one only with more gain (its row best is the one a scan of its
+    // entries in rank order keeps).
     auto consider_rank = [&](int t) {
-      for (int r = 0; r < layout.ranks; ++r) {
-        if (layout.load[r] >= layout.goal) continue;
-        const Move m = cache->Get(layout, t, r, before);
-        if (m.a < 0) continue;
-        const bool earlier = m.gain == best.gain && best.a >= 0 &&
-                             layout.rank_of(static_cast<size_t>(best.a)) == t && m.a < best.a;
-        if (m.gain > best.gain || earlier) best = m;
-      }
+      const Move m = cache->RowBest(layout, t, before);
+      if (m.a >= 0 && m.gain > best.gain) best = m;
     };
     consider_rank(top);
     for (int r = 0; r < layout.ranks; ++r) {

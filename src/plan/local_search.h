@@ -63,21 +63,36 @@ Move BestMove(const Layout& layout, int top, const std::vector<uint8_t>* before,
 // so pairs with a rank holding either (or the re-pointed slot's rank) are. A pair's entry
 // is stale when it was computed before either rank last changed (stamps, so forgetting a
 // rank costs one write, not a row and a column).
-// Rows are kept only for the ranks swaps are asked from (those above the goal).
+// Rows are kept only for the ranks swaps are asked from (those above the goal). Each row
+// also keeps its best entry (the most gain, then the lowest slot on the row's rank, then the
+// lowest other rank: the one a scan of the row in rank order keeps), brought up to date from
+// the ranks changed since (a log), or by a scan of the row when its own rank or the rank of
+// its best changed.
 class SwapCache {
  public:
   explicit SwapCache(int ranks);
+  // The best swap from rank `from` to rank `to` (a < 0: none).
   Move Get(const Layout& layout, int from, int to, const std::vector<uint8_t>* before);
+  // The best swap from rank `from` to any rank below the goal (a < 0: none).
+  Move RowBest(const Layout& layout, int from, const std::vector<uint8_t>* before);
   void Invalidate(const Layout& layout, const Move& applied);
 
  private:
-  void Forget(int rank) { changed_[static_cast<size_t>(rank)] = ++clock_; }
+  void Forget(int rank) {
+    log_.push_back(rank);
+    changed_[static_cast<size_t>(rank)] = ++clock_;
+  }
+  int Row(int rank);
 
   int ranks_;
   std::vector<int> row_;  // per rank: its row in best_ and computed_, -1 for none
   std::vector<Move> best_;
   std::vector<uint64_t> computed_;  // per pair: the clock after its last search
   std::vector<uint64_t> changed_;   // per rank: the clock when it last changed
+  std::vector<int> log_;            // the rank forgotten at each tick of the clock (-1: all)
+  std::vector<Move> row_best_;
+  std::vector<uint64_t> row_seen_;  // per row: the clock when row_best_ was last brought up
+  std::vector<uint8_t> row_known_;  // per row: row_best_ was computed
   uint64_t clock_ = 0, all_changed_ = 0;
 };
 

@@ -280,21 +280,26 @@ class RepointEvaluator {
 void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* before, Move& best) {
   const int n = static_cast<int>(l.count.size());
   const double top_load = l.load[top];
+  const int k = l.per_rank;
   std::vector<double> y_relief;  // with a goal: the bound's part from y's replicas
   if (l.goal > 0) {
+    // (A rank without excess adds nothing: the drop is never negative.)
     y_relief.assign(static_cast<size_t>(n), 0.0);
-    for (size_t s = 0; s < l.expert.size(); ++s) {
-      const int32_t e = l.expert[s];
-      if (e < 0) continue;
-      const double drop = l.share(e) - l.weight[e] / (l.count[e] + 1);
-      y_relief[e] += std::min(Excess(l, l.load[l.rank_of(s)]), drop);
+    for (int r = 0; r < l.ranks; ++r) {
+      const double excess = Excess(l, l.load[r]);
+      if (!(excess > 0)) continue;
+      for (int s = r * k; s < (r + 1) * k; ++s) {
+        const int32_t e = l.expert[s];
+        if (e < 0) continue;
+        const double drop = l.share(e) - l.weight[e] / (l.count[e] + 1);
+        y_relief[e] += std::min(excess, drop);
+      }
     }
   }
   std::optional<RepointEvaluator> eval;  // built for the first candidate the bound keeps
-  auto consider = [&](int a, int32_t y) {
+  auto consider = [&](int a, int ra, int32_t y) {
     const int32_t x = l.expert[a];
-    const int ra = l.rank_of(static_cast<size_t>(a));
-    if (x < 0 || y == x || l.count[x] < 2 || l.count[y] >= l.ranks || l.holds(ra, y)) return;
+    if (y == x || l.count[y] >= l.ranks || l.holds(ra, y)) return;
     const int copies = Paid(before, l.count.size(), ra, y) - Paid(before, l.count.size(), ra, x);
     if (l.goal > 0) {
       const double sy_new = l.weight[y] / (l.count[y] + 1);
@@ -311,21 +316,25 @@ void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* befo
     Consider(best, relief, copies, {a, -1, -1, -1, y, x});
   };
   // Only replicas of experts with several can be re-pointed (the same candidates in the
-  // same order as every slot against every expert: the others are rejected at once).
-  std::vector<int> redundant;
-  for (size_t s = 0; s < l.expert.size(); ++s) {
-    if (l.expert[s] >= 0 && l.count[l.expert[s]] >= 2) redundant.push_back(static_cast<int>(s));
+  // same order as every slot against every expert: the others are rejected at once):
+  // first those on `top` against every expert, then every other one (in slot order)
+  // against each expert of `top`.
+  auto redundant = [&](int s) { return l.expert[s] >= 0 && l.count[l.expert[s]] >= 2; };
+  for (int a = top * k; a < (top + 1) * k; ++a) {
+    if (!redundant(a)) continue;
+    for (int32_t y = 0; y < n; ++y) consider(a, top, y);
   }
-  for (int a : redundant) {
-    if (l.rank_of(static_cast<size_t>(a)) != top) continue;
-    for (int32_t y = 0; y < n; ++y) consider(a, y);
-  }
-  for (int k = top * l.per_rank; k < (top + 1) * l.per_rank; ++k) {
-    const int32_t y = l.expert[k];
-    if (y < 0 || l.count[y] >= l.ranks) continue;
-    for (int a : redundant) {
-      if (l.rank_of(static_cast<size_t>(a)) != top) consider(a, y);
+  std::vector<std::pair<int, int>> elsewhere;  // (slot, rank) of the others, slot order
+  for (int r = 0; r < l.ranks; ++r) {
+    if (r == top) continue;
+    for (int a = r * k; a < (r + 1) * k; ++a) {
+      if (redundant(a)) elsewhere.emplace_back(a, r);
     }
+  }
+  for (int j = top * k; j < (top + 1) * k; ++j) {
+    const int32_t y = l.expert[j];
+    if (y < 0 || l.count[y] >= l.ranks) continue;
+    for (const auto& [a, r] : elsewhere) consider(a, r, y);
   }
 }
 

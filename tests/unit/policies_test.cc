@@ -11,6 +11,8 @@
 #include "eplbx/policy.h"
 #include "plan/balanced_internal.h"
 #include "plan/local_search.h"
+#include "plan/nodes.h"
+#include "plan/rows.h"
 
 namespace eplbx {
 namespace {
@@ -166,6 +168,94 @@ TEST(BalancedTest, PackingsWithoutTheHeapMatchIt) {
   }
   EXPECT_GT(fast_two, 800) << "the two-slot path ran too rarely to be tested";
   EXPECT_GT(fast_few, 2000) << "the scan ran too rarely to be tested";
+}
+
+// The search cut short at `enough` ends at the full search's largest rank load wherever that
+// is above `enough`, and at or below `enough` otherwise: max(result, enough) is the same,
+// bit for bit. The floor is never above what the full search reaches.
+TEST(BalancedTest, ACutShortSearchKeepsTheLargestLoadAboveWhatIsEnough) {
+  std::mt19937_64 rng(23);
+  int cut = 0, full = 0;
+  for (int trial = 0; trial < 1500; ++trial) {
+    const int ranks = 2 + static_cast<int>(rng() % 15), per_rank = 1 + static_cast<int>(rng() % 9);
+    const int slots = ranks * per_rank;
+    const int experts = std::max(1, slots - static_cast<int>(rng() % (slots / 2 + 1)));
+    std::vector<double> weight(static_cast<size_t>(experts));
+    for (double& w : weight) {
+      w = trial % 4 == 0 ? static_cast<double>(rng() % 5) : std::round(1e5 / (1 + rng() % 60));
+    }
+    if (trial % 5 == 0) weight[rng() % experts] *= 50;  // a hot expert: the floor binds
+    std::vector<int32_t> out(static_cast<size_t>(slots));
+    const double floor = internal::BalancedFloor(weight, slots, ranks);
+    const double m = internal::BalancedSlots(weight, slots, ranks, out);
+    ASSERT_LE(floor, m * (1 + 1e-12)) << "trial " << trial;
+    for (const double enough : {floor, m, m * 0.9, m * 1.1, floor + (m - floor) * 0.5}) {
+      std::vector<int32_t> short_out(out.size());
+      const double t = internal::BalancedSlots(weight, slots, ranks, short_out, enough);
+      // What it returns is the largest rank load of what it wrote, every expert placed.
+      const std::vector<double> load = internal::RankLoads(weight, short_out, ranks);
+      ASSERT_EQ(t, *std::max_element(load.begin(), load.end())) << "trial " << trial;
+      std::vector<int> placed(static_cast<size_t>(experts), 0);
+      for (int32_t e : short_out) ++placed[e];
+      ASSERT_EQ(std::count(placed.begin(), placed.end(), 0), 0) << "trial " << trial;
+      ASSERT_EQ(std::max(t, enough), std::max(m, enough)) << "trial " << trial;
+      (short_out == out ? full : cut) += 1;
+    }
+  }
+  EXPECT_GT(cut, 700) << "the search was cut short too rarely to be tested";
+  EXPECT_GT(full, 3000);
+}
+
+// Hierarchical layers: the placement's largest rank load is the one of every node searched
+// in full (or deepseek's, where that is better), though lighter nodes stop early.
+TEST(BalancedTest, NodesStoppingEarlyKeepTheLayersLargestLoad) {
+  std::mt19937_64 rng(29);
+  int stopped_early = 0;  // layers whose placement is not the exhaustive one
+  for (int trial = 0; trial < 60; ++trial) {
+    const int nodes = 2 << (trial % 2), groups = nodes * (1 + trial % 3);
+    const int experts = groups * (2 + static_cast<int>(rng() % 6));
+    const int ranks = nodes * (2 + static_cast<int>(rng() % 4));
+    const int slots = ranks * (experts / ranks + 1 + static_cast<int>(rng() % 3));
+    const Topology t{.ranks = ranks, .nodes = nodes, .slots = slots, .groups = groups};
+    const LoadMatrix load = Zipf(4, experts, 0.6 + 0.1 * (trial % 8), rng);
+    const Placement bal = *Plan(load, t, {.policy = Policy::kBalanced});
+    const Placement ds = *Plan(load, t);
+    for (int l = 0; l < load.layers(); ++l) {
+      const std::span<const double> w(load.row(l), static_cast<size_t>(experts));
+      // Every node searched in full, as before the early stop.
+      const int group_size = experts / groups, per_node = slots / nodes;
+      std::vector<double> group_load(static_cast<size_t>(groups), 0.0);
+      for (int e = 0; e < experts; ++e) group_load[e / group_size] += w[e];
+      const std::vector<int32_t> node_of = internal::AssignGroupsToNodes(group_load, nodes);
+      double exhaustive = 0;
+      std::vector<int32_t> exhaustive_slots(static_cast<size_t>(slots));
+      for (int node = 0; node < nodes; ++node) {
+        std::vector<double> local;
+        std::vector<int32_t> ids;
+        for (int e = 0; e < experts; ++e) {
+          if (node_of[e / group_size] == node) {
+            local.push_back(w[e]);
+            ids.push_back(e);
+          }
+        }
+        std::vector<int32_t> out(static_cast<size_t>(per_node));
+        exhaustive =
+            std::max(exhaustive, internal::BalancedSlots(local, per_node, t.ranks_per_node(), out));
+        for (int s = 0; s < per_node; ++s) exhaustive_slots[node * per_node + s] = ids[out[s]];
+      }
+      const std::span<const int32_t> planned =
+          std::span<const int32_t>(bal.phy2log()).subspan(l * slots, slots);
+      stopped_early += !std::equal(planned.begin(), planned.end(), exhaustive_slots.begin());
+      auto largest = [&](const Placement& p) {
+        const std::vector<double> loads = internal::RankLoads(
+            w, std::span<const int32_t>(p.phy2log()).subspan(l * slots, slots), ranks);
+        return *std::max_element(loads.begin(), loads.end());
+      };
+      EXPECT_NEAR(largest(bal), std::min(exhaustive, largest(ds)), 1e-12 * exhaustive)
+          << "trial " << trial << " layer " << l;
+    }
+  }
+  EXPECT_GT(stopped_early, 60) << "lighter nodes stopped early too rarely to be tested";
 }
 
 TEST(BalancedTest, StickySlotsKeepHeldExpertsWithinCap) {
@@ -369,6 +459,70 @@ TEST(IncrementalTest, HierarchicalSwapsGroupsWhenANodeIsOverloaded) {
   EXPECT_LE(copies, swapped_replicas + 4);
 }
 
+// Regroup passes over a candidate once one of its nodes' parts has a rank above `miss` (the
+// load with which the caller's check refuses for certain), and searches a node's part once
+// per set of groups: the same candidate is taken as when every candidate is finished and
+// offered, on random hierarchical layers whose group loads drifted.
+TEST(IncrementalTest, RegroupPassesOverOnlyCandidatesThatFail) {
+  std::mt19937_64 rng(31);
+  int regrouped = 0, refused = 0;
+  for (int trial = 0; trial < 80; ++trial) {
+    // Deepseek's placement of the same load (its groups on other nodes than balanced's),
+    // or of a load where two groups have since grown.
+    const Topology t{.ranks = 32, .nodes = 4, .slots = 288, .groups = 8};
+    LoadMatrix load = Zipf(1, 256, 0.6 + 0.05 * (trial % 10), rng);
+    const Placement prev = *Plan(load, t);
+    std::vector<double> v = load.values();
+    for (int k = 0; k < 2 * (trial % 2); ++k) {
+      const int g = static_cast<int>(rng() % 8);
+      for (int e = 0; e < 32; ++e) v[g * 32 + e] *= 1.5 + (rng() % 100) / 50.0;
+    }
+    load = *LoadMatrix::Create(1, 256, v);
+    const std::span<const double> w(load.row(0), 256);
+    const internal::LayerContext c{t, w, true};
+    const std::vector<int32_t> start = internal::CompleteSlots(w, prev.phy2log(), t.ranks);
+    const std::vector<int32_t> node_of = internal::GroupNodes(c, start);
+    ASSERT_FALSE(node_of.empty());
+    std::vector<int32_t> begin = start;
+    for (int node = 0; node < t.nodes; ++node)
+      begin = internal::Substitute(c, begin, node_of, node);
+    const Placement bal = *Plan(load, t, {.policy = Policy::kBalanced});
+    const double target = ComputeBalance(bal, load, t.ranks)->per_layer[0] - 0.002;
+    double total = 0;
+    for (double x : w) total += x;
+    const double goal = total / t.ranks / target;
+    const std::vector<int32_t> local = internal::ImproveByNode(c, start, begin, goal);
+    if (internal::SlotsBalancedness(w, local, t.ranks) >= target - 1e-12) continue;
+    ++regrouped;
+    std::vector<std::vector<int32_t>> offered[2];
+    std::vector<int32_t> taken[2];
+    bool found[2];
+    const double misses[2] = {std::numeric_limits<double>::infinity(),
+                              total / t.ranks / (target - 1e-12) * (1 + 1e-9)};
+    for (int k = 0; k < 2; ++k) {
+      found[k] = internal::Regroup(
+          c, start, begin, node_of, local, goal, misses[k],
+          [&](const std::vector<int32_t>& candidate) {
+            offered[k].push_back(candidate);
+            if (internal::SlotsBalancedness(w, candidate, t.ranks) < target - 1e-12) return false;
+            taken[k] = candidate;
+            return true;
+          });
+    }
+    ASSERT_EQ(found[0], found[1]) << "trial " << trial;
+    ASSERT_EQ(taken[0], taken[1]) << "trial " << trial;
+    // Every candidate passed over is one the check refused.
+    for (const std::vector<int32_t>& candidate : offered[0]) {
+      if (std::find(offered[1].begin(), offered[1].end(), candidate) == offered[1].end()) {
+        ++refused;
+        EXPECT_LT(internal::SlotsBalancedness(w, candidate, t.ranks), target - 1e-12);
+      }
+    }
+  }
+  EXPECT_GT(regrouped, 20) << "Regroup ran too rarely to be tested";
+  EXPECT_GT(refused, 20) << "no candidate was passed over";
+}
+
 // A previous placement made without groups (global mode) splits groups across nodes; the
 // hierarchical incremental plan gathers every group on one node, within T of balanced, and
 // still moves less than planning balanced from scratch.
@@ -400,8 +554,9 @@ TEST(IncrementalTest, HierarchicalGathersGroupsAPreviousPlacementSplit) {
 // The swap cache changes how fast the incremental search finds its move, never which move.
 TEST(IncrementalTest, SwapCacheFindsTheSameMoves) {
   std::mt19937_64 rng(9);
-  for (int trial = 0; trial < 20; ++trial) {
-    const int ranks = 8 + trial % 3 * 4, per_rank = 5, n = ranks * per_rank - ranks;
+  int swaps = 0, repoints = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    const int ranks = 8 + trial % 4 * 8, per_rank = 2 + trial % 4, n = ranks * per_rank - ranks;
     std::vector<double> weight(static_cast<size_t>(n));
     std::exponential_distribution<double> load(1.0);
     for (double& w : weight) w = 1 + 100 * load(rng);
@@ -423,11 +578,16 @@ TEST(IncrementalTest, SwapCacheFindsTheSameMoves) {
       ASSERT_EQ(std::tie(a.a, a.b, a.a2, a.b2, a.to), std::tie(b.a, b.b, b.a2, b.b2, b.to))
           << "trial " << trial << " step " << step;
       if (a.a < 0) break;
+      ++(a.b >= 0 ? swaps : repoints);
       internal::Apply(plain, a);
       internal::Apply(cached, b);
       cache.Invalidate(cached, b);
     }
   }
+  // Both kinds of move ran (a re-point forgets the ranks holding either expert; a swap its
+  // two ranks; each row's best is brought up to date from them).
+  EXPECT_GT(swaps, 300);
+  EXPECT_GT(repoints, 100);
 }
 
 // Any previous placement a user can hand in (empty slots, missing experts, several replicas

@@ -233,7 +233,6 @@ bool Regroup(const LayerContext& c, std::span<const int32_t> previous,
   const Topology& t = c.topology;
   const int rpn = t.ranks_per_node();
   const size_t per_node = start.size() / static_cast<size_t>(t.nodes);
-  const size_t per_rank = per_node / static_cast<size_t>(rpn);
   std::vector<uint8_t> keep(static_cast<size_t>(t.nodes), 1);  // local's part meets the goal
   const std::vector<double> load = internal::RankLoads(c.weight, local, t.ranks);
   for (int r = 0; r < t.ranks; ++r) {
@@ -249,7 +248,6 @@ bool Regroup(const LayerContext& c, std::span<const int32_t> previous,
     bool misses;
   };
   std::map<std::vector<int32_t>, Part> parts;  // key: the node, then its groups ascending
-  std::vector<int32_t> count(c.weight.size());
   for (const std::vector<int32_t>& next : GroupSwaps(c, start, node_of, goal * rpn)) {
     std::vector<int32_t> out = local;
     bool misses = false;
@@ -268,16 +266,7 @@ bool Regroup(const LayerContext& c, std::span<const int32_t> previous,
         std::vector<int32_t> searched(slots.size());
         ImproveNode(c, Slice(c, slots, node), previous, slots, goal, searched);
         Part part{{searched.begin() + first, searched.begin() + first + per_node}, false};
-        // Its rank loads as RankLoads sums them (slot order, shares over the part's counts).
-        std::fill(count.begin(), count.end(), 0);
-        for (int32_t e : part.slots) {
-          if (e >= 0) ++count[e];
-        }
-        std::vector<double> rank_load(static_cast<size_t>(rpn), 0.0);
-        for (size_t s = 0; s < per_node; ++s) {
-          const int32_t e = part.slots[s];
-          if (e >= 0) rank_load[s / per_rank] += c.weight[e] / count[e];
-        }
+        const std::vector<double> rank_load = internal::RankLoads(c.weight, part.slots, rpn);
         part.misses = *std::max_element(rank_load.begin(), rank_load.end()) > miss;
         it = parts.emplace(std::move(key), std::move(part)).first;
       }

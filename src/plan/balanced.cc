@@ -6,6 +6,10 @@
 #include <numeric>
 #include <queue>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "plan/balanced_internal.h"
 #include "plan/local_search.h"
 
@@ -228,38 +232,56 @@ class Packer {
 
   // Pack() for a few ranks (a node's 8 in hierarchical mode): a scan for the lightest rank
   // with room that has not taken the expert (ties: lowest rank) instead of the heap; the
-  // same choices, as the heap holds exactly those ranks.
-  // The scan is branch-free over keys: a full rank's, or one that took the expert, is the
-  // largest key, which no load's bits reach.
+  // same choices, as the heap holds exactly those ranks. `room` holds each rank's load, or
+  // infinity when it is full (a load never is: weights are finite floats); `open` the same
+  // for the expert being placed, with the ranks that took it at infinity too.
   static constexpr int kScanRanks = 16;
   double PackByScan(std::span<const int32_t> count, double bound) {
-    constexpr uint64_t kNone = std::numeric_limits<uint64_t>::max();
-    uint64_t key[kScanRanks];
-    for (int c = 0; c < ranks_; ++c) key[c] = per_rank_ > 0 ? Key(0.0) : kNone;
+    constexpr double kFull = std::numeric_limits<double>::infinity();
+    const int padded = (ranks_ + 1) & ~1;  // Lightest() compares two at a time
+    alignas(16) double room[kScanRanks], open[kScanRanks];
+    for (int c = 0; c < padded; ++c) room[c] = c < ranks_ && per_rank_ > 0 ? 0.0 : kFull;
     for (int32_t e : order_) {
       if (count[e] <= 0) continue;
       const double s = share_[e];
       taken_.clear();
-      uint32_t taken = 0;  // ranks that took e, as bits
+      std::copy(room, room + padded, open);
       for (int k = 0; k < count[e]; ++k) {
-        int r = -1;
-        uint64_t lightest = kNone;
-        for (int c = 0; c < ranks_; ++c) {
-          const uint64_t k_c = (taken >> c & 1u) ? kNone : key[c];
-          const bool lighter = k_c < lightest;
-          lightest = lighter ? k_c : lightest;
-          r = lighter ? c : r;
-        }
+        int r = Lightest(open, padded);
         if (r < 0) r = DuplicateRank();
         slots_[static_cast<size_t>(r) * per_rank_ + fill_[r]++] = e;
         load_[r] += s;
-        key[r] = fill_[r] == per_rank_ ? kNone : Key(load_[r]);
+        room[r] = fill_[r] == per_rank_ ? kFull : load_[r];
         if (load_[r] >= bound) return std::numeric_limits<double>::infinity();
-        if (!(taken >> r & 1u)) taken_.push_back(r);
-        taken |= 1u << r;
+        if (open[r] != kFull) taken_.push_back(r);  // not a duplicate
+        open[r] = kFull;
       }
     }
     return *std::max_element(load_.begin(), load_.end());
+  }
+
+  // The lowest index of the smallest of v[0, n) (n even, 16-byte aligned), or -1 when every
+  // one is infinite. Branch-free over the values (SSE2 where the target has it).
+  static int Lightest(const double* v, int n) {
+#if defined(__SSE2__)
+    __m128d m = _mm_load_pd(v);
+    for (int i = 2; i < n; i += 2) m = _mm_min_pd(m, _mm_load_pd(v + i));
+    m = _mm_min_pd(m, _mm_shuffle_pd(m, m, 1));
+    if (!(_mm_cvtsd_f64(m) < std::numeric_limits<double>::infinity())) return -1;
+    unsigned at = 0;
+    for (int i = 0; i < n; i += 2)
+      at |= static_cast<unsigned>(_mm_movemask_pd(_mm_cmpeq_pd(_mm_load_pd(v + i), m))) << i;
+    return std::countr_zero(at);
+#else
+    int r = -1;
+    double lightest = std::numeric_limits<double>::infinity();
+    for (int c = 0; c < n; ++c) {
+      const bool lighter = v[c] < lightest;
+      lightest = lighter ? v[c] : lightest;
+      r = lighter ? c : r;
+    }
+    return r;
+#endif
   }
 
   // A duplicate, when every rank with room took the expert already: the lightest rank with
@@ -300,6 +322,7 @@ std::vector<int32_t> SearchCounts(std::span<const double> weight, int slots, int
   const int n = static_cast<int>(weight.size());
   std::vector<int32_t> count = GreedyCounts(weight, slots, cap);
   double best = packer.Pack(count);
+  bool packed = true;  // the packer holds the packing of `count` (no trial packed since)
   std::vector<int32_t> donors, takers;
   for (int step = 0; step < budget && best > enough; ++step) {
     const auto& load = packer.loads();
@@ -334,6 +357,7 @@ std::vector<int32_t> SearchCounts(std::span<const double> weight, int slots, int
         --count[i];
         ++count[j];
         const double m = packer.Pack(count, nullptr, 0, improved * (1 - 1e-12));
+        packed = false;
         if (m < improved * (1 - 1e-12)) {
           improved = m;
           give = j;
@@ -347,8 +371,9 @@ std::vector<int32_t> SearchCounts(std::span<const double> weight, int slots, int
     --count[take];
     ++count[give];
     best = packer.Pack(count);  // the packer holds the accepted counts' packing again
+    packed = true;
   }
-  packer.Pack(count);
+  if (!packed) packer.Pack(count);
   return count;
 }
 
@@ -434,35 +459,46 @@ std::vector<int32_t> AssignGroupsToNodes(std::span<const double> group_load, int
   // Exact branch and bound over the rest, within a budget.
   std::fill(load.begin(), load.end(), 0.0);
   std::fill(fill.begin(), fill.end(), 0);
-  int64_t budget = 2'000'000;
-  std::function<void(int)> search = [&](int i) {
-    if (--budget < 0) return;
-    if (i == g) {
-      const double m = *std::max_element(load.begin(), load.end());
-      if (m < best_max * (1 - 1e-12)) {
-        best_max = m;
-        best = cur;
+  struct Search {
+    std::span<const double> group_load;
+    const std::vector<int32_t>& order;
+    int nodes, per_node;
+    std::vector<double>& load;
+    std::vector<int>& fill;
+    std::vector<int32_t>& cur;
+    std::vector<int32_t>& best;
+    double& best_max;
+    int64_t budget = 2'000'000;
+
+    void From(size_t i) {
+      if (--budget < 0) return;
+      if (i == order.size()) {
+        const double m = *std::max_element(load.begin(), load.end());
+        if (m < best_max * (1 - 1e-12)) {
+          best_max = m;
+          best = cur;
+        }
+        return;
       }
-      return;
-    }
-    const int32_t k = order[i];
-    bool tried_empty = false;
-    for (int n = 0; n < nodes; ++n) {
-      if (fill[n] == per_node) continue;
-      if (fill[n] == 0) {  // empty nodes are interchangeable: try only the first
-        if (tried_empty) continue;
-        tried_empty = true;
+      const int32_t k = order[i];
+      bool tried_empty = false;
+      for (int n = 0; n < nodes; ++n) {
+        if (fill[n] == per_node) continue;
+        if (fill[n] == 0) {  // empty nodes are interchangeable: try only the first
+          if (tried_empty) continue;
+          tried_empty = true;
+        }
+        if (load[n] + group_load[k] >= best_max * (1 - 1e-12)) continue;
+        load[n] += group_load[k];
+        ++fill[n];
+        cur[k] = n;
+        From(i + 1);
+        load[n] -= group_load[k];
+        --fill[n];
       }
-      if (load[n] + group_load[k] >= best_max * (1 - 1e-12)) continue;
-      load[n] += group_load[k];
-      ++fill[n];
-      cur[k] = n;
-      search(i + 1);
-      load[n] -= group_load[k];
-      --fill[n];
     }
-  };
-  search(0);
+  } search{group_load, order, nodes, per_node, load, fill, cur, best, best_max};
+  search.From(0);
   return best;
 }
 

@@ -28,6 +28,7 @@ int Layout::Heaviest() const {
 }
 
 void Layout::Recompute() {
+  pairs_known_.assign(static_cast<size_t>(ranks), 0);
   shares.resize(count.size());
   for (size_t e = 0; e < count.size(); ++e) shares[e] = count[e] ? weight[e] / count[e] : 0.0;
   std::fill(load.begin(), load.end(), 0.0);
@@ -37,6 +38,48 @@ void Layout::Recompute() {
     load[rank_of(s)] += share(expert[s]);
     ++held[static_cast<size_t>(rank_of(s)) * count.size() + expert[s]];
   }
+}
+
+void Layout::RecomputeRanks(std::span<const int> changed) {
+  const size_t n = count.size();
+  for (int r : changed) {
+    pairs_known_[static_cast<size_t>(r)] = 0;
+    std::fill_n(held.begin() + static_cast<ptrdiff_t>(r * n), n, 0);
+    double sum = 0.0;
+    for (int s = r * per_rank; s < (r + 1) * per_rank; ++s) {
+      if (expert[s] < 0) continue;
+      sum += share(expert[s]);
+      ++held[static_cast<size_t>(r) * n + expert[s]];
+    }
+    load[r] = sum;
+  }
+}
+
+namespace {
+
+// The slot pairs of `rank` in slot order: (a, a2) for a < a2.
+void PairsOf(const Layout& l, int rank, std::vector<SlotPair>& pairs) {
+  auto share = [&](int s) { return l.expert[s] >= 0 ? l.share(l.expert[s]) : 0.0; };
+  const int first = rank * l.per_rank;
+  pairs.clear();
+  for (int a = first; a < first + l.per_rank; ++a) {
+    for (int a2 = a + 1; a2 < first + l.per_rank; ++a2)
+      pairs.push_back({share(a) + share(a2), a, a2});
+  }
+}
+
+}  // namespace
+
+const std::vector<SlotPair>& Layout::SortedPairs(int rank) const {
+  pairs_.resize(static_cast<size_t>(ranks));
+  std::vector<SlotPair>& pairs = pairs_[rank];
+  if (pairs_known_[rank]) return pairs;
+  PairsOf(*this, rank, pairs);
+  std::sort(pairs.begin(), pairs.end(), [](const SlotPair& x, const SlotPair& y) {
+    return x.sum != y.sum ? x.sum < y.sum : std::pair(x.a, x.b) < std::pair(y.a, y.b);
+  });
+  pairs_known_[rank] = 1;
+  return pairs;
 }
 
 namespace {
@@ -139,20 +182,11 @@ void ConsiderSwaps(const Layout& l, int top, const std::vector<uint8_t>* before,
 // load gap) are checked, up to kPairProbe on each side.
 constexpr int kPairProbe = 4;
 
-struct SlotPair {
-  double sum;
-  int a, b;
-};
-
 void ConsiderPairSwaps(const Layout& l, int top, const std::vector<uint8_t>* before, Move& best) {
   const double top_load = l.load[top];
-  const int k = l.per_rank, first = top * k;
   const size_t n = l.count.size();
-  auto share = [&](int s) { return l.expert[s] >= 0 ? l.share(l.expert[s]) : 0.0; };
-  std::vector<SlotPair> mine, theirs;
-  for (int a = first; a < first + k; ++a) {
-    for (int a2 = a + 1; a2 < first + k; ++a2) mine.push_back({share(a) + share(a2), a, a2});
-  }
+  std::vector<SlotPair> mine;
+  PairsOf(l, top, mine);
   // Lightest ranks first (ties: lowest rank): they offer the most relief, so without a
   // goal the bound stops the scan early.
   std::vector<int> by_load(static_cast<size_t>(l.ranks));
@@ -162,14 +196,7 @@ void ConsiderPairSwaps(const Layout& l, int top, const std::vector<uint8_t>* bef
   for (int r : by_load) {
     if (r == top || l.load[r] >= top_load) break;
     if (l.goal <= 0 && CannotBeat(2 * (top_load - l.load[r]), best)) break;  // see NoGoalBound
-    const int rfirst = r * k;
-    theirs.clear();
-    for (int b = rfirst; b < rfirst + k; ++b) {
-      for (int b2 = b + 1; b2 < rfirst + k; ++b2) theirs.push_back({share(b) + share(b2), b, b2});
-    }
-    std::sort(theirs.begin(), theirs.end(), [](const SlotPair& x, const SlotPair& y) {
-      return x.sum != y.sum ? x.sum < y.sum : std::pair(x.a, x.b) < std::pair(y.a, y.b);
-    });
+    const std::vector<SlotPair>& theirs = l.SortedPairs(r);
     const double ideal = (top_load - l.load[r]) / 2;
     auto valid = [&](const SlotPair& p, const SlotPair& q) {
       const int32_t x = l.expert[p.a], x2 = l.expert[p.b];
@@ -442,14 +469,17 @@ Move BestMove(const Layout& layout, int top, const std::vector<uint8_t>* before,
 }
 
 void Apply(Layout& layout, const Move& move) {
-  if (move.b >= 0) {
+  if (move.b >= 0) {  // a swap: only the two ranks change
     std::swap(layout.expert[move.a], layout.expert[move.b]);
     if (move.a2 >= 0) std::swap(layout.expert[move.a2], layout.expert[move.b2]);
-  } else {
-    --layout.count[layout.expert[move.a]];
-    ++layout.count[move.to];
-    layout.expert[move.a] = move.to;
+    const int changed[] = {layout.rank_of(static_cast<size_t>(move.a)),
+                           layout.rank_of(static_cast<size_t>(move.b))};
+    layout.RecomputeRanks(changed);
+    return;
   }
+  --layout.count[layout.expert[move.a]];
+  ++layout.count[move.to];
+  layout.expert[move.a] = move.to;
   layout.Recompute();
 }
 

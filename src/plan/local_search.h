@@ -9,6 +9,12 @@
 
 namespace eplbx::internal {
 
+// Two slots of one rank and the sum of their experts' shares.
+struct SlotPair {
+  double sum;
+  int a, b;
+};
+
 struct Layout {
   Layout(std::span<const double> weight, std::vector<int32_t> slots, int ranks);
 
@@ -26,7 +32,19 @@ struct Layout {
   int rank_of(size_t slot) const { return static_cast<int>(slot) / per_rank; }
   bool holds(int rank, int32_t e) const;
   int Heaviest() const;  // lowest rank among equals
+  // Loads, holdings and shares from `expert` and `count` again (after any change to them).
   void Recompute();
+  // The same after slots changed experts only within these ranks and no count changed: only
+  // their loads (summed in slot order, as Recompute does: the same values) and holdings.
+  void RecomputeRanks(std::span<const int> changed);
+
+  // Per rank, its slot pairs by ascending sum (ties: lower slots), kept until the rank
+  // changes (two-for-two swaps ask for the same ranks again between moves).
+  const std::vector<SlotPair>& SortedPairs(int rank) const;
+
+ private:
+  mutable std::vector<std::vector<SlotPair>> pairs_;
+  mutable std::vector<uint8_t> pairs_known_;
 };
 
 // A swap of the experts in slots a and b (different ranks) and, when a2 >= 0, also in slots

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -588,6 +589,66 @@ TEST(IncrementalTest, SwapCacheFindsTheSameMoves) {
   // two ranks; each row's best is brought up to date from them).
   EXPECT_GT(swaps, 300);
   EXPECT_GT(repoints, 100);
+}
+
+// A swap recomputes only its two ranks (and forgets only their sorted slot pairs): after
+// any sequence of swaps and re-points (with empty slots, duplicates on a rank, zero
+// weights), the layout's loads, holdings, shares and every rank's sorted pairs are bit for
+// bit those of a layout built afresh from its slots.
+TEST(LocalSearchTest, ALayoutAfterMovesIsTheOneBuiltAfresh) {
+  std::mt19937_64 rng(23);
+  int swaps = 0, pair_swaps = 0, repoints = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const int ranks = 2 + static_cast<int>(rng() % 12), per_rank = 1 + static_cast<int>(rng() % 6);
+    const int n = 1 + static_cast<int>(rng() % (ranks * per_rank));
+    std::vector<double> weight(static_cast<size_t>(n));
+    for (double& w : weight) w = rng() % 5 == 0 ? 0.0 : 1 + static_cast<double>(rng() % 1000) / 7;
+    std::vector<int32_t> slots(static_cast<size_t>(ranks * per_rank));
+    for (int32_t& e : slots) e = rng() % 8 == 0 ? -1 : static_cast<int32_t>(rng() % n);
+    internal::Layout l(weight, slots, ranks);
+    for (int step = 0; step < 40; ++step) {
+      for (int r = 0; r < ranks; ++r) l.SortedPairs(r);  // cached before the move
+      internal::Move m;
+      const int a = static_cast<int>(rng() % slots.size());
+      if (rng() % 4 == 0) {  // a re-point of a slot with an expert to any expert
+        if (l.expert[a] < 0) continue;
+        m.a = a;
+        m.to = static_cast<int32_t>(rng() % n);
+        ++repoints;
+      } else {
+        const int ra = l.rank_of(a), rb = static_cast<int>(rng() % ranks);
+        if (ra == rb) continue;
+        m.a = a;
+        m.b = rb * per_rank + static_cast<int>(rng() % per_rank);
+        if (per_rank > 1 && rng() % 2) {
+          m.a2 = ra * per_rank + (a - ra * per_rank + 1) % per_rank;
+          m.b2 = rb * per_rank + (m.b - rb * per_rank + 1) % per_rank;
+          ++pair_swaps;
+        }
+        ++swaps;
+      }
+      internal::Apply(l, m);
+      const internal::Layout fresh(weight, l.expert, ranks);
+      ASSERT_EQ(l.count, fresh.count);
+      ASSERT_EQ(l.held, fresh.held) << "trial " << trial << " step " << step;
+      for (int r = 0; r < ranks; ++r) {
+        ASSERT_EQ(std::bit_cast<uint64_t>(l.load[r]), std::bit_cast<uint64_t>(fresh.load[r]))
+            << "trial " << trial << " step " << step << " rank " << r;
+        const std::vector<internal::SlotPair>&mine = l.SortedPairs(r),
+              &theirs = fresh.SortedPairs(r);
+        ASSERT_EQ(mine.size(), theirs.size());
+        for (size_t k = 0; k < mine.size(); ++k) {
+          ASSERT_EQ(std::tie(mine[k].sum, mine[k].a, mine[k].b),
+                    std::tie(theirs[k].sum, theirs[k].a, theirs[k].b))
+              << "trial " << trial << " step " << step << " rank " << r;
+        }
+      }
+      for (int e = 0; e < n; ++e) ASSERT_EQ(l.share(e), fresh.share(e));
+    }
+  }
+  EXPECT_GT(swaps, 3000);
+  EXPECT_GT(pair_swaps, 1000);
+  EXPECT_GT(repoints, 1000);
 }
 
 // Any previous placement a user can hand in (empty slots, missing experts, several replicas

@@ -6,10 +6,6 @@
 #include <numeric>
 #include <queue>
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
-
 #include "plan/balanced_internal.h"
 #include "plan/local_search.h"
 
@@ -238,16 +234,15 @@ class Packer {
   static constexpr int kScanRanks = 16;
   double PackByScan(std::span<const int32_t> count, double bound) {
     constexpr double kFull = std::numeric_limits<double>::infinity();
-    const int padded = (ranks_ + 1) & ~1;  // Lightest() compares two at a time
-    alignas(16) double room[kScanRanks], open[kScanRanks];
-    for (int c = 0; c < padded; ++c) room[c] = c < ranks_ && per_rank_ > 0 ? 0.0 : kFull;
+    double room[kScanRanks], open[kScanRanks];
+    for (int c = 0; c < ranks_; ++c) room[c] = per_rank_ > 0 ? 0.0 : kFull;
     for (int32_t e : order_) {
       if (count[e] <= 0) continue;
       const double s = share_[e];
       taken_.clear();
-      std::copy(room, room + padded, open);
+      std::copy(room, room + ranks_, open);
       for (int k = 0; k < count[e]; ++k) {
-        int r = Lightest(open, padded);
+        int r = Lightest(open, ranks_);
         if (r < 0) r = DuplicateRank();
         slots_[static_cast<size_t>(r) * per_rank_ + fill_[r]++] = e;
         load_[r] += s;
@@ -260,19 +255,9 @@ class Packer {
     return *std::max_element(load_.begin(), load_.end());
   }
 
-  // The lowest index of the smallest of v[0, n) (n even, 16-byte aligned), or -1 when every
-  // one is infinite. Branch-free over the values (SSE2 where the target has it).
+  // The lowest index of the smallest of v[0, n), or -1 when every one is infinite.
+  // Branch-free: the loads are random.
   static int Lightest(const double* v, int n) {
-#if defined(__SSE2__)
-    __m128d m = _mm_load_pd(v);
-    for (int i = 2; i < n; i += 2) m = _mm_min_pd(m, _mm_load_pd(v + i));
-    m = _mm_min_pd(m, _mm_shuffle_pd(m, m, 1));
-    if (!(_mm_cvtsd_f64(m) < std::numeric_limits<double>::infinity())) return -1;
-    unsigned at = 0;
-    for (int i = 0; i < n; i += 2)
-      at |= static_cast<unsigned>(_mm_movemask_pd(_mm_cmpeq_pd(_mm_load_pd(v + i), m))) << i;
-    return std::countr_zero(at);
-#else
     int r = -1;
     double lightest = std::numeric_limits<double>::infinity();
     for (int c = 0; c < n; ++c) {
@@ -281,7 +266,6 @@ class Packer {
       r = lighter ? c : r;
     }
     return r;
-#endif
   }
 
   // A duplicate, when every rank with room took the expert already: the lightest rank with

@@ -67,17 +67,23 @@ class Packer {
       std::iota(order_.begin(), order_.end(), 0);
       std::sort(order_.begin(), order_.end(), before);
     } else {
-      changed_.clear();
+      // One expert at a time: its new share, then from its place to where it now belongs
+      // (the others keep theirs, so the order stays sorted), shifting only those between.
       for (int32_t e = 0; e < n; ++e) {
         if (count[e] == last_count_[e]) continue;
         last_count_[e] = count[e];
         share_[e] = count[e] > 0 ? weight_[e] / count[e] : 0.0;
-        changed_.push_back(e);
+        const auto at = std::find(order_.begin(), order_.end(), e);
+        const auto to = std::upper_bound(order_.begin(), at, e, before);
+        if (to != at) {  // earlier: the ones from `to` move up by one
+          std::move_backward(to, at, at + 1);
+          *to = e;
+        } else {  // later (or where it is): the ones before its new place move down by one
+          const auto end = std::upper_bound(at + 1, order_.end(), e, before);
+          std::move(at + 1, end, at);
+          *(end - 1) = e;
+        }
       }
-      // Out of the order first (the rest stays sorted), then each back where it belongs.
-      for (int32_t e : changed_) order_.erase(std::find(order_.begin(), order_.end(), e));
-      for (int32_t e : changed_)
-        order_.insert(std::upper_bound(order_.begin(), order_.end(), e, before), e);
     }
     auto share = [&](int32_t e) { return share_[e]; };
     std::fill(load_.begin(), load_.end(), 0.0);
@@ -282,7 +288,7 @@ class Packer {
   int ranks_, per_rank_;
   bool general_ = false, fast_path_ = false;
   std::vector<int> rank_order_;
-  std::vector<int32_t> slots_, order_, last_count_, changed_;
+  std::vector<int32_t> slots_, order_, last_count_;
   std::vector<double> load_, share_;
   std::vector<int> fill_, taken_;
   // (load, rank) with the load's bits as the key: loads are never negative, and the bits of
@@ -410,6 +416,18 @@ double PackReplicas(std::span<const double> weight, std::span<const int32_t> cou
   if (fast != nullptr) *fast = packer.fast_path();
   std::copy(packer.slots().begin(), packer.slots().end(), out.begin());
   return m;
+}
+
+std::vector<std::vector<int32_t>> PackEach(std::span<const double> weight,
+                                           const std::vector<std::vector<int32_t>>& counts,
+                                           int ranks, int per_rank) {
+  Packer packer(weight, ranks, per_rank);
+  std::vector<std::vector<int32_t>> slots;
+  for (const std::vector<int32_t>& count : counts) {
+    packer.Pack(count);
+    slots.push_back(packer.slots());
+  }
+  return slots;
 }
 
 void StickySlots(std::span<const double> weight, std::span<const int32_t> count,

@@ -40,6 +40,12 @@ double BalancedFloor(std::span<const double> weight, int slots, int ranks);
 double PackReplicas(std::span<const double> weight, std::span<const int32_t> count, int ranks,
                     int per_rank, bool general, std::span<int32_t> out,
                     double bound = std::numeric_limits<double>::infinity(), bool* fast = nullptr);
+// Tests: packs each of `counts` in turn with one packer, as the count search does (it keeps
+// its order of experts by share from one call to the next and moves only those whose count
+// changed); the slots of each packing.
+std::vector<std::vector<int32_t>> PackEach(std::span<const double> weight,
+                                           const std::vector<std::vector<int32_t>>& counts,
+                                           int ranks, int per_rank);
 
 // Packs the replicas of `count` (per expert) onto `ranks` ranks of out.size() / ranks slots
 // like BalancedSlots' packing, except that a replica first goes to the lightest rank that

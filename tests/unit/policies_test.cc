@@ -171,6 +171,40 @@ TEST(BalancedTest, PackingsWithoutTheHeapMatchIt) {
   EXPECT_GT(fast_few, 2000) << "the scan ran too rarely to be tested";
 }
 
+// A packer used again (the count search's) keeps its order of experts by share and moves
+// only those whose count changed: each packing is the one a new packer makes, over
+// sequences of counts changing one to five experts at a time (shares rising and falling,
+// ties among equal weights, counts to and from zero), with the scan, the two-slot path and
+// the heap.
+TEST(BalancedTest, APackerUsedAgainPacksAsANewOne) {
+  std::mt19937 rng(29);
+  for (int trial = 0; trial < 400; ++trial) {
+    const int ranks = 1 + static_cast<int>(rng() % (trial % 3 == 0 ? 40 : 16));
+    const int per_rank = trial % 3 == 1 ? 2 : 1 + static_cast<int>(rng() % 9);
+    const int slots = ranks * per_rank;
+    const int experts = 1 + static_cast<int>(rng() % slots);
+    std::vector<double> weight(static_cast<size_t>(experts));
+    for (double& w : weight) w = trial % 2 ? static_cast<double>(rng() % 4) : 1 + rng() % 997;
+    std::vector<int32_t> count(static_cast<size_t>(experts), 0);
+    for (int k = 0; k < slots; ++k) ++count[k < experts ? k : rng() % experts];
+    std::vector<std::vector<int32_t>> counts{count};
+    for (int step = 0; step < 30; ++step) {
+      for (int moves = 1 + static_cast<int>(rng() % 5); moves > 0; --moves) {
+        const size_t from = rng() % experts, to = rng() % experts;
+        if (count[from] > (trial % 4 == 0 ? 0 : 1)) --count[from], ++count[to];
+      }
+      counts.push_back(count);
+    }
+    const std::vector<std::vector<int32_t>> reused =
+        internal::PackEach(weight, counts, ranks, per_rank);
+    for (size_t k = 0; k < counts.size(); ++k) {
+      std::vector<int32_t> fresh(static_cast<size_t>(slots));
+      internal::PackReplicas(weight, counts[k], ranks, per_rank, false, fresh);
+      ASSERT_EQ(reused[k], fresh) << "trial " << trial << " packing " << k;
+    }
+  }
+}
+
 // The search cut short at `enough` ends at the full search's largest rank load wherever that
 // is above `enough`, and at or below `enough` otherwise: max(result, enough) is the same,
 // bit for bit. The floor is never above what the full search reaches.

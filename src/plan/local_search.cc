@@ -250,6 +250,11 @@ class RepointEvaluator {
     }
   }
 
+  // The ranks holding expert e, one entry per replica, in slot order.
+  std::span<const int> Holders(int32_t e) const {
+    return std::span<const int>(ranks_).subspan(first_[e], first_[e + 1] - first_[e]);
+  }
+
   // The largest rank load after the change (without a goal; 0 with one); *relief: the
   // total excess (Excess) it removes from the ranks it changes.
   double Worst(int a, int32_t y, double* relief) {
@@ -303,13 +308,32 @@ class RepointEvaluator {
 // re-pointing slot a (expert x on rank ra) to y changes ra by y's new share minus x's share,
 // makes the ranks holding x heavier (x has one replica fewer) and those holding y lighter by
 // y's share drop, so the excess it removes is at most min(excess of ra, x's share - y's new
-// share) plus, over y's replicas, min(excess of the replica's rank, y's share drop).
+// share) plus, over y's replicas, min(excess of the replica's rank, y's share drop), minus
+// the excess that x's heavier share adds on the ranks holding x but neither y nor slot a
+// (exactly what those ranks lose: their load changes by x's share rise alone).
 void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* before, Move& best) {
   const int n = static_cast<int>(l.count.size());
   const double top_load = l.load[top];
   const int k = l.per_rank;
-  std::vector<double> y_relief;  // with a goal: the bound's part from y's replicas
+  std::vector<double> y_relief;   // with a goal: the bound's part from y's replicas
+  std::vector<double> x_penalty;  // with a goal: per expert, the excess its share's rise adds
+  // The excess that x's share rise (one replica fewer) adds on rank r, for each of r's
+  // replicas of x (a rank may hold several).
+  auto rise = [&](int r, int32_t x) {
+    const double dx = l.weight[x] / (l.count[x] - 1) - l.share(x);
+    const double load = l.load[r];
+    return Excess(l, load + l.held[static_cast<size_t>(r) * n + x] * dx) - Excess(l, load);
+  };
   if (l.goal > 0) {
+    x_penalty.assign(static_cast<size_t>(n), 0.0);
+    for (int r = 0; r < l.ranks; ++r) {
+      for (int s = r * k; s < (r + 1) * k; ++s) {
+        const int32_t e = l.expert[s];
+        if (e < 0 || l.count[e] < 2 || std::find(&l.expert[r * k], &l.expert[s], e) != &l.expert[s])
+          continue;  // (once per rank)
+        x_penalty[e] += rise(r, e);
+      }
+    }
     // (A rank without excess adds nothing: the drop is never negative.)
     y_relief.assign(static_cast<size_t>(n), 0.0);
     for (int r = 0; r < l.ranks; ++r) {
@@ -324,15 +348,25 @@ void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* befo
     }
   }
   std::optional<RepointEvaluator> eval;  // built for the first candidate the bound keeps
+  if (l.goal > 0) eval.emplace(l);       // (its ranks of each expert serve the bound)
   auto consider = [&](int a, int ra, int32_t y) {
     const int32_t x = l.expert[a];
     if (y == x || l.count[y] >= l.ranks || l.holds(ra, y)) return;
     const int copies = Paid(before, l.count.size(), ra, y) - Paid(before, l.count.size(), ra, x);
-    if (l.goal > 0) {
+    if (l.goal > 0 && l.repoint_bounds) {
       const double sy_new = l.weight[y] / (l.count[y] + 1);
+      // x's ranks but ra and those holding y (each once; rises are never negative).
+      double penalty = x_penalty[x] - rise(ra, x);
+      const std::span<const int> y_ranks = eval->Holders(y);
+      for (size_t i = 0; i < y_ranks.size(); ++i) {
+        const int r = y_ranks[i];
+        if (r != ra && l.holds(r, x) &&
+            std::find(y_ranks.begin(), y_ranks.begin() + i, r) == y_ranks.begin() + i)
+          penalty -= rise(r, x);
+      }
       // (plus a hair for rounding in the evaluation's sums)
       const double bound = std::min(Excess(l, l.load[ra]), std::max(0.0, l.share(x) - sy_new)) +
-                           y_relief[y] + 1e-12 * l.goal;
+                           y_relief[y] - std::max(0.0, penalty) + 1e-12 * l.goal;
       if (CannotBeat(copies > 0 ? bound / copies : 4 * bound, best)) return;
     }
     if (!eval) eval.emplace(l);

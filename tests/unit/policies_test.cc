@@ -625,6 +625,48 @@ TEST(IncrementalTest, SwapCacheFindsTheSameMoves) {
   EXPECT_GT(repoints, 100);
 }
 
+// The bounds that skip re-points never change the move: with a goal and copies counted
+// (as `incremental` searches), every move is the one found by evaluating every re-point, on
+// layouts of 4-64 ranks x 2-9 slots with hot and zero-weight experts and duplicates.
+TEST(IncrementalTest, RepointBoundsNeverChangeTheMove) {
+  std::mt19937_64 rng(31);
+  int repoints = 0, moves = 0;
+  for (int trial = 0; trial < 120; ++trial) {
+    const int ranks = 4 << (trial % 5), per_rank = 2 + trial % 8;
+    const int n = std::max(2, ranks * per_rank - ranks / 2 - static_cast<int>(rng() % ranks));
+    std::vector<double> weight(static_cast<size_t>(n));
+    std::exponential_distribution<double> load(1.0);
+    for (double& w : weight)
+      w = rng() % 10 == 0 ? 0.0 : 1 + 100 * load(rng) * (rng() % 7 == 0 ? 20 : 1);
+    std::vector<int32_t> slots(static_cast<size_t>(ranks * per_rank));
+    for (size_t s = 0; s < slots.size(); ++s)
+      slots[s] = static_cast<int32_t>(s < static_cast<size_t>(n) ? s : rng() % n);
+    std::shuffle(slots.begin(), slots.end(), rng);
+    internal::Layout pruned(weight, slots, ranks), every(weight, slots, ranks);
+    every.repoint_bounds = false;
+    std::vector<uint8_t> before(static_cast<size_t>(ranks) * n, 0);
+    for (size_t s = 0; s < slots.size(); ++s) before[s / per_rank * n + slots[s]] = rng() % 3 != 0;
+    double total = 0;
+    for (double w : weight) total += w;
+    pruned.goal = every.goal = total / ranks * (1.0 + 0.02 * (trial % 3));
+    for (int step = 0; step < 100; ++step) {
+      const int top = pruned.Heaviest();
+      if (pruned.load[top] <= pruned.goal) break;
+      const internal::Move a = internal::BestMove(pruned, top, &before);
+      const internal::Move b = internal::BestMove(every, top, &before);
+      ASSERT_EQ(std::tie(a.a, a.b, a.a2, a.b2, a.to), std::tie(b.a, b.b, b.a2, b.b2, b.to))
+          << "trial " << trial << " step " << step;
+      if (a.a < 0) break;
+      ++moves;
+      repoints += a.b < 0;
+      internal::Apply(pruned, a);
+      internal::Apply(every, b);
+    }
+  }
+  EXPECT_GT(moves, 1000);
+  EXPECT_GT(repoints, 200);
+}
+
 // A swap recomputes only its two ranks (and forgets only their sorted slot pairs): after
 // any sequence of swaps and re-points (with empty slots, duplicates on a rank, zero
 // weights), the layout's loads, holdings, shares and every rank's sorted pairs are bit for

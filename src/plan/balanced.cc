@@ -98,7 +98,8 @@ class Packer {
     }
     if (held == nullptr && ranks_ <= kScanRanks && !general_) {
       fast_path_ = true;  // (not the heap)
-      return PackByScan(count, bound);
+      // (Eight ranks, a node's in the usual shapes, with the scan's length known.)
+      return ranks_ == 8 ? PackByScan<8>(count, bound) : PackByScan<0>(count, bound);
     }
     // Ranks with room by (load, rank): the lightest first, ties to the lowest rank. A rank
     // that takes a replica of e returns to the heap only after e's last replica, so no rank
@@ -238,17 +239,19 @@ class Packer {
   // infinity when it is full (a load never is: weights are finite floats); `open` the same
   // for the expert being placed, with the ranks that took it at infinity too.
   static constexpr int kScanRanks = 16;
+  template <int kRanks>  // ranks_ when > 0
   double PackByScan(std::span<const int32_t> count, double bound) {
+    const int ranks = kRanks > 0 ? kRanks : ranks_;
     constexpr double kFull = std::numeric_limits<double>::infinity();
     double room[kScanRanks], open[kScanRanks];
-    for (int c = 0; c < ranks_; ++c) room[c] = per_rank_ > 0 ? 0.0 : kFull;
+    for (int c = 0; c < ranks; ++c) room[c] = per_rank_ > 0 ? 0.0 : kFull;
     for (int32_t e : order_) {
       if (count[e] <= 0) continue;
       const double s = share_[e];
       taken_.clear();
-      std::copy(room, room + ranks_, open);
+      std::copy(room, room + ranks, open);
       for (int k = 0; k < count[e]; ++k) {
-        int r = Lightest(open, ranks_);
+        int r = Lightest(open, ranks);
         if (r < 0) r = DuplicateRank();
         slots_[static_cast<size_t>(r) * per_rank_ + fill_[r]++] = e;
         load_[r] += s;

@@ -81,6 +81,12 @@ struct AgentConfig {
   // hand-off to a copy thread. -1: EPLBX_INLINE_COPY_BYTES from the Env if set, else
   // Agent::kDefaultInlineCopyBytes (256 KiB); 0: never.
   int64_t inline_copy_bytes = -1;
+  // A same-host peer's shared regions get their page tables when it is connected, in
+  // order, while their bytes add up to at most this (the rest are faulted in when first
+  // read): copies from them then take no page faults, at 1/512 of the bytes in page
+  // tables. -1: Agent::kDefaultPrefaultBytes (8 GiB, 16 MiB of page tables per peer);
+  // 0: never.
+  int64_t prefault_bytes = -1;
   // Identity of this host. Empty: boot id + network and pid namespaces, so processes in
   // different network namespaces count as different hosts. EPLBX_HOST_ID overrides.
   std::string host_id;
@@ -177,6 +183,7 @@ class Agent {
   static constexpr size_t kMaxNameBytes = 256;
   static constexpr size_t kMaxNotificationBytes = 64 * 1024;
   static constexpr uint64_t kDefaultInlineCopyBytes = 256 << 10;  // measured: docs/perf.md
+  static constexpr uint64_t kDefaultPrefaultBytes = 8ull << 30;   // AgentConfig::prefault_bytes
 
   // Starts the backend (for UCX: context, worker and a progress thread).
   // Fails with kInvalidArgument for an empty or too long name, an unknown backend or bad

@@ -133,6 +133,13 @@ Result<std::shared_ptr<AgentCore>> AgentCore::Create(std::string name, AgentConf
                                           config.inline_copy_bytes,
                                           "; expected -1 (default) or a byte count"));
   }
+  if (config.prefault_bytes < -1) {
+    return Status::InvalidArgument(StrCat("agent '", core->name_, "': prefault_bytes is ",
+                                          config.prefault_bytes,
+                                          "; expected -1 (default) or a byte count"));
+  }
+  options.prefault_bytes = config.prefault_bytes >= 0 ? static_cast<uint64_t>(config.prefault_bytes)
+                                                      : Agent::kDefaultPrefaultBytes;
   options.inline_copy_bytes = Agent::kDefaultInlineCopyBytes;
   if (config.inline_copy_bytes >= 0) {
     options.inline_copy_bytes = static_cast<uint64_t>(config.inline_copy_bytes);

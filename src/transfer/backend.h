@@ -95,6 +95,7 @@ struct PartOptions {
   std::chrono::milliseconds peer_timeout{30000};
   int copy_threads = 2;
   uint64_t inline_copy_bytes = 0;  // same-host transfers up to this size: on the caller
+  uint64_t prefault_bytes = 0;     // AgentConfig::prefault_bytes, resolved
 };
 
 // A registered region as a data path sees it.

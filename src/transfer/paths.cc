@@ -91,7 +91,7 @@ Result<AgentParts> CreateParts(std::string_view control, const std::vector<std::
       copier = std::make_shared<ShmCopier>(options.copy_threads, options.inline_copy_bytes);
     }
     if (p == "shm") {
-      parts.paths.push_back(CreateShmPath(copier, options.agent_name, l));
+      parts.paths.push_back(CreateShmPath(copier, options.agent_name, l, options.prefault_bytes));
     } else if (p == "cma") {
       parts.paths.push_back(CreateCmaPath(copier, options.agent_name, l));
     } else if (p == "ucx") {

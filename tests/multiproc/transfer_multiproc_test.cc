@@ -281,6 +281,18 @@ TEST_P(TransferMultiProcTest, NotifyManyAndReadManyKeepOrderAndEachTransfer) {
   peer.child->Send("QUIT");
 }
 
+// Resident KiB of our mapping of the peer's shared file (-1: not mapped here).
+int64_t MappedPeerRssKib() {
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool in_mapping = false;
+  while (std::getline(smaps, line)) {
+    if (line.find(" /dev/shm/eplbx-xfer-peer-") != std::string::npos) in_mapping = true;
+    if (in_mapping && line.rfind("Rss:", 0) == 0) return std::stoll(line.substr(4));
+  }
+  return -1;
+}
+
 // A peer process with --memory file and a same-host agent connected to it (its file
 // mapped here), with `local_bytes` of registered memory to read into.
 struct ShmReader {
@@ -290,11 +302,12 @@ struct ShmReader {
   RegisteredRegion region;
   PeerId pid = 0;
 
-  void Start(uint64_t peer_bytes, uint64_t seed, size_t local_bytes) {
+  void Start(uint64_t peer_bytes, uint64_t seed, size_t local_bytes, int64_t prefault_bytes = -1) {
     peer = RemotePeer::Start("peer", peer_bytes, seed, "file");
     ASSERT_FALSE(peer.blob.empty());
     AgentConfig config;
     config.transport = Transport::kShm;
+    config.prefault_bytes = prefault_bytes;
     auto a = Agent::Create("tester", config);
     ASSERT_TRUE(a.ok()) << a.status().ToString();
     agent = std::move(*a);
@@ -308,13 +321,14 @@ struct ShmReader {
   }
 };
 
-// A peer's shared region above 256 MiB is mapped without touching its pages at connect;
-// reads fault them in and still move the right bytes, from the start, middle and end.
+// A peer's shared region beyond the agent's prefault budget is mapped without page tables
+// at connect; reads fault them in and still move the right bytes, from the start, middle
+// and end. Within the budget (the default's 8 GiB), every page is mapped at connect.
 TEST(SharedFileMultiProcTest, LargeRegionIsMappedLazilyAndReadRight) {
   constexpr uint64_t kBytes = 300ull << 20;
   constexpr uint64_t kSeed = 31;
   ShmReader t;
-  ASSERT_NO_FATAL_FAILURE(t.Start(kBytes, kSeed, 3 << 20));
+  ASSERT_NO_FATAL_FAILURE(t.Start(kBytes, kSeed, 3 << 20, /*prefault_bytes=*/256 << 20));
   RemotePeer& peer = t.peer;
   Agent* agent = t.agent.get();
   std::vector<uint8_t>& local = t.local;
@@ -336,21 +350,23 @@ TEST(SharedFileMultiProcTest, LargeRegionIsMappedLazilyAndReadRight) {
     }
   }
   // Mapped (not read with CMA), and only about the pages read are resident in our mapping.
-  std::ifstream smaps("/proc/self/smaps");
-  std::string line;
-  bool in_mapping = false;
-  int64_t rss_kib = -1;
-  while (std::getline(smaps, line)) {
-    if (line.find(" /dev/shm/eplbx-xfer-peer-") != std::string::npos) in_mapping = true;
-    if (in_mapping && line.rfind("Rss:", 0) == 0) {
-      rss_kib = std::stoll(line.substr(4));
-      break;
-    }
-  }
+  const int64_t rss_kib = MappedPeerRssKib();
   ASSERT_GE(rss_kib, 0) << "the peer's file is not mapped here";
   EXPECT_LT(rss_kib, 64 << 10) << "a 300 MiB peer region was touched at connect";
   EXPECT_GE(rss_kib, 3 << 10);
   peer.child->Send("QUIT");
+}
+
+// Within the prefault budget (the default), a peer's 300 MiB region has every page mapped
+// here once Connect returns: the first READs take no page faults.
+TEST(SharedFileMultiProcTest, RegionWithinThePrefaultBudgetIsMappedAtConnect) {
+  constexpr uint64_t kBytes = 300ull << 20;
+  ShmReader t;
+  ASSERT_NO_FATAL_FAILURE(t.Start(kBytes, 37, 1 << 20));
+  const int64_t rss_kib = MappedPeerRssKib();
+  ASSERT_GE(rss_kib, 0) << "the peer's file is not mapped here";
+  EXPECT_GE(rss_kib, static_cast<int64_t>(kBytes >> 10)) << "pages not mapped at connect";
+  t.peer.child->Send("QUIT");
 }
 
 // A peer shrinks the shared file it registered after we mapped it (issue 17, item 7).

@@ -224,6 +224,20 @@ TEST(PathChoiceTest, VariablesComeFromTheEnv) {
         << bad << ": " << s.ToString();
     EXPECT_NE(s.message().find("agent 'env-f'"), std::string::npos) << bad << ": " << s.ToString();
   }
+  vars.Unset("EPLBX_COPY_THREADS");
+  // The prefault budget: -1 (default), 0 (never) or a byte count; below -1 refused by name.
+  for (int64_t ok : {int64_t{-1}, int64_t{0}, int64_t{1} << 40}) {
+    AgentConfig p = c;
+    p.prefault_bytes = ok;
+    EXPECT_TRUE(Agent::Create("env-g", p).ok()) << ok;
+  }
+  AgentConfig p = c;
+  p.prefault_bytes = -2;
+  const Status s = Agent::Create("env-h", p).status();
+  EXPECT_NE(s.message().find("agent 'env-h': prefault_bytes is -2; expected -1 (default) or a byte "
+                             "count"),
+            std::string::npos)
+      << s.ToString();
 }
 
 // ---- the fault-injecting wrappers, on loopback agents ---------------------------------

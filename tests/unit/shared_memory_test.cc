@@ -173,11 +173,16 @@ TEST(CopyBytesTest, AShrunkSharedFileFailsTheCopyInsteadOfKillingTheProcess) {
   ASSERT_NE(m, MAP_FAILED);
   std::memset(m, 7, bytes);
   std::vector<uint8_t> local(bytes, 0);
+  EXPECT_TRUE(internal::PopulateForRead(m + 1, bytes - 1));
   EXPECT_TRUE(internal::GuardedCopyBytes(local.data(), m, bytes));
   ASSERT_EQ(ftruncate(fd, 4096), 0);  // the "peer" shrinks it
   EXPECT_FALSE(internal::GuardedCopyBytes(local.data(), m + 8192, 65536));
   EXPECT_FALSE(internal::GuardedCopyBytes(m + 8192, local.data(), 65536));  // a WRITE
   EXPECT_FALSE(internal::GuardedTouchPagesForRead(m, bytes));
+  EXPECT_FALSE(internal::PopulateForRead(m, bytes));  // what a peer's connect does
+  EXPECT_FALSE(internal::PopulateForRead(m + 100, bytes - 200));
+  EXPECT_TRUE(internal::PopulateForRead(m, 4096));
+  EXPECT_TRUE(internal::PopulateForRead(m + 100, 3000));
   EXPECT_TRUE(internal::GuardedCopyBytes(local.data(), m, 4096));  // what is left still reads
   // Through the copier, as a READ of a mapped peer region runs: the job fails by name.
   internal::ShmCopier copier(2);

@@ -3,7 +3,9 @@
 #include <sched.h>
 #include <setjmp.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -120,6 +122,18 @@ bool GuardedCopyBytes(void* dst, const void* src, size_t n) {
 
 bool GuardedTouchPagesForRead(const void* p, size_t n) {
   return Guarded([&] { TouchPagesForRead(p, n); });
+}
+
+bool PopulateForRead(const void* p, size_t n) {
+#if defined(MADV_POPULATE_READ)
+  static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p) / page * page;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + n;
+  if (madvise(reinterpret_cast<void*>(first), end - first, MADV_POPULATE_READ) == 0) return true;
+  if (errno == EFAULT) return false;  // a read there would raise SIGBUS
+    // (EINVAL: a kernel without it; anything else: the touch below says what a read meets)
+#endif
+  return GuardedTouchPagesForRead(p, n);
 }
 
 void TouchPagesForWrite(void* p, size_t n) { std::memset(p, 0, n); }

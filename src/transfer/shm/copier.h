@@ -43,6 +43,11 @@ void CopyBytes(void* dst, const void* src, size_t n);
 // outside these calls goes to the handler installed before the first call.
 bool GuardedCopyBytes(void* dst, const void* src, size_t n);
 bool GuardedTouchPagesForRead(const void* p, size_t n);
+// Builds the page tables of [p, p + n) of a mapping of memory another process owns, so that
+// copies from it take no page faults: one MADV_POPULATE_READ where the kernel has it (5.14
+// and later), else GuardedTouchPagesForRead. False when the mapped file ends before p + n
+// (the peer shrank it): where a read would raise SIGBUS.
+bool PopulateForRead(const void* p, size_t n);
 
 struct CopyPiece {
   uint8_t* local = nullptr;

@@ -16,8 +16,6 @@
 namespace eplbx::internal {
 namespace {
 
-constexpr uint64_t kTouchAtConnectBytes = 256ull << 20;  // larger mapped regions fault lazily
-
 struct MappedRegion {
   uint8_t* ptr = nullptr;  // the region's first byte
   void* base = nullptr;    // what to munmap (page-aligned, at or before ptr)
@@ -40,8 +38,12 @@ struct ShmPeer {
 
 class ShmPath final : public DataPath {
  public:
-  ShmPath(std::shared_ptr<ShmCopier> copier, std::string agent, CoreListener* listener)
-      : copier_(std::move(copier)), agent_(std::move(agent)), listener_(listener) {}
+  ShmPath(std::shared_ptr<ShmCopier> copier, std::string agent, CoreListener* listener,
+          uint64_t prefault_bytes)
+      : copier_(std::move(copier)),
+        agent_(std::move(agent)),
+        listener_(listener),
+        prefault_bytes_(prefault_bytes) {}
 
   std::string_view name() const override { return "shm"; }
   PathCaps caps() const override {
@@ -74,6 +76,7 @@ class ShmPath final : public DataPath {
     p->name = peer.name;
     p->pid = static_cast<pid_t>(peer.pid);
     p->regions.resize(files->size());
+    uint64_t populated = 0;  // bytes of this peer's regions with page tables built here
     for (size_t i = 0; i < files->size(); ++i) {
       const RegionInfo& r = (*peer.regions)[i];
       MappedRegion& m = p->regions[i];
@@ -95,11 +98,14 @@ class ShmPath final : public DataPath {
         m.refusal = StrCat("region ", i, ": ", ptr.status().message());
         continue;
       }
-      // First-access cost now, not inside the first transfers. Not for large regions (a CPU
-      // model's weights): every peer would build page tables for all of them, while only
-      // the rows actually read ever need them. A file the peer shrank after registering
-      // faults here (SIGBUS): not mapped then.
-      if (r.bytes <= kTouchAtConnectBytes && !GuardedTouchPagesForRead(*ptr, r.bytes)) {
+      // Page tables now, not by a fault per page inside the first transfers (first touching
+      // a 16 MiB row cost about a fifth of the demo's rearrangement: docs/perf.md), while
+      // the peer's regions so far fit the budget: beyond it (a large CPU model's weights)
+      // only rows that move ever need them. A file the peer shrank after registering fails
+      // here (where a read would raise SIGBUS): not mapped then.
+      const bool populate = r.bytes <= prefault_bytes_ - populated;
+      if (populate) populated += r.bytes;
+      if (populate && !PopulateForRead(*ptr, r.bytes)) {
         munmap(m.base, m.map_bytes);
         m.base = nullptr;
         m.map_bytes = 0;
@@ -177,6 +183,7 @@ class ShmPath final : public DataPath {
   const std::shared_ptr<ShmCopier> copier_;
   const std::string agent_;
   CoreListener* const listener_;
+  const uint64_t prefault_bytes_;  // page tables built at connect for this many bytes a peer
   mutable std::mutex mu_;
   std::map<PeerId, std::shared_ptr<ShmPeer>> peers_;
 };
@@ -208,8 +215,8 @@ Result<std::vector<SharedFile>> DecodeShmSection(std::string_view section, size_
 }
 
 std::unique_ptr<DataPath> CreateShmPath(std::shared_ptr<ShmCopier> copier, std::string agent,
-                                        CoreListener* listener) {
-  return std::make_unique<ShmPath>(std::move(copier), std::move(agent), listener);
+                                        CoreListener* listener, uint64_t prefault_bytes) {
+  return std::make_unique<ShmPath>(std::move(copier), std::move(agent), listener, prefault_bytes);
 }
 
 }  // namespace eplbx::internal

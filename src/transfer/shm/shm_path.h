@@ -14,9 +14,11 @@
 
 namespace eplbx::internal {
 
-// `copier` is shared with the cma path (one pool of copy threads per agent).
+// `copier` is shared with the cma path (one pool of copy threads per agent). A peer's
+// regions get their page tables at connect while their bytes add up to at most
+// `prefault_bytes` (AgentConfig::prefault_bytes).
 std::unique_ptr<DataPath> CreateShmPath(std::shared_ptr<ShmCopier> copier, std::string agent,
-                                        CoreListener* listener);
+                                        CoreListener* listener, uint64_t prefault_bytes);
 
 // The section: per region of the header, the owner's fd (-1: not in a shared file) and the
 // file offset of the region's first byte.

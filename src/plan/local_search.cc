@@ -57,24 +57,24 @@ void Layout::RecomputeRanks(std::span<const int> changed) {
 
 namespace {
 
-// The slot pairs of `rank` in slot order: (a, a2) for a < a2.
-void PairsOf(const Layout& l, int rank, std::vector<SlotPair>& pairs) {
+// The slot pairs of `rank` in slot order, (a, a2) for a < a2, into `out` (room for
+// per_rank * (per_rank - 1) / 2).
+void PairsOf(const Layout& l, int rank, SlotPair* out) {
   auto share = [&](int s) { return l.expert[s] >= 0 ? l.share(l.expert[s]) : 0.0; };
   const int first = rank * l.per_rank;
-  pairs.clear();
   for (int a = first; a < first + l.per_rank; ++a) {
-    for (int a2 = a + 1; a2 < first + l.per_rank; ++a2)
-      pairs.push_back({share(a) + share(a2), a, a2});
+    for (int a2 = a + 1; a2 < first + l.per_rank; ++a2) *out++ = {share(a) + share(a2), a, a2};
   }
 }
 
 }  // namespace
 
-const std::vector<SlotPair>& Layout::SortedPairs(int rank) const {
-  pairs_.resize(static_cast<size_t>(ranks));
-  std::vector<SlotPair>& pairs = pairs_[rank];
+std::span<const SlotPair> Layout::SortedPairs(int rank) const {
+  const size_t per = static_cast<size_t>(per_rank) * (per_rank - 1) / 2;
+  if (pairs_.empty()) pairs_.resize(static_cast<size_t>(ranks) * per);  // one array, all ranks
+  const std::span<SlotPair> pairs(pairs_.data() + rank * per, per);
   if (pairs_known_[rank]) return pairs;
-  PairsOf(*this, rank, pairs);
+  PairsOf(*this, rank, pairs.data());
   std::sort(pairs.begin(), pairs.end(), [](const SlotPair& x, const SlotPair& y) {
     return x.sum != y.sum ? x.sum < y.sum : std::pair(x.a, x.b) < std::pair(y.a, y.b);
   });
@@ -185,8 +185,8 @@ constexpr int kPairProbe = 4;
 void ConsiderPairSwaps(const Layout& l, int top, const std::vector<uint8_t>* before, Move& best) {
   const double top_load = l.load[top];
   const size_t n = l.count.size();
-  std::vector<SlotPair> mine;
-  PairsOf(l, top, mine);
+  std::vector<SlotPair> mine(static_cast<size_t>(l.per_rank) * (l.per_rank - 1) / 2);
+  PairsOf(l, top, mine.data());
   // Lightest ranks first (ties: lowest rank): they offer the most relief, so without a
   // goal the bound stops the scan early.
   std::vector<int> by_load(static_cast<size_t>(l.ranks));
@@ -196,7 +196,7 @@ void ConsiderPairSwaps(const Layout& l, int top, const std::vector<uint8_t>* bef
   for (int r : by_load) {
     if (r == top || l.load[r] >= top_load) break;
     if (l.goal <= 0 && CannotBeat(2 * (top_load - l.load[r]), best)) break;  // see NoGoalBound
-    const std::vector<SlotPair>& theirs = l.SortedPairs(r);
+    const std::span<const SlotPair> theirs = l.SortedPairs(r);
     const double ideal = (top_load - l.load[r]) / 2;
     auto valid = [&](const SlotPair& p, const SlotPair& q) {
       const int32_t x = l.expert[p.a], x2 = l.expert[p.b];

@@ -42,10 +42,10 @@ struct Layout {
 
   // Per rank, its slot pairs by ascending sum (ties: lower slots), kept until the rank
   // changes (two-for-two swaps ask for the same ranks again between moves).
-  const std::vector<SlotPair>& SortedPairs(int rank) const;
+  std::span<const SlotPair> SortedPairs(int rank) const;
 
  private:
-  mutable std::vector<std::vector<SlotPair>> pairs_;
+  mutable std::vector<SlotPair> pairs_;  // per_rank * (per_rank - 1) / 2 per rank
   mutable std::vector<uint8_t> pairs_known_;
 };
 

@@ -710,8 +710,8 @@ TEST(LocalSearchTest, ALayoutAfterMovesIsTheOneBuiltAfresh) {
       for (int r = 0; r < ranks; ++r) {
         ASSERT_EQ(std::bit_cast<uint64_t>(l.load[r]), std::bit_cast<uint64_t>(fresh.load[r]))
             << "trial " << trial << " step " << step << " rank " << r;
-        const std::vector<internal::SlotPair>&mine = l.SortedPairs(r),
-              &theirs = fresh.SortedPairs(r);
+        const std::span<const internal::SlotPair> mine = l.SortedPairs(r),
+                                                  theirs = fresh.SortedPairs(r);
         ASSERT_EQ(mine.size(), theirs.size());
         for (size_t k = 0; k < mine.size(); ++k) {
           ASSERT_EQ(std::tie(mine[k].sum, mine[k].a, mine[k].b),

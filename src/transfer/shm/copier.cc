@@ -130,8 +130,9 @@ bool PopulateForRead(const void* p, size_t n) {
   const uintptr_t first = reinterpret_cast<uintptr_t>(p) / page * page;
   const uintptr_t end = reinterpret_cast<uintptr_t>(p) + n;
   if (madvise(reinterpret_cast<void*>(first), end - first, MADV_POPULATE_READ) == 0) return true;
-  if (errno == EFAULT) return false;  // a read there would raise SIGBUS
-    // (EINVAL: a kernel without it; anything else: the touch below says what a read meets)
+  // EFAULT: a read there would raise SIGBUS. Otherwise (EINVAL: a kernel without it) the
+  // touch below finds out what a read meets.
+  if (errno == EFAULT) return false;
 #endif
   return GuardedTouchPagesForRead(p, n);
 }

@@ -347,8 +347,10 @@ void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* befo
       }
     }
   }
-  std::optional<RepointEvaluator> eval;  // built for the first candidate the bound keeps
-  if (l.goal > 0) eval.emplace(l);       // (its ranks of each expert serve the bound)
+  // With a goal, built at once (its ranks of each expert serve the bound); without, for the
+  // first candidate evaluated.
+  std::optional<RepointEvaluator> eval;
+  if (l.goal > 0) eval.emplace(l);
   auto consider = [&](int a, int ra, int32_t y) {
     const int32_t x = l.expert[a];
     if (y == x || l.count[y] >= l.ranks || l.holds(ra, y)) return;

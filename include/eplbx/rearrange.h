@@ -87,7 +87,9 @@ struct AsyncOptions {
   int target_steps = 5;
   // Posted but not yet landed; 0: twice the step budget. At least one READ is in flight.
   uint64_t max_bytes_in_flight = 0;
-  // Layers started and not yet committed; each holds one staging buffer of a layer.
+  // Layers started and not yet committed. Each that lands in staging (in place, or a rank
+  // whose new rows do not fit its spare rows) holds one staging buffer of a layer while it
+  // runs; one that swaps into spare rows holds none.
   int max_layers_in_flight = 4;
   // The whole rearrangement (each layer also has RearrangeOptions::deadline); past it the
   // rearrangement fails by name, ABORTs its peers and keeps the old maps in force.
@@ -161,8 +163,9 @@ class Rearranger {
   Status Begin(const Placement& from, const Placement& to, const MigrationPlan& plan,
                AsyncOptions options = {});
   // Allocates (and touches) the staging buffers an asynchronous rearrangement with `options`
-  // needs (max_layers_in_flight, one layer each), so that the first Begin does not pay for
-  // them while serving; Rearrange() in place then runs that many layers at once. Optional.
+  // may need (max_layers_in_flight, one layer each; none with a spare row per slot in every
+  // layer), so that the first Begin does not pay for them while serving; Rearrange() in
+  // place then runs that many layers at once. Optional.
   Status Reserve(const AsyncOptions& options);
   // Non-blocking: takes the records that arrived, posts the READs the budget allows,
   // starts layers as staging frees up, checks deadlines.
@@ -175,6 +178,10 @@ class Rearranger {
   CommitResult Commit();
   AsyncProgress progress() const;
   bool busy() const;  // an asynchronous rearrangement is running
+  // Host memory held in staging buffers (a layer's rows each): one from the start in place,
+  // more as Reserve or Begin ask; none when every layer has a spare row per slot (swap mode:
+  // no layer ever lands in staging).
+  uint64_t staging_bytes() const;
   // Totals of the current (or last) asynchronous rearrangement.
   RearrangeReport async_report() const;
 

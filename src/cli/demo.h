@@ -131,7 +131,8 @@ struct Weights {
 };
 Result<Weights> MakeWeights(const DemoOptions& o, int rank, Agent& agent);
 // Layers in flight together (--layers-in-flight) as far as their staging buffers (a layer's
-// rows each, in place) stay within 1 GiB per rank; at least 1.
+// rows each, in place) stay within 1 GiB per rank; at least 1. With a spare row per slot no
+// layer takes a staging buffer: all of --layers-in-flight.
 int StagingLayers(const DemoOptions& o);
 // This rank's agent "rank<N><suffix>" (with the drill's fault wrappers when `drill`).
 Result<std::unique_ptr<Agent>> MakeDemoAgent(const DemoOptions& o, int rank, bool drill,

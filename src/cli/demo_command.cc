@@ -742,7 +742,7 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
   out["memcpy_gbps"] = memcpy_gbps;
   out["copy_limit_gbps"] = copy_limit_gbps;
   out["pipeline"] = o.pipeline;
-  out["layers_in_flight"] = o.pipeline ? AsyncOptions{}.max_layers_in_flight : o.layers_in_flight;
+  out["layers_in_flight"] = o.pipeline ? StagingLayers(o) : o.layers_in_flight;
   out["commit_mode"] = o.spare_rows > 0 ? "swap" : "in place";
   out["spare_rows"] = o.spare_rows;
   out["ranks"] = o.ranks;
@@ -813,8 +813,9 @@ void AddDemoFlags(CLI::App& cmd, DemoOptions& o) {
       ->capture_default_str()
       ->check(IntIn<int>(0, 1 << 16));
   cmd.add_option("--layers-in-flight", o.layers_in_flight,
-                 "layers the synchronous loop runs at once (their messages and READs overlap; "
-                 "each commits whole, in order); in place each takes a staging buffer of a layer")
+                 "layers the synchronous loop (and --pipeline) runs at once (their messages and "
+                 "READs overlap; each commits whole, in order); in place each takes a staging "
+                 "buffer of a layer")
       ->capture_default_str()
       ->check(IntIn<int>(1, 4096));
   cmd.add_option("--tensors", o.tensors, "weight tensors per expert")

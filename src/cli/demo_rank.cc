@@ -193,6 +193,7 @@ std::shared_ptr<internal::FaultPlan> DrillPlan(const DemoOptions& o) {
 }  // namespace
 
 int StagingLayers(const DemoOptions& o) {
+  if (o.spare_rows > 0 && o.spare_rows >= o.slots_per_rank) return std::max(o.layers_in_flight, 1);
   const uint64_t layer_bytes =
       o.expert_bytes_value * (static_cast<uint64_t>(o.slots_per_rank) + o.spare_rows);
   return static_cast<int>(std::clamp<uint64_t>((1ull << 30) / std::max<uint64_t>(layer_bytes, 1), 1,
@@ -366,7 +367,7 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann:
     // Staging for the pipeline or for layers in flight in place, before anything is timed:
     // in place a buffer (a layer's rows) per layer in flight, at most 1 GiB of them.
     AsyncOptions staging;
-    if (!o.pipeline) staging.max_layers_in_flight = StagingLayers(o);
+    staging.max_layers_in_flight = StagingLayers(o);
     Status reserved = (*rearranger)->Reserve(staging);
     if (!reserved.ok()) return fail_setup(reserved.message());
   }
@@ -408,7 +409,8 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann:
     RearrangeReport rr;
     if (o.pipeline) {
       // The asynchronous pipeline with no engine around it: Commit() back to back, no budget
-      // (every READ posted as soon as its READY comes), up to 4 layers in flight.
+      // (every READ posted as soon as its READY comes), as many layers in flight as the
+      // synchronous loop (StagingLayers: all of --layers-in-flight with a spare row per slot).
       const auto t0 = std::chrono::steady_clock::now();
       MigrationOptions mo;
       mo.ranks = o.ranks;
@@ -417,6 +419,7 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann:
       AsyncOptions ao;
       ao.step_budget_bytes = UINT64_MAX / 4;
       ao.max_bytes_in_flight = UINT64_MAX / 4;
+      ao.max_layers_in_flight = StagingLayers(o);
       Status begun = plan.ok() ? (*rearranger)->Begin(*current, *next, *plan, ao) : plan.status();
       rr.status = begun;
       while (begun.ok() && (*rearranger)->busy()) {

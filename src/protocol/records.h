@@ -16,7 +16,7 @@ namespace eplbx::protocol {
 
 enum class RecordKind : uint8_t {
   kReady = 1,     // source -> reader: the expert's rows are stable, READ them
-  kReadDone = 2,  // reader -> source (attached to the READ): the data landed
+  kReadDone = 2,  // reader -> source, once the READ completed here: the data landed
   kDone = 3,      // rank -> every rank: my reads and my readers' reads are complete
   kAbort = 4,     // rank -> every rank: the generation failed; reason attached
   kMaps = 5,      // rank -> every rank: a chunk of the layer's old (and new) map, first

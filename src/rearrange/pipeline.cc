@@ -16,7 +16,6 @@
 // thread) between calls; records are handled only inside calls, so a layer needs a few
 // calls from each rank (MAPS and READY, then READ_DONE, then DONE).
 #include <algorithm>
-#include <cstring>
 #include <optional>
 
 #include "common/strings.h"
@@ -50,6 +49,7 @@ struct RearrangerImpl::Pipeline {
   Status failure;  // this rank failed: its next vote says so
   protocol::Clock::time_point deadline, started;
   std::vector<int> free_slots;
+  std::vector<bool> staged;  // per layer: lands in a staging buffer on this rank
   RearrangeReport report;
   std::vector<PathTotals> paths_before;
   std::function<bool(uint64_t)> gate;
@@ -152,8 +152,16 @@ Status RearrangerImpl::Begin(const Placement& from, const Placement& to, const M
                   ? opt.step_budget_bytes
                   : std::max<uint64_t>(1, (busiest + opt.target_steps - 1) / opt.target_steps);
   p->cap = opt.max_bytes_in_flight != 0 ? opt.max_bytes_in_flight : 2 * p->budget;
-  EPLBX_RETURN_IF_ERROR(Reserve(opt));
-  const size_t slots = std::min<size_t>(opt.max_layers_in_flight, std::max(p->layers, 1u));
+  // A layer that lands in staging (in place, or a rank whose new rows do not fit its spare
+  // rows) takes a staging buffer while it runs; one that swaps takes none, so with a spare
+  // row per slot every layer in flight runs without one.
+  p->staged.assign(p->layers, true);
+  for (uint32_t l = 0; l < p->layers && layout.spare_rows != 0; ++l)
+    p->staged[l] = !PlanRows(self(), l, plan.layers[l]).swap;
+  const size_t slots =
+      std::min(static_cast<size_t>(opt.max_layers_in_flight),
+               static_cast<size_t>(std::count(p->staged.begin(), p->staged.end(), true)));
+  EPLBX_RETURN_IF_ERROR(EnsureStaging(slots, /*touch=*/true));
   for (size_t i = 0; i < slots; ++i) p->free_slots.push_back(static_cast<int>(slots - 1 - i));
   Pipeline* raw = p.get();
   p->gate = [raw](uint64_t bytes) {
@@ -171,18 +179,11 @@ Status RearrangerImpl::Begin(const Placement& from, const Placement& to, const M
 }
 
 Status RearrangerImpl::Reserve(const AsyncOptions& opt) {
-  const size_t slots = std::min<size_t>(std::max(opt.max_layers_in_flight, 1),
-                                        std::max<size_t>(layout.layers.size(), 1));
-  while (staging.size() < slots) {
-    Result<RegisteredRegion> s = agent->AllocateShared(StagingBytes());
-    if (!s.ok()) {
-      return s.status().WithPrefix(
-          StrCat("rank ", self(), ": staging buffer ", staging.size() + 1, " of ", slots));
-    }
-    std::memset(s->data(), 0, StagingBytes());  // its pages exist before serving needs them
-    staging.push_back(std::move(*s));
-  }
-  return Status::OK();
+  // With a spare row per slot no layer ever lands in staging: nothing to reserve.
+  if (caller_rows || !MayStage()) return Status::OK();
+  return EnsureStaging(std::min<size_t>(std::max(opt.max_layers_in_flight, 1),
+                                        std::max<size_t>(layout.layers.size(), 1)),
+                       /*touch=*/true);
 }
 
 namespace {
@@ -232,12 +233,17 @@ void RearrangerImpl::PollTurn() {
   auto vote = [&p, this](uint32_t from, const Record& r) {
     p.TakeVote(from, r, world(), boot->epoch());
   };
-  // Start layers while staging is free.
-  while (p.failure.ok() && p.runs.size() < p.layers && !p.free_slots.empty()) {
+  // Start layers, in order, while fewer than max_layers_in_flight are started and not
+  // committed, and a layer that lands in staging has a buffer.
+  while (p.failure.ok() && p.runs.size() < p.layers &&
+         p.runs.size() - p.applied < static_cast<size_t>(p.opt.max_layers_in_flight)) {
     const uint32_t l = static_cast<uint32_t>(p.runs.size());
+    if (p.staged[l] && p.free_slots.empty()) break;
     auto run = std::make_unique<Run>();
-    run->slot = p.free_slots.back();
-    p.free_slots.pop_back();
+    if (p.staged[l]) {
+      run->slot = p.free_slots.back();
+      p.free_slots.pop_back();
+    }
     run->job = MakeLayerJob(l, p.plan.layers[l], p.from, p.to, run->slot);
     run->defer_commit = true;
     run->gate = &p.gate;
@@ -367,8 +373,14 @@ CommitResult RearrangerImpl::Commit() {
                                     p.step - 1, " from rank ", missing));
       break;
     }
+    // As in Poll: the records this wait's events call for leave together, each peer's as
+    // one message, and its READs are posted together (a lone READ would be copied on this
+    // thread, which then hears of nothing else until it is done).
+    ++hold_sends;
     Handle(agent->WaitEvents(std::chrono::milliseconds(kTickMs)), route, vote);
     for (Run* run : p.Running()) Reap(*run);
+    Flush();
+    --hold_sends;
   }
   out.wait_seconds = std::chrono::duration<double>(env->Now() - t0).count();
   if (!lost.ok()) {
@@ -393,7 +405,7 @@ CommitResult RearrangerImpl::Commit() {
     run.outcome.committed = true;
     run.outcome.swapped = run.job.swap;
     out.bytes_copied += copied;
-    p.free_slots.push_back(run.slot);
+    if (p.staged[l]) p.free_slots.push_back(run.slot);
     CommittedLayer c;
     c.layer = l;
     for (int s = 0; s < p.to.slots(); ++s)

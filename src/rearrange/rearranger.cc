@@ -82,6 +82,27 @@ uint64_t RearrangerImpl::StagingBytes() const {
   return most;
 }
 
+bool RearrangerImpl::MayStage() const {
+  if (layout.spare_rows == 0) return true;
+  for (size_t l = 0; l < layout.layers.size(); ++l) {
+    if (layout.spare_rows < layout.slots(l)) return true;
+  }
+  return false;
+}
+
+Status RearrangerImpl::EnsureStaging(size_t count, bool touch) {
+  while (staging.size() < count) {
+    Result<RegisteredRegion> s = agent->AllocateShared(StagingBytes());
+    if (!s.ok()) {
+      return s.status().WithPrefix(
+          StrCat("rank ", self(), ": staging buffer ", staging.size() + 1, " of ", count));
+    }
+    if (touch) std::memset(s->data(), 0, StagingBytes());
+    staging.push_back(std::move(*s));
+  }
+  return Status::OK();
+}
+
 Status RearrangerImpl::Setup() {
   // Our row tables in force go out with the layout (after commits in swap mode they are no
   // longer the ones we were created with).
@@ -160,12 +181,7 @@ Status RearrangerImpl::Setup() {
     connected.push_back(*p);
     rank_of_name[agent->Peer(*p)->name] = r;
   }
-  if (staging.empty() && !caller_rows) {
-    Result<RegisteredRegion> s = agent->AllocateShared(StagingBytes());
-    if (!s.ok())
-      return s.status().WithPrefix(StrCat("rank ", self(), ": staging buffer of one layer"));
-    staging.push_back(std::move(*s));
-  }
+  if (!caller_rows && MayStage()) EPLBX_RETURN_IF_ERROR(EnsureStaging(1, /*touch=*/false));
   // Nobody starts moving bytes before every rank is connected to every other.
   Status ready = boot->Barrier(wait);
   if (!ready.ok())
@@ -776,6 +792,10 @@ RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to
   std::vector<bool> staged(static_cast<size_t>(layers), true);
   for (int l = 0; l < layers && d.layout.spare_rows != 0; ++l)
     staged[l] = !d.PlanRows(d.self(), static_cast<uint32_t>(l), plan.layers[l]).swap;
+  if (std::find(staged.begin(), staged.end(), true) != staged.end()) {
+    report.status = d.EnsureStaging(1, /*touch=*/false);  // none when no layer could stage
+    if (!report.status.ok()) return report;
+  }
   std::vector<LayerOutcome> outcomes = d.RunJobs(
       static_cast<uint32_t>(layers), static_cast<size_t>(std::max(d.options.layers_in_flight, 1)),
       [&](uint32_t l) { return staged[l]; },
@@ -811,6 +831,7 @@ Status Rearranger::Reserve(const AsyncOptions& options) { return impl_->Reserve(
 CommitResult Rearranger::Commit() { return impl_->Commit(); }
 AsyncProgress Rearranger::progress() const { return impl_->Progress(); }
 bool Rearranger::busy() const { return impl_->Busy(); }
+uint64_t Rearranger::staging_bytes() const { return impl_->staging.size() * impl_->StagingBytes(); }
 RearrangeReport Rearranger::async_report() const { return impl_->PipelineReport(); }
 
 bool Rearranger::failed() const { return impl_->failed; }

@@ -133,6 +133,13 @@ class RearrangerImpl {
   }
   // Bytes of one staging buffer (the largest layer).
   uint64_t StagingBytes() const;
+  // Whether a layer of this rank can ever land in staging: in place, or a layer with fewer
+  // spare rows than slots (its new rows may not all fit). With a spare row per slot in every
+  // layer, every rank-layer swaps and no staging buffer is ever needed.
+  bool MayStage() const;
+  // Allocates staging buffers until there are `count`; `touch`: writes every page of the new
+  // ones, so that their pages exist before serving needs them.
+  Status EnsureStaging(size_t count, bool touch);
 
   // ---- pipeline (pipeline.cc) ----
   struct Pipeline;

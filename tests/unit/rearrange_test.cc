@@ -793,6 +793,8 @@ struct ServeLog {
   uint64_t bytes_copied = 0;
   uint64_t layers_swapped = 0;  // committed by a new row table (swap mode)
   int64_t max_steps_to_finish = 0;
+  uint32_t max_layers_open = 0;  // the most layers started and not committed at once
+  uint64_t staging_bytes = 0;    // the Rearranger's staging buffers at the end
 };
 
 uint64_t Digest(const std::vector<std::vector<int32_t>>& maps) {
@@ -855,6 +857,11 @@ void ServeRank(Rank& rank, Bootstrap& boot, int steps, int every, const AsyncOpt
       began = step;
     }
     (void)(*re)->Poll();  // as an engine would, between its layers
+    const AsyncProgress pr = (*re)->progress();
+    if (pr.active) {
+      log->max_layers_open =
+          std::max(log->max_layers_open, pr.layers_started - pr.layers_committed);
+    }
     CommitResult c = (*re)->Commit();
     for (const CommittedLayer& cl : c.layers) {
       maps[cl.layer] = cl.phy2log;
@@ -875,6 +882,7 @@ void ServeRank(Rank& rank, Bootstrap& boot, int steps, int every, const AsyncOpt
     for (const CommittedLayer& cl : c.layers) maps[cl.layer] = cl.phy2log;
     if (c.finished) log->endings.push_back(c.status.ok() ? "ok" : c.status.message());
   }
+  log->staging_bytes = (*re)->staging_bytes();
 }
 
 std::vector<ServeLog> ServeOnThreads(std::vector<std::unique_ptr<Rank>>& ranks,
@@ -970,6 +978,35 @@ TEST(PipelineTest, TheMapNeverLiesWhileServing) { ExpectTheMapNeverLies(0); }
 // The same in swap mode (two spare rows: some rank-layers swap, some fall back to in place):
 // the forward pass reads every slot through the row table each commit hands out.
 TEST(PipelineTest, TheMapNeverLiesWhileServingInSwapMode) { ExpectTheMapNeverLies(2); }
+
+// With a spare row per slot every rank-layer swaps (issue 34): the pipeline holds no staging
+// buffer, ever, and max_layers_in_flight alone bounds the layers open at once (in place,
+// the same rebalances hold staging buffers and the same bound). Every row is checked
+// before every step, as above.
+TEST(PipelineTest, ASpareRowPerSlotHoldsNoStaging) {
+  std::mt19937 rng(43);
+  const RandomMoves m(rng);
+  for (uint32_t spare : {0u, static_cast<uint32_t>(kRows)}) {
+    SCOPED_TRACE(testing::Message() << "spare rows: " << spare);
+    auto ranks = MakeRanks(m.before, -1, nullptr, spare);
+    AsyncOptions ao;
+    ao.step_budget_bytes = kBytes[0] + kBytes[1];  // a row a step: layers stay open
+    ao.max_layers_in_flight = 2;
+    auto logs = ServeOnThreads(ranks, m.before, 160, 40, ao, std::chrono::seconds(10));
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      EXPECT_EQ(logs[r].endings, std::vector<std::string>(4, "ok")) << "rank " << r;
+      EXPECT_EQ(logs[r].maps_digest, logs[0].maps_digest) << "rank " << r;
+      EXPECT_EQ(logs[r].rows_checked, 160ull * kLayers * 2 * kRows);
+      EXPECT_EQ(logs[r].max_layers_open, 2u) << "rank " << r;
+      if (spare == 0) {
+        EXPECT_GT(logs[r].staging_bytes, 0u) << "rank " << r;
+      } else {
+        EXPECT_EQ(logs[r].staging_bytes, 0u) << "rank " << r;
+        EXPECT_EQ(logs[r].layers_swapped, logs[r].commit_steps.size()) << "rank " << r;
+      }
+    }
+  }
+}
 
 // A stalled rebalance (a READ that never completes, a layer deadline far away) ends at the
 // rebalance deadline on every rank, by name, with the old maps in force; the progress

@@ -76,27 +76,59 @@ std::vector<int32_t> CompleteSlots(std::span<const double> weight,
 void RelabelRanks(std::span<const int32_t> previous, std::vector<int32_t>& next, int ranks,
                   int ranks_per_node) {
   const size_t per_rank = next.size() / static_cast<size_t>(ranks);
-  auto experts_of = [&](std::span<const int32_t> slots, int r) {
-    return std::set<int32_t>(slots.begin() + r * per_rank, slots.begin() + (r + 1) * per_rank);
+  // Each rank's distinct experts (holes left out), sorted: rank r at [r * per_rank, + size).
+  auto distinct = [per_rank, ranks](std::span<const int32_t> slots, std::vector<int32_t>& out,
+                                    std::vector<size_t>& size) {
+    out.assign(slots.begin(), slots.end());
+    size.assign(static_cast<size_t>(ranks), 0);
+    for (size_t r = 0; r < static_cast<size_t>(ranks); ++r) {
+      const auto first = out.begin() + static_cast<std::ptrdiff_t>(r * per_rank);
+      const auto last = first + static_cast<std::ptrdiff_t>(per_rank);
+      std::sort(first, last);
+      const auto held = std::lower_bound(first, last, 0);  // holes (-1) sort first
+      size[r] = static_cast<size_t>(std::copy(held, std::unique(held, last), first) - first);
+    }
   };
-  std::vector<int32_t> renamed(next.size());
-  for (int base = 0; base < ranks; base += ranks_per_node) {
-    std::vector<std::vector<int>> shared(static_cast<size_t>(ranks_per_node),
-                                         std::vector<int>(static_cast<size_t>(ranks_per_node)));
-    for (int i = 0; i < ranks_per_node; ++i) {
-      const std::set<int32_t> mine = experts_of(next, base + i);
-      for (int j = 0; j < ranks_per_node; ++j) {
-        for (int32_t e : experts_of(previous, base + j)) shared[i][j] += e >= 0 && mine.count(e);
+  std::vector<int32_t> mine, theirs;
+  std::vector<size_t> mine_size, theirs_size;
+  distinct(next, mine, mine_size);
+  distinct(previous, theirs, theirs_size);
+  // Experts rank i of `next` and rank j of `previous` both hold (merge of sorted lists).
+  auto shared_experts = [&](size_t i, size_t j) {
+    const int32_t* a = mine.data() + i * per_rank;
+    const int32_t* b = theirs.data() + j * per_rank;
+    const int32_t *a_end = a + mine_size[i], *b_end = b + theirs_size[j];
+    int n = 0;
+    while (a != a_end && b != b_end) {
+      if (*a < *b) {
+        ++a;
+      } else if (*b < *a) {
+        ++b;
+      } else {
+        ++n, ++a, ++b;
       }
     }
-    std::vector<int> target(static_cast<size_t>(ranks_per_node), -1);
-    std::vector<bool> taken(static_cast<size_t>(ranks_per_node), false);
+    return n;
+  };
+  std::vector<int32_t> renamed(next.size());
+  std::vector<int> shared(static_cast<size_t>(ranks_per_node) * ranks_per_node);
+  std::vector<int> target(static_cast<size_t>(ranks_per_node));
+  std::vector<bool> taken(static_cast<size_t>(ranks_per_node));
+  for (int base = 0; base < ranks; base += ranks_per_node) {
+    for (int i = 0; i < ranks_per_node; ++i) {
+      for (int j = 0; j < ranks_per_node; ++j)
+        shared[i * ranks_per_node + j] = shared_experts(base + i, base + j);
+    }
+    std::fill(target.begin(), target.end(), -1);
+    std::fill(taken.begin(), taken.end(), false);
     for (int round = 0; round < ranks_per_node; ++round) {
       int bi = -1, bj = -1;
       for (int i = 0; i < ranks_per_node; ++i) {
         if (target[i] >= 0) continue;
         for (int j = 0; j < ranks_per_node; ++j) {
-          if (!taken[j] && (bi < 0 || shared[i][j] > shared[bi][bj])) bi = i, bj = j;
+          if (!taken[j] &&
+              (bi < 0 || shared[i * ranks_per_node + j] > shared[bi * ranks_per_node + bj]))
+            bi = i, bj = j;
         }
       }
       target[bi] = bj;

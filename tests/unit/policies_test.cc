@@ -805,6 +805,62 @@ TEST(RowsTest, EveryPolicyKeepsStayingExpertsInTheirRows) {
   }
 }
 
+// RelabelRanks against a plain reading of its contract (sets of each rank's experts; the pair
+// of ranks sharing the most first, ties to the lowest ranks), on random placements with
+// holes and duplicate experts: the same renaming, each rank's slots moved as a block within
+// its node.
+TEST(RowsTest, RelabelRanksKeepsMostPairsGreedily) {
+  auto reference = [](const std::vector<int32_t>& previous, std::vector<int32_t> next, int ranks,
+                      int per_node) {
+    const size_t per_rank = next.size() / static_cast<size_t>(ranks);
+    auto experts = [&](const std::vector<int32_t>& v, int r) {
+      std::set<int32_t> out(v.begin() + r * per_rank, v.begin() + (r + 1) * per_rank);
+      out.erase(out.begin(), out.lower_bound(0));
+      return out;
+    };
+    std::vector<int32_t> out(next.size());
+    for (int base = 0; base < ranks; base += per_node) {
+      std::vector<std::vector<int>> shared(per_node, std::vector<int>(per_node));
+      for (int i = 0; i < per_node; ++i) {
+        for (int j = 0; j < per_node; ++j) {
+          for (int32_t e : experts(previous, base + j))
+            shared[i][j] += experts(next, base + i).count(e);
+        }
+      }
+      std::vector<int> target(per_node, -1);
+      std::vector<bool> taken(per_node, false);
+      for (int round = 0; round < per_node; ++round) {
+        int bi = -1, bj = -1;
+        for (int i = 0; i < per_node; ++i) {
+          for (int j = 0; j < per_node && target[i] < 0; ++j) {
+            if (!taken[j] && (bi < 0 || shared[i][j] > shared[bi][bj])) bi = i, bj = j;
+          }
+        }
+        target[bi] = bj;
+        taken[bj] = true;
+      }
+      for (int i = 0; i < per_node; ++i) {
+        std::copy_n(next.begin() + (base + i) * per_rank, per_rank,
+                    out.begin() + (base + target[i]) * per_rank);
+      }
+    }
+    return out;
+  };
+  std::mt19937 rng(77);
+  for (int trial = 0; trial < 400; ++trial) {
+    const int nodes = 1 + static_cast<int>(rng() % 3), per_node = 1 + static_cast<int>(rng() % 6);
+    const int ranks = nodes * per_node, per_rank = 1 + static_cast<int>(rng() % 5);
+    const int experts = 1 + static_cast<int>(rng() % 12);
+    std::vector<int32_t> previous(static_cast<size_t>(ranks * per_rank)), next(previous.size());
+    for (int32_t& e : previous) e = static_cast<int32_t>(rng() % (experts + 1)) - 1;  // -1: hole
+    for (int32_t& e : next) e = static_cast<int32_t>(rng() % (experts + 1)) - 1;
+    const std::vector<int32_t> expected = reference(previous, next, ranks, per_node);
+    std::vector<int32_t> got = next;
+    internal::RelabelRanks(previous, got, ranks, per_node);
+    ASSERT_EQ(got, expected) << "trial " << trial;
+  }
+}
+
 TEST(MovesTest, CountsRemoteLocalAndUnchanged) {
   // rank 0: [0,1] -> [1,2]: 1 moves rows (local), 2 is new (remote). rank 1 unchanged.
   const Placement a = *Placement::FromPhy2Log(1, 4, 4, {0, 1, 2, 3});

@@ -154,7 +154,8 @@ Status RearrangerImpl::Begin(const Placement& from, const Placement& to, const M
   p->cap = opt.max_bytes_in_flight != 0 ? opt.max_bytes_in_flight : 2 * p->budget;
   // A layer that lands in staging (in place, or a rank whose new rows do not fit its spare
   // rows) takes a staging buffer while it runs; one that swaps takes none, so with a spare
-  // row per slot every layer in flight runs without one.
+  // row per slot every layer in flight runs without one. (MakeLayerJob decides the same
+  // later: a layer's row tables change only at its own commit.)
   p->staged.assign(p->layers, true);
   for (uint32_t l = 0; l < p->layers && layout.spare_rows != 0; ++l)
     p->staged[l] = !PlanRows(self(), l, plan.layers[l]).swap;

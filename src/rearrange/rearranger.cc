@@ -181,6 +181,8 @@ Status RearrangerImpl::Setup() {
     connected.push_back(*p);
     rank_of_name[agent->Peer(*p)->name] = r;
   }
+  // A layer that lands in staging needs one buffer at least (PlanRows never asks for it
+  // when MayStage is false: a spare row per slot holds every new row).
   if (!caller_rows && MayStage()) EPLBX_RETURN_IF_ERROR(EnsureStaging(1, /*touch=*/false));
   // Nobody starts moving bytes before every rank is connected to every other.
   Status ready = boot->Barrier(wait);
@@ -792,10 +794,6 @@ RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to
   std::vector<bool> staged(static_cast<size_t>(layers), true);
   for (int l = 0; l < layers && d.layout.spare_rows != 0; ++l)
     staged[l] = !d.PlanRows(d.self(), static_cast<uint32_t>(l), plan.layers[l]).swap;
-  if (std::find(staged.begin(), staged.end(), true) != staged.end()) {
-    report.status = d.EnsureStaging(1, /*touch=*/false);  // none when no layer could stage
-    if (!report.status.ok()) return report;
-  }
   std::vector<LayerOutcome> outcomes = d.RunJobs(
       static_cast<uint32_t>(layers), static_cast<size_t>(std::max(d.options.layers_in_flight, 1)),
       [&](uint32_t l) { return staged[l]; },

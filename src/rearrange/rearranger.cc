@@ -499,10 +499,10 @@ std::vector<LayerOutcome> RearrangerImpl::RunJobs(
             StrCat("not applied: layer ", runs[applied - 1]->job.layer, " before it failed");
       }
       if (!r.outcome.committed && !stopped) {
-        stopped = true;  // the rest fail with it: every rank is told (ABORT)
+        stopped = true;  // the rest fail with it: every rank is told (ABORT), with the cause
         for (Run* other : running()) {
-          Execute(*other,
-                  other->protocol->Fail(StrCat("layer ", r.job.layer, " failed before it")));
+          Execute(*other, other->protocol->Fail(StrCat("layer ", r.job.layer,
+                                                       " failed before it: ", r.outcome.error)));
         }
       }
       if (staged(static_cast<uint32_t>(applied))) free_slots.push_back(r.slot);

@@ -351,14 +351,33 @@ void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* befo
   // first candidate evaluated.
   std::optional<RepointEvaluator> eval;
   if (l.goal > 0) eval.emplace(l);
-  auto consider = [&](int a, int ra, int32_t y) {
+  // With a goal: y's share with one replica more, per expert (asked for every slot).
+  std::vector<double> sy_new_of;
+  if (l.goal > 0) {
+    sy_new_of.resize(static_cast<size_t>(n));
+    for (int32_t y = 0; y < n; ++y) sy_new_of[y] = l.weight[y] / (l.count[y] + 1);
+  }
+  // The parts of the bound that depend on the slot alone (x, its rank ra), computed once a
+  // slot: the excess of ra, x's share less y's new one at most, and the penalty of x's
+  // other ranks before those holding y are taken out.
+  struct SlotTerms {
+    double excess, share, penalty;
+    int paid;
+  };
+  auto slot_terms = [&](int a, int ra) {
+    const int32_t x = l.expert[a];
+    return SlotTerms{Excess(l, l.load[ra]), l.share(x),
+                     l.goal > 0 ? x_penalty[x] - rise(ra, x) : 0.0,
+                     Paid(before, l.count.size(), ra, x)};
+  };
+  auto consider = [&](int a, int ra, int32_t y, const SlotTerms& t) {
     const int32_t x = l.expert[a];
     if (y == x || l.count[y] >= l.ranks || l.holds(ra, y)) return;
-    const int copies = Paid(before, l.count.size(), ra, y) - Paid(before, l.count.size(), ra, x);
+    const int copies = Paid(before, l.count.size(), ra, y) - t.paid;
     if (l.goal > 0 && l.repoint_bounds) {
-      const double sy_new = l.weight[y] / (l.count[y] + 1);
+      const double sy_new = sy_new_of[y];
       // x's ranks but ra and those holding y (each once; rises are never negative).
-      double penalty = x_penalty[x] - rise(ra, x);
+      double penalty = t.penalty;
       const std::span<const int> y_ranks = eval->Holders(y);
       for (size_t i = 0; i < y_ranks.size(); ++i) {
         const int r = y_ranks[i];
@@ -367,8 +386,8 @@ void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* befo
           penalty -= rise(r, x);
       }
       // (plus a hair for rounding in the evaluation's sums)
-      const double bound = std::min(Excess(l, l.load[ra]), std::max(0.0, l.share(x) - sy_new)) +
-                           y_relief[y] - std::max(0.0, penalty) + 1e-12 * l.goal;
+      const double bound = std::min(t.excess, std::max(0.0, t.share - sy_new)) + y_relief[y] -
+                           std::max(0.0, penalty) + 1e-12 * l.goal;
       if (CannotBeat(copies > 0 ? bound / copies : 4 * bound, best)) return;
     }
     if (!eval) eval.emplace(l);
@@ -385,19 +404,24 @@ void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* befo
   auto redundant = [&](int s) { return l.expert[s] >= 0 && l.count[l.expert[s]] >= 2; };
   for (int a = top * k; a < (top + 1) * k; ++a) {
     if (!redundant(a)) continue;
-    for (int32_t y = 0; y < n; ++y) consider(a, top, y);
+    const SlotTerms t = slot_terms(a, top);
+    for (int32_t y = 0; y < n; ++y) consider(a, top, y, t);
   }
-  std::vector<std::pair<int, int>> elsewhere;  // (slot, rank) of the others, slot order
+  struct Other {
+    int a, r;
+    SlotTerms t;
+  };
+  std::vector<Other> elsewhere;  // the others, slot order
   for (int r = 0; r < l.ranks; ++r) {
     if (r == top) continue;
     for (int a = r * k; a < (r + 1) * k; ++a) {
-      if (redundant(a)) elsewhere.emplace_back(a, r);
+      if (redundant(a)) elsewhere.push_back({a, r, slot_terms(a, r)});
     }
   }
   for (int j = top * k; j < (top + 1) * k; ++j) {
     const int32_t y = l.expert[j];
     if (y < 0 || l.count[y] >= l.ranks) continue;
-    for (const auto& [a, r] : elsewhere) consider(a, r, y);
+    for (const Other& o : elsewhere) consider(o.a, o.r, y, o.t);
   }
 }
 

@@ -5,6 +5,7 @@
 #include <map>
 #include <numeric>
 
+#include "plan/balanced_internal.h"
 #include "plan/incremental_internal.h"
 #include "plan/rows.h"
 
@@ -276,6 +277,64 @@ bool Regroup(const LayerContext& c, std::span<const int32_t> previous,
     if (!misses && accept(out)) return true;
   }
   return false;
+}
+
+std::vector<int32_t> StickyFromBalanced(const LayerContext& c, std::span<const int32_t> balanced,
+                                        std::span<const int32_t> previous, double cap) {
+  const int ranks_per_node = c.ranks_per_slice();
+  const size_t per_rank = balanced.size() / static_cast<size_t>(c.topology.ranks);
+  std::vector<int32_t> out(balanced.size());
+  for (const NodeSlice& n : Slices(c, balanced)) {
+    std::vector<int32_t> count(n.ids.size(), 0);
+    for (int32_t e : n.ToLocal(balanced)) ++count[e];
+    std::vector<uint8_t> held(static_cast<size_t>(ranks_per_node) * n.ids.size(), 0);
+    const std::vector<int32_t> before = n.ToLocal(previous);
+    for (size_t s = 0; s < n.size; ++s) {
+      if (before[s] >= 0) held[s / per_rank * n.ids.size() + before[s]] = 1;
+    }
+    const std::span<int32_t> node_out = std::span<int32_t>(out).subspan(n.first, n.size);
+    StickySlots(n.weight, count, held, ranks_per_node, cap, node_out);
+    for (int32_t& e : node_out) e = n.ids[e];
+  }
+  return out;
+}
+
+std::vector<int32_t> RepairNodes(const LayerContext& c, std::span<const int32_t> previous,
+                                 std::span<const int32_t> start,
+                                 const std::vector<int32_t>& node_of,
+                                 const std::vector<int32_t>& local,
+                                 const std::vector<int32_t>& balanced, double goal) {
+  const Topology& t = c.topology;
+  const int rpn = t.ranks_per_node();
+  const std::vector<int32_t> balanced_node_of = GroupNodes(c, balanced);
+  if (balanced_node_of.empty()) return {};
+  auto misses = [&](const std::vector<int32_t>& slots, int node) {
+    const std::vector<double> load = RankLoads(c.weight, slots, t.ranks);
+    return std::any_of(load.begin() + node * rpn, load.begin() + (node + 1) * rpn,
+                       [&](double l) { return l > goal; });
+  };
+  std::vector<int> repair;
+  for (int node = 0; node < t.nodes; ++node) {
+    if (!misses(local, node)) continue;
+    for (int g = 0; g < t.groups; ++g) {
+      if ((node_of[g] == node) != (balanced_node_of[g] == node)) return {};
+    }
+    repair.push_back(node);
+  }
+  if (repair.empty()) return {};
+  std::vector<int32_t> out = local;
+  const std::vector<int32_t> sticky = StickyFromBalanced(c, balanced, start, goal);
+  std::vector<int32_t> renamed = balanced;
+  RelabelRanks(previous, renamed, t.ranks, rpn);
+  const size_t per_node = out.size() / static_cast<size_t>(t.nodes);
+  for (int node : repair) {
+    ImproveNode(c, Slice(c, sticky, node), start, sticky, goal, out);
+    if (misses(out, node)) {
+      std::copy(renamed.begin() + node * per_node, renamed.begin() + (node + 1) * per_node,
+                out.begin() + node * per_node);
+    }
+  }
+  return out;
 }
 
 void RelabelNodes(std::span<const int32_t> previous, std::vector<int32_t>& next, int nodes,

@@ -87,6 +87,27 @@ bool Regroup(const LayerContext& c, std::span<const int32_t> previous,
              const std::vector<int32_t>& local, double goal, double miss,
              const std::function<bool(const std::vector<int32_t>&)>& accept);
 
+// The balanced placement's replica counts packed onto the ranks that held each expert in
+// `previous` where they stay within `cap` (per node in hierarchical mode: the node's
+// experts are those `balanced` puts there).
+std::vector<int32_t> StickyFromBalanced(const LayerContext& c, std::span<const int32_t> balanced,
+                                        std::span<const int32_t> previous, double cap);
+
+// Hierarchical mode, when local search from the previous placement (`local`, searched from
+// `start` with groups on the nodes `node_of` gives) leaves some nodes above `goal` and each
+// of them has the groups it has in `balanced` (so `balanced`'s part of it meets the goal):
+// those nodes alone are planned again, each with local search from `balanced`'s replica
+// counts of the node packed sticky (StickyFromBalanced), else, if still above the goal,
+// `balanced`'s part with the node's ranks renamed to keep the most (rank, expert) pairs of
+// `previous` (RelabelRanks); every other node keeps its part of `local` slot for slot.
+// Copies are pairs absent from `start`. Empty when a node above the goal has other groups
+// than in `balanced` (moving groups between nodes is Regroup's), or none is above it.
+std::vector<int32_t> RepairNodes(const LayerContext& c, std::span<const int32_t> previous,
+                                 std::span<const int32_t> start,
+                                 const std::vector<int32_t>& node_of,
+                                 const std::vector<int32_t>& local,
+                                 const std::vector<int32_t>& balanced, double goal);
+
 // Renames the nodes of `next` (moves whole node blocks of slots) so that as many experts
 // as possible stay on the node that held them in `previous`: exhaustive over node
 // permutations up to 8 nodes (ties: the first permutation in lexicographic order), greedy

@@ -99,33 +99,12 @@ void BalancedSlotsForLayer(const LayerContext& c, std::span<int32_t> out) {
   }
 }
 
-// The balanced placement's replica counts packed onto the ranks that held each expert
-// before where they stay within `cap` (per node in hierarchical mode: the node's experts
-// are those the balanced placement puts there).
-std::vector<int32_t> StickyFromBalanced(const LayerContext& c, std::span<const int32_t> balanced,
-                                        std::span<const int32_t> previous, double cap) {
-  const int ranks_per_node = c.ranks_per_slice();
-  const size_t per_rank = balanced.size() / static_cast<size_t>(c.topology.ranks);
-  std::vector<int32_t> out(balanced.size());
-  for (const NodeSlice& n : internal::Slices(c, balanced)) {
-    std::vector<int32_t> count(n.ids.size(), 0);
-    for (int32_t e : n.ToLocal(balanced)) ++count[e];
-    std::vector<uint8_t> held(static_cast<size_t>(ranks_per_node) * n.ids.size(), 0);
-    const std::vector<int32_t> before = n.ToLocal(previous);
-    for (size_t s = 0; s < n.size; ++s) {
-      if (before[s] >= 0) held[s / per_rank * n.ids.size() + before[s]] = 1;
-    }
-    const std::span<int32_t> node_out = std::span<int32_t>(out).subspan(n.first, n.size);
-    internal::StickySlots(n.weight, count, held, ranks_per_node, cap, node_out);
-    for (int32_t& e : node_out) e = n.ids[e];
-  }
-  return out;
-}
-
 // Candidates in order; the first within `tolerance` of balanced wins: (1) local search from
-// the previous placement (enough on almost every layer); (2) in hierarchical mode, when a
-// node's groups are too heavy for it, the cheapest swaps of groups between nodes
-// (Regroup); outside it, when the search stalls, its result re-pointed to the balanced
+// the previous placement (enough on almost every layer); (2) in hierarchical mode, when the
+// nodes it leaves above the goal have the groups `balanced` gives them, those nodes alone
+// planned again by (3) and (4) below, the others kept (RepairNodes); else, when a node's
+// groups are too heavy for it, the cheapest swaps of groups between nodes (Regroup);
+// outside hierarchical mode, when the search stalls, its result re-pointed to the balanced
 // placement's replica counts (AdoptCounts), then local search again; (3) local search from
 // the balanced counts packed sticky (StickyFromBalanced); (4) the balanced placement with
 // ranks renamed within each node to keep as many (rank, expert) pairs as possible, which
@@ -168,6 +147,11 @@ void IncrementalSlots(const LayerContext& c, std::span<const int32_t> previous, 
   if (!begin.empty()) {
     const std::vector<int32_t> local = internal::ImproveByNode(c, start, begin, goal);
     if (done(local)) return;
+    if (by_node) {
+      const std::vector<int32_t> repaired =
+          internal::RepairNodes(c, previous, start, node_of, local, balanced, goal);
+      if (!repaired.empty() && done(repaired)) return;
+    }
     if (by_node && internal::Regroup(c, start, begin, node_of, local, goal, miss, done)) return;
     if (!by_node) {
       std::vector<int32_t> count(c.weight.size(), 0);
@@ -176,7 +160,8 @@ void IncrementalSlots(const LayerContext& c, std::span<const int32_t> previous, 
       if (done(internal::ImproveByNode(c, start, adopted, goal))) return;
     }
   }
-  if (done(internal::ImproveByNode(c, start, StickyFromBalanced(c, balanced, start, goal), goal)))
+  if (done(internal::ImproveByNode(c, start, internal::StickyFromBalanced(c, balanced, start, goal),
+                                   goal)))
     return;
   internal::RelabelRanks(previous, balanced, t.ranks, t.ranks_per_node());
   std::copy(balanced.begin(), balanced.end(), out.begin());

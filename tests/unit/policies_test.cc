@@ -558,6 +558,93 @@ TEST(IncrementalTest, RegroupPassesOverOnlyCandidatesThatFail) {
   EXPECT_GT(refused, 20) << "no candidate was passed over";
 }
 
+// When local search from the previous placement leaves some nodes above the goal and those
+// nodes have the groups `balanced` gives them, RepairNodes plans only those nodes again:
+// every other node keeps its part of the local search's result slot for slot, a repaired
+// node holds the same experts as before and meets the goal, and when a node above the goal
+// has other groups than in `balanced` it repairs nothing (Regroup's case).
+TEST(IncrementalTest, RepairNodesReplansOnlyTheNodesAboveTheGoal) {
+  std::mt19937_64 rng(41);
+  int repaired_layers = 0, refused = 0, kept_nodes = 0, searched = 0, renamed_nodes = 0;
+  for (int trial = 0; trial < 120; ++trial) {
+    const Topology t{.ranks = 32, .nodes = 4, .slots = 288, .groups = 8};
+    LoadMatrix load = Zipf(1, 256, 1.0 + 0.05 * (trial % 10), rng);
+    const Placement prev = *Plan(load, t);  // deepseek's: local search often stalls from it
+    std::vector<double> v = load.values();
+    for (int k = 0; k < 2 * (trial % 4 == 3); ++k) {  // and, on every 4th, two groups grew
+      const int g = static_cast<int>(rng() % 8);
+      for (int e = 0; e < 32; ++e) v[g * 32 + e] *= 1.5 + (rng() % 100) / 50.0;
+    }
+    load = *LoadMatrix::Create(1, 256, v);
+    const std::span<const double> w(load.row(0), 256);
+    const internal::LayerContext c{t, w, true};
+    const std::vector<int32_t> start = internal::CompleteSlots(w, prev.phy2log(), t.ranks);
+    std::vector<int32_t> balanced = Plan(load, t, {.policy = Policy::kBalanced})->phy2log();
+    internal::RelabelNodes(start, balanced, t.nodes, 256);
+    const std::vector<int32_t> node_of = internal::GroupNodes(c, start);
+    ASSERT_FALSE(node_of.empty());
+    std::vector<int32_t> begin = start;
+    for (int node = 0; node < t.nodes; ++node)
+      begin = internal::Substitute(c, begin, node_of, node);
+    const double target = internal::SlotsBalancedness(w, balanced, t.ranks) - 0.002;
+    double total = 0;
+    for (double x : w) total += x;
+    const double goal = total / t.ranks / target;
+    const std::vector<int32_t> local = internal::ImproveByNode(c, start, begin, goal);
+    const std::vector<int32_t> repaired =
+        internal::RepairNodes(c, prev.phy2log(), start, node_of, local, balanced, goal);
+    const std::vector<int32_t> balanced_node_of = internal::GroupNodes(c, balanced);
+    std::vector<int32_t> renamed = balanced;
+    internal::RelabelRanks(prev.phy2log(), renamed, t.ranks, t.ranks_per_node());
+    const std::vector<double> load_local = internal::RankLoads(w, local, t.ranks);
+    const int rpn = t.ranks_per_node(), per_node = t.slots / t.nodes;
+    auto above = [&](const std::vector<double>& rank_load, int node) {
+      return *std::max_element(rank_load.begin() + node * rpn,
+                               rank_load.begin() + (node + 1) * rpn) > goal;
+    };
+    bool any_above = false, groups_differ = false;
+    for (int node = 0; node < t.nodes; ++node) {
+      if (!above(load_local, node)) continue;
+      any_above = true;
+      for (int g = 0; g < t.groups; ++g)
+        groups_differ |= (node_of[g] == node) != (balanced_node_of[g] == node);
+    }
+    if (!any_above || groups_differ) {
+      EXPECT_TRUE(repaired.empty()) << "trial " << trial;
+      refused += groups_differ;
+      continue;
+    }
+    ASSERT_EQ(repaired.size(), local.size()) << "trial " << trial;
+    ++repaired_layers;
+    EXPECT_GE(internal::SlotsBalancedness(w, repaired, t.ranks), target - 1e-12);
+    const std::vector<double> load_repaired = internal::RankLoads(w, repaired, t.ranks);
+    for (int node = 0; node < t.nodes; ++node) {
+      const auto part = [&](const std::vector<int32_t>& slots) {
+        return std::vector<int32_t>(slots.begin() + node * per_node,
+                                    slots.begin() + (node + 1) * per_node);
+      };
+      if (!above(load_local, node)) {
+        EXPECT_EQ(part(repaired), part(local)) << "trial " << trial << " node " << node;
+        ++kept_nodes;
+        continue;
+      }
+      EXPECT_FALSE(above(load_repaired, node)) << "trial " << trial << " node " << node;
+      std::vector<int32_t> a = part(repaired), b = part(local);
+      std::sort(a.begin(), a.end());
+      a.erase(std::unique(a.begin(), a.end()), a.end());
+      std::sort(b.begin(), b.end());
+      b.erase(std::unique(b.begin(), b.end()), b.end());
+      EXPECT_EQ(a, b) << "trial " << trial << " node " << node << ": other experts";
+      ++(part(repaired) == part(renamed) ? renamed_nodes : searched);
+    }
+  }
+  EXPECT_GT(repaired_layers, 20) << "RepairNodes ran too rarely to be tested";
+  EXPECT_GT(kept_nodes, 60);
+  EXPECT_GT(searched, 15) << "too few nodes were repaired by local search from the sticky packing";
+  EXPECT_GT(renamed_nodes, 0) << "no node fell back to balanced's part";
+  EXPECT_GT(refused, 0) << "no node above the goal had other groups than in balanced";
+}
+
 // A previous placement made without groups (global mode) splits groups across nodes; the
 // hierarchical incremental plan gathers every group on one node, within T of balanced, and
 // still moves less than planning balanced from scratch.

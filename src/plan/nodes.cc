@@ -279,23 +279,31 @@ bool Regroup(const LayerContext& c, std::span<const int32_t> previous,
   return false;
 }
 
-std::vector<int32_t> StickyFromBalanced(const LayerContext& c, std::span<const int32_t> balanced,
-                                        std::span<const int32_t> previous, double cap) {
+namespace {
+
+// StickyFromBalanced's packing of one slice (a node, or the whole layer), into `out`.
+void StickySlice(const LayerContext& c, const NodeSlice& n, std::span<const int32_t> balanced,
+                 std::span<const int32_t> previous, double cap, std::span<int32_t> out) {
   const int ranks_per_node = c.ranks_per_slice();
   const size_t per_rank = balanced.size() / static_cast<size_t>(c.topology.ranks);
-  std::vector<int32_t> out(balanced.size());
-  for (const NodeSlice& n : Slices(c, balanced)) {
-    std::vector<int32_t> count(n.ids.size(), 0);
-    for (int32_t e : n.ToLocal(balanced)) ++count[e];
-    std::vector<uint8_t> held(static_cast<size_t>(ranks_per_node) * n.ids.size(), 0);
-    const std::vector<int32_t> before = n.ToLocal(previous);
-    for (size_t s = 0; s < n.size; ++s) {
-      if (before[s] >= 0) held[s / per_rank * n.ids.size() + before[s]] = 1;
-    }
-    const std::span<int32_t> node_out = std::span<int32_t>(out).subspan(n.first, n.size);
-    StickySlots(n.weight, count, held, ranks_per_node, cap, node_out);
-    for (int32_t& e : node_out) e = n.ids[e];
+  std::vector<int32_t> count(n.ids.size(), 0);
+  for (int32_t e : n.ToLocal(balanced)) ++count[e];
+  std::vector<uint8_t> held(static_cast<size_t>(ranks_per_node) * n.ids.size(), 0);
+  const std::vector<int32_t> before = n.ToLocal(previous);
+  for (size_t s = 0; s < n.size; ++s) {
+    if (before[s] >= 0) held[s / per_rank * n.ids.size() + before[s]] = 1;
   }
+  const std::span<int32_t> node_out = out.subspan(n.first, n.size);
+  StickySlots(n.weight, count, held, ranks_per_node, cap, node_out);
+  for (int32_t& e : node_out) e = n.ids[e];
+}
+
+}  // namespace
+
+std::vector<int32_t> StickyFromBalanced(const LayerContext& c, std::span<const int32_t> balanced,
+                                        std::span<const int32_t> previous, double cap) {
+  std::vector<int32_t> out(balanced.size());
+  for (const NodeSlice& n : Slices(c, balanced)) StickySlice(c, n, balanced, previous, cap, out);
   return out;
 }
 
@@ -323,11 +331,12 @@ std::vector<int32_t> RepairNodes(const LayerContext& c, std::span<const int32_t>
   }
   if (repair.empty()) return {};
   std::vector<int32_t> out = local;
-  const std::vector<int32_t> sticky = StickyFromBalanced(c, balanced, start, goal);
+  std::vector<int32_t> sticky(balanced.size(), -1);  // the nodes repaired only
   std::vector<int32_t> renamed = balanced;
   RelabelRanks(previous, renamed, t.ranks, rpn);
   const size_t per_node = out.size() / static_cast<size_t>(t.nodes);
   for (int node : repair) {
+    StickySlice(c, Slice(c, balanced, node), balanced, start, goal, sticky);
     ImproveNode(c, Slice(c, sticky, node), start, sticky, goal, out);
     if (misses(out, node)) {
       std::copy(renamed.begin() + node * per_node, renamed.begin() + (node + 1) * per_node,

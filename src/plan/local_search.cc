@@ -1,6 +1,7 @@
 #include "plan/local_search.h"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <optional>
 
@@ -402,10 +403,65 @@ void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* befo
   // first those on `top` against every expert, then every other one (in slot order)
   // against each expert of `top`.
   auto redundant = [&](int s) { return l.expert[s] >= 0 && l.count[l.expert[s]] >= 2; };
+  // Slots of `top` against every expert it lacks that has room for a replica. With a goal,
+  // a y that no rank holding x holds has the slot's penalty as it is, so its bound is
+  // checked here from per-expert values before `consider` works it out again (the same
+  // bound: the same candidates skipped, in the same order).
+  const bool cheap_bounds = l.goal > 0 && l.repoint_bounds;
+  std::vector<int32_t> top_ys;  // the experts `top` lacks with room for one more replica
+  std::vector<int> top_paid;    // per expert: Paid on `top`
+  std::vector<int> mark;        // per expert: the slot whose x a rank holding it holds
+  std::vector<int> last_rank;   // per expert: the (rank + slot * ranks) it was last counted on
+  std::vector<double> taken_off;
+  if (cheap_bounds) {
+    top_paid.resize(static_cast<size_t>(n));
+    mark.assign(static_cast<size_t>(n), -1);
+    last_rank.assign(static_cast<size_t>(n), -1);
+    taken_off.resize(static_cast<size_t>(n));
+  }
+  for (int32_t y = 0; y < n; ++y) {
+    if (l.count[y] >= l.ranks || l.holds(top, y)) continue;
+    top_ys.push_back(y);
+    if (cheap_bounds) top_paid[y] = Paid(before, l.count.size(), top, y);
+  }
   for (int a = top * k; a < (top + 1) * k; ++a) {
     if (!redundant(a)) continue;
     const SlotTerms t = slot_terms(a, top);
-    for (int32_t y = 0; y < n; ++y) consider(a, top, y, t);
+    if (!cheap_bounds) {
+      for (int32_t y : top_ys) consider(a, top, y, t);
+      continue;
+    }
+    // What the ranks holding x (but `top`) take off the penalty of each y they hold: each
+    // such rank's rise once.
+    const int32_t x = l.expert[a];
+    const std::span<const int> x_ranks = eval->Holders(x);
+    for (size_t i = 0; i < x_ranks.size(); ++i) {
+      const int r = x_ranks[i];
+      if (r == top || (i > 0 && x_ranks[i - 1] == r)) continue;  // (a rank's replicas together)
+      const double off = rise(r, x);
+      for (int s = r * k; s < (r + 1) * k; ++s) {
+        const int32_t e = l.expert[s];
+        if (e < 0 || last_rank[e] == r + a * l.ranks) continue;  // once per rank
+        last_rank[e] = r + a * l.ranks;
+        if (mark[e] != a) {
+          mark[e] = a;
+          taken_off[e] = 0;
+        }
+        taken_off[e] += off;
+      }
+    }
+    for (int32_t y : top_ys) {
+      // y's penalty as `consider` subtracts it, up to rounding (a hair less, so the bound is
+      // never below the one `consider` computes)
+      double penalty = t.penalty;
+      if (mark[y] == a)
+        penalty = (penalty - taken_off[y]) - 1e-9 * (std::abs(penalty) + taken_off[y]);
+      const double bound = std::min(t.excess, std::max(0.0, t.share - sy_new_of[y])) + y_relief[y] -
+                           std::max(0.0, penalty) + 1e-12 * l.goal;
+      const int copies = top_paid[y] - t.paid;
+      if (CannotBeat(copies > 0 ? bound / copies : 4 * bound, best)) continue;
+      consider(a, top, y, t);
+    }
   }
   struct Other {
     int a, r;

@@ -408,10 +408,10 @@ void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* befo
   // checked here from per-expert values before `consider` works it out again (the same
   // bound: the same candidates skipped, in the same order).
   const bool cheap_bounds = l.goal > 0 && l.repoint_bounds;
-  std::vector<int32_t> top_ys;  // the experts `top` lacks with room for one more replica
-  std::vector<int> top_paid;    // per expert: Paid on `top`
-  std::vector<int> mark;        // per expert: the slot whose x a rank holding it holds
-  std::vector<int> last_rank;   // per expert: the (rank + slot * ranks) it was last counted on
+  std::vector<int32_t> top_ys;     // the experts `top` lacks with room for one more replica
+  std::vector<int> top_paid;       // per expert: Paid on `top`
+  std::vector<int> mark;           // per expert: the slot whose x a rank holding it holds
+  std::vector<int64_t> last_rank;  // per expert: the (rank + slot * ranks) last counted on
   std::vector<double> taken_off;
   if (cheap_bounds) {
     top_paid.resize(static_cast<size_t>(n));
@@ -441,8 +441,9 @@ void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* befo
       const double off = rise(r, x);
       for (int s = r * k; s < (r + 1) * k; ++s) {
         const int32_t e = l.expert[s];
-        if (e < 0 || last_rank[e] == r + a * l.ranks) continue;  // once per rank
-        last_rank[e] = r + a * l.ranks;
+        const int64_t stamp = r + int64_t{a} * l.ranks;
+        if (e < 0 || last_rank[e] == stamp) continue;  // once per rank
+        last_rank[e] = stamp;
         if (mark[e] != a) {
           mark[e] = a;
           taken_off[e] = 0;

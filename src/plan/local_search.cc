@@ -115,8 +115,12 @@ double Relief(const Layout& l, double t, double r, double t2, double r2) {
 }
 
 // Keeps the candidate with the most relief per copy paid (moves that cost no copy, or save
-// some, count four-fold; ties: the first found).
-void Consider(Move& best, double relief, int copies, Move candidate) {
+// some, count four-fold; ties: the first found). With a goal, a relief within rounding of
+// zero (at most 1e-9 of the goal) is no relief: two replicas of equal share traded back and
+// forth each "relieved" 1e-14 by rounding, and the search ran to its step limit without
+// changing the excess (4,096 moves a layer at EP256).
+void Consider(const Layout& l, Move& best, double relief, int copies, Move candidate) {
+  if (l.goal > 0 && !(relief > 1e-9 * l.goal)) return;
   const double gain = copies > 0 ? relief / copies : relief * 4;
   if (gain <= 0) return;
   if (gain > best.gain) {
@@ -153,7 +157,7 @@ void ConsiderSwapsWith(const Layout& l, int top, int a, int r, const std::vector
     if (sy >= sx || (y >= 0 && l.holds(top, y))) continue;
     const double worst = std::max(top_load - sx + sy, l.load[r] - sy + sx);
     if (l.goal <= 0 && worst >= top_load * (1 - 1e-12)) continue;
-    Consider(best, Relief(l, top_load, l.load[r], top_load - sx + sy, l.load[r] - sy + sx),
+    Consider(l, best, Relief(l, top_load, l.load[r], top_load - sx + sy, l.load[r] - sy + sx),
              SwapCost(before, l.count.size(), top, x, r, y), {a, b, -1, -1, -1});
   }
 }
@@ -217,7 +221,7 @@ void ConsiderPairSwaps(const Layout& l, int top, const std::vector<uint8_t>* bef
         if ((l.goal <= 0 && worst >= top_load * (1 - 1e-12)) || !valid(p, *q)) continue;
         const int copies = SwapCost(before, n, top, l.expert[p.a], r, l.expert[q->a]) +
                            SwapCost(before, n, top, l.expert[p.b], r, l.expert[q->b]);
-        Consider(best, Relief(l, top_load, l.load[r], top_load - d, l.load[r] + d), copies,
+        Consider(l, best, Relief(l, top_load, l.load[r], top_load - d, l.load[r] + d), copies,
                  {p.a, q->a, p.b, q->b, -1});
       }
     }
@@ -396,7 +400,7 @@ void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* befo
     const double worst = eval->Worst(a, y, &relief);
     if (l.goal <= 0 && worst >= top_load * (1 - 1e-12)) return;
     if (l.goal <= 0) relief = top_load - worst;
-    Consider(best, relief, copies, {a, -1, -1, -1, y, x});
+    Consider(l, best, relief, copies, {a, -1, -1, -1, y, x});
   };
   // Only replicas of experts with several can be re-pointed (the same candidates in the
   // same order as every slot against every expert: the others are rejected at once):

@@ -754,6 +754,25 @@ TEST(IncrementalTest, RepointBoundsNeverChangeTheMove) {
   EXPECT_GT(repoints, 200);
 }
 
+// With a goal, a move whose relief is within rounding of zero is no move: the search at
+// EP256 traded replicas of all but equal shares for 4,096 steps without changing the excess.
+// Here the only swap that lowers the excess trades two experts whose shares differ by one
+// part in 1e13; with a real difference the same swap is made.
+TEST(LocalSearchTest, ARoundingSizedReliefIsNoMove) {
+  for (const double second : {10 * (1 - 1e-13), 9.9}) {
+    const std::vector<double> weight = {10, second, 6, 5};
+    internal::Layout l(weight, {0, 2, 1, 3}, 2);  // rank 0: 16, rank 1: 15 - ...
+    l.goal = 15.6;
+    const internal::Move m = internal::BestMove(l, 0, nullptr);
+    if (second < 10 * (1 - 1e-9)) {
+      EXPECT_EQ(m.a, 0);  // e0 on rank 0 for e1 on rank 1
+      EXPECT_EQ(m.b, 2);
+    } else {
+      EXPECT_LT(m.a, 0) << "a swap relieving " << 10 - second << " was taken";
+    }
+  }
+}
+
 // A swap recomputes only its two ranks (and forgets only their sorted slot pairs): after
 // any sequence of swaps and re-points (with empty slots, duplicates on a rank, zero
 // weights), the layout's loads, holdings, shares and every rank's sorted pairs are bit for

@@ -62,12 +62,24 @@ BENCHMARK_CAPTURE(PlanDeepSeek, ep64_global,
 // core (PlanOptions::threads 0) for balanced and incremental, and on one (`_1thread`); deepseek on
 // one.
 void PlanPolicy(benchmark::State& state, eplbx::Policy policy, eplbx::Topology topology, int layers,
-                int experts, int threads = 0) {
+                int experts, int threads = 0, bool drift = false) {
   std::vector<eplbx::LoadMatrix> loads;
   std::vector<eplbx::Placement> previous;
   for (uint64_t seed = 1; seed <= 4; ++seed) loads.push_back(ZipfLoad(layers, experts, seed));
   for (size_t i = 0; i < loads.size(); ++i) {
-    previous.push_back(*eplbx::Plan(loads[i], topology));
+    if (!drift) {
+      previous.push_back(*eplbx::Plan(loads[i], topology));
+      continue;
+    }
+    // `_drift`: the balanced placement of the load before, each expert's load since scaled
+    // by a factor drawn uniformly from [0.5, 1.5] (what a rebalance every few thousand
+    // steps sees; the previous placement is then close to good, and the search from it long).
+    previous.push_back(*eplbx::Plan(loads[i], topology, {.policy = eplbx::Policy::kBalanced}));
+    std::mt19937_64 rng(100 + i);
+    std::uniform_real_distribution<double> factor(0.5, 1.5);
+    std::vector<double> v = loads[i].values();
+    for (double& x : v) x = std::round(x * factor(rng));
+    loads[i] = *eplbx::LoadMatrix::Create(layers, experts, std::move(v));
   }
   size_t next = 0;
   for (auto _ : state) {
@@ -104,10 +116,15 @@ void RegisterPolicies() {
         const std::string label =
             std::string("PlanPolicy/") + shape.name + "_" + name + (threads == 1 ? "_1thread" : "");
         benchmark::RegisterBenchmark(label.c_str(), PlanPolicy, policy, shape.topology,
-                                     shape.layers, shape.experts, threads)
+                                     shape.layers, shape.experts, threads, false)
             ->Unit(benchmark::kMillisecond);
       }
     }
+    // incremental from the balanced placement of a load that has since drifted.
+    benchmark::RegisterBenchmark(
+        (std::string("PlanPolicy/") + shape.name + "_incremental_drift").c_str(), PlanPolicy,
+        eplbx::Policy::kIncremental, shape.topology, shape.layers, shape.experts, 0, true)
+        ->Unit(benchmark::kMillisecond);
   }
 }
 

@@ -52,7 +52,7 @@ def main():
         medians = {name: statistics.median(v) for name, v in times[label].items()}
         ratios = {}
         for name, ms in medians.items():
-            m = re.match(r"PlanPolicy/(\w+?)_(balanced|incremental)(_1thread)?$", name)
+            m = re.match(r"PlanPolicy/(\w+?)_(balanced|incremental)(_1thread|_drift)?$", name)
             deepseek = medians.get(f"PlanPolicy/{m.group(1)}_deepseek") if m else None
             if deepseek:
                 ratios[name] = round(ms / deepseek, 2)

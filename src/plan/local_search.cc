@@ -520,9 +520,18 @@ Move SwapCache::RowBest(const Layout& l, int t, const std::vector<uint8_t>* befo
   const uint64_t seen = row_seen_[row];
   Move best = row_best_[row];
   auto other = [&](const Move& m) { return l.rank_of(static_cast<size_t>(m.b)); };
-  // A rank at or above the goal takes no swap: its entries are empty, so not asked.
+  // A rank at or above the goal takes no swap: its entries are empty, so not asked. A swap
+  // with r relieves at most the share it takes off t, t's excess and r's room below the
+  // goal (ConsiderSwapsWith's bound): a rank whose bound cannot beat the row's best is not
+  // asked (its entry, if stale, stays so: it is worked out when a scan asks for it).
+  double t_cap = 0;  // the largest share on t, at most t's excess
+  for (int a = t * l.per_rank; a < (t + 1) * l.per_rank; ++a) {
+    if (l.expert[a] >= 0) t_cap = std::max(t_cap, l.share(l.expert[a]));
+  }
+  t_cap = std::min(t_cap, Excess(l, l.load[t]));
   auto offer = [&](int r) {
     if (r < 0 || l.load[r] >= l.goal) return;
+    if (best.a >= 0 && CannotBeat(4 * std::min(t_cap, l.goal - l.load[r]), best)) return;
     const Move m = Get(l, t, r, before);
     if (m.a < 0) return;
     if (best.a < 0 || m.gain > best.gain ||

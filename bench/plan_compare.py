@@ -27,6 +27,17 @@ def run(binary, pattern, min_time):
             if b.get("run_type", "iteration") == "iteration"}
 
 
+def parse_builds(specs, tool):
+    """[(label, path)] from LABEL=PATH arguments; exits naming the one that is not."""
+    builds = []
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not path:
+            sys.exit(f"{tool}: '{spec}' is not LABEL=PATH")
+        builds.append((label, path))
+    return builds
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("builds", nargs="+", metavar="LABEL=PATH")
@@ -34,12 +45,7 @@ def main():
     parser.add_argument("--filter", default="PlanPolicy/")
     parser.add_argument("--min-time", type=float, default=0.2)
     args = parser.parse_args()
-    builds = []
-    for spec in args.builds:
-        label, sep, path = spec.partition("=")
-        if not sep or not label or not path:
-            sys.exit(f"plan_compare: '{spec}' is not LABEL=PATH")
-        builds.append((label, path))
+    builds = parse_builds(args.builds, "plan_compare")
     if args.rounds < 1:
         sys.exit("plan_compare: --rounds must be at least 1")
     times = {label: {} for label, _ in builds}

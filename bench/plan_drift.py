@@ -21,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 
+from plan_compare import parse_builds  # the same LABEL=PATH arguments
+
 # (slots, ranks, nodes, groups, experts)
 SHAPES = [(288, 32, 4, 8, 256), (512, 256, 32, 8, 256), (72, 4, 1, 1, 64),
           (160, 16, 2, 4, 128), (96, 8, 2, 4, 64), (320, 64, 8, 8, 256), (48, 8, 1, 1, 40)]
@@ -56,12 +58,7 @@ def main():
     parser.add_argument("builds", nargs="+", metavar="LABEL=PATH")
     parser.add_argument("--seeds", type=int, default=12)
     args = parser.parse_args()
-    builds = []
-    for spec in args.builds:
-        label, sep, path = spec.partition("=")
-        if not sep or not label or not path:
-            sys.exit(f"plan_drift: '{spec}' is not LABEL=PATH (an eplbx binary)")
-        builds.append((label, path))
+    builds = parse_builds(args.builds, "plan_drift")
     if args.seeds < 1:
         sys.exit("plan_drift: --seeds must be at least 1")
     stats = {label: {} for label, _ in builds}

@@ -494,6 +494,24 @@ TEST(IncrementalTest, HierarchicalSwapsGroupsWhenANodeIsOverloaded) {
   EXPECT_LE(copies, swapped_replicas + 4);
 }
 
+// One layer at the DeepSeek-V3 shape (8 groups of 32 experts on 4 nodes): a Zipf load, the
+// deepseek placement of it, then `grown` groups' loads scaled by 1.5-3.5.
+const Topology kDeepSeekV3{.ranks = 32, .nodes = 4, .slots = 288, .groups = 8};
+struct GrownLayer {
+  LoadMatrix load;
+  Placement previous;
+};
+GrownLayer DeepSeekThenGrown(double exponent, int grown, std::mt19937_64& rng) {
+  const LoadMatrix before = Zipf(1, 256, exponent, rng);
+  Placement previous = *Plan(before, kDeepSeekV3);
+  std::vector<double> v = before.values();
+  for (int k = 0; k < grown; ++k) {
+    const int g = static_cast<int>(rng() % 8);
+    for (int e = 0; e < 32; ++e) v[g * 32 + e] *= 1.5 + (rng() % 100) / 50.0;
+  }
+  return {*LoadMatrix::Create(1, 256, v), std::move(previous)};
+}
+
 // Regroup passes over a candidate once one of its nodes' parts has a rank above `miss` (the
 // load with which the caller's check refuses for certain), and searches a node's part once
 // per set of groups: the same candidate is taken as when every candidate is finished and
@@ -504,15 +522,8 @@ TEST(IncrementalTest, RegroupPassesOverOnlyCandidatesThatFail) {
   for (int trial = 0; trial < 80; ++trial) {
     // Deepseek's placement of the same load (its groups on other nodes than balanced's),
     // or of a load where two groups have since grown.
-    const Topology t{.ranks = 32, .nodes = 4, .slots = 288, .groups = 8};
-    LoadMatrix load = Zipf(1, 256, 0.6 + 0.05 * (trial % 10), rng);
-    const Placement prev = *Plan(load, t);
-    std::vector<double> v = load.values();
-    for (int k = 0; k < 2 * (trial % 2); ++k) {
-      const int g = static_cast<int>(rng() % 8);
-      for (int e = 0; e < 32; ++e) v[g * 32 + e] *= 1.5 + (rng() % 100) / 50.0;
-    }
-    load = *LoadMatrix::Create(1, 256, v);
+    const Topology t = kDeepSeekV3;
+    const auto [load, prev] = DeepSeekThenGrown(0.6 + 0.05 * (trial % 10), 2 * (trial % 2), rng);
     const std::span<const double> w(load.row(0), 256);
     const internal::LayerContext c{t, w, true};
     const std::vector<int32_t> start = internal::CompleteSlots(w, prev.phy2log(), t.ranks);
@@ -567,15 +578,11 @@ TEST(IncrementalTest, RepairNodesReplansOnlyTheNodesAboveTheGoal) {
   std::mt19937_64 rng(41);
   int repaired_layers = 0, refused = 0, kept_nodes = 0, searched = 0, renamed_nodes = 0;
   for (int trial = 0; trial < 120; ++trial) {
-    const Topology t{.ranks = 32, .nodes = 4, .slots = 288, .groups = 8};
-    LoadMatrix load = Zipf(1, 256, 1.0 + 0.05 * (trial % 10), rng);
-    const Placement prev = *Plan(load, t);  // deepseek's: local search often stalls from it
-    std::vector<double> v = load.values();
-    for (int k = 0; k < 2 * (trial % 4 == 3); ++k) {  // and, on every 4th, two groups grew
-      const int g = static_cast<int>(rng() % 8);
-      for (int e = 0; e < 32; ++e) v[g * 32 + e] *= 1.5 + (rng() % 100) / 50.0;
-    }
-    load = *LoadMatrix::Create(1, 256, v);
+    // Deepseek's placement (local search often stalls from it); on every 4th trial two
+    // groups have since grown.
+    const Topology t = kDeepSeekV3;
+    const auto [load, prev] =
+        DeepSeekThenGrown(1.0 + 0.05 * (trial % 10), 2 * (trial % 4 == 3), rng);
     const std::span<const double> w(load.row(0), 256);
     const internal::LayerContext c{t, w, true};
     const std::vector<int32_t> start = internal::CompleteSlots(w, prev.phy2log(), t.ranks);

@@ -583,7 +583,17 @@ Move BestMove(const Layout& layout, int top, const std::vector<uint8_t>* before,
     };
     consider_rank(top);
     for (int r = 0; r < layout.ranks; ++r) {
-      if (r != top && layout.load[r] > layout.goal) consider_rank(r);
+      if (r == top || layout.load[r] <= layout.goal) continue;
+      // A swap relieves r of at most its largest share and its excess (four-fold as gain):
+      // a rank that cannot beat the best so far is not brought up to date now.
+      if (best.a >= 0) {
+        double cap = 0;
+        for (int a = r * layout.per_rank; a < (r + 1) * layout.per_rank; ++a) {
+          if (layout.expert[a] >= 0) cap = std::max(cap, layout.share(layout.expert[a]));
+        }
+        if (CannotBeat(4 * std::min(cap, Excess(layout, layout.load[r])), best)) continue;
+      }
+      consider_rank(r);
     }
   } else {
     ConsiderSwaps(layout, top, before, best);

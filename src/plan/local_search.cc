@@ -134,6 +134,15 @@ void Consider(const Layout& l, Move& best, double relief, int copies, Move candi
 // move whose computed gain is a hair above the best: skipping never changes the answer.
 bool CannotBeat(double bound, const Move& best) { return bound * (1 + 1e-9) < best.gain; }
 
+// With a goal: the most a swap can take off rank t — its largest share, at most its excess.
+double SwapCap(const Layout& l, int t) {
+  double cap = 0;
+  for (int a = t * l.per_rank; a < (t + 1) * l.per_rank; ++a) {
+    if (l.expert[a] >= 0) cap = std::max(cap, l.share(l.expert[a]));
+  }
+  return std::min(cap, Excess(l, l.load[t]));
+}
+
 // NoGoalBound: without a goal, a trade of load d between `top` and a lighter rank r helps
 // only if d < top - r, and relieves top - max(top - d, r + d) <= (top - r) / 2; at most
 // four-fold as gain, 2 * (top - r). Ranks whose bound cannot beat the best are skipped.
@@ -524,11 +533,7 @@ Move SwapCache::RowBest(const Layout& l, int t, const std::vector<uint8_t>* befo
   // with r relieves at most the share it takes off t, t's excess and r's room below the
   // goal (ConsiderSwapsWith's bound): a rank whose bound cannot beat the row's best is not
   // asked (its entry, if stale, stays so: it is worked out when a scan asks for it).
-  double t_cap = 0;  // the largest share on t, at most t's excess
-  for (int a = t * l.per_rank; a < (t + 1) * l.per_rank; ++a) {
-    if (l.expert[a] >= 0) t_cap = std::max(t_cap, l.share(l.expert[a]));
-  }
-  t_cap = std::min(t_cap, Excess(l, l.load[t]));
+  const double t_cap = SwapCap(l, t);
   auto offer = [&](int r) {
     if (r < 0 || l.load[r] >= l.goal) return;
     if (best.a >= 0 && CannotBeat(4 * std::min(t_cap, l.goal - l.load[r]), best)) return;
@@ -584,15 +589,9 @@ Move BestMove(const Layout& layout, int top, const std::vector<uint8_t>* before,
     consider_rank(top);
     for (int r = 0; r < layout.ranks; ++r) {
       if (r == top || layout.load[r] <= layout.goal) continue;
-      // A swap relieves r of at most its largest share and its excess (four-fold as gain):
-      // a rank that cannot beat the best so far is not brought up to date now.
-      if (best.a >= 0) {
-        double cap = 0;
-        for (int a = r * layout.per_rank; a < (r + 1) * layout.per_rank; ++a) {
-          if (layout.expert[a] >= 0) cap = std::max(cap, layout.share(layout.expert[a]));
-        }
-        if (CannotBeat(4 * std::min(cap, Excess(layout, layout.load[r])), best)) continue;
-      }
+      // A rank whose swaps cannot beat the best so far (SwapCap, four-fold as gain) is not
+      // brought up to date now.
+      if (best.a >= 0 && CannotBeat(4 * SwapCap(layout, r), best)) continue;
       consider_rank(r);
     }
   } else {

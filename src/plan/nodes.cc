@@ -227,6 +227,22 @@ std::vector<int32_t> Substitute(const LayerContext& c, std::span<const int32_t> 
   return out;
 }
 
+namespace {
+
+// Per node: whether a rank of it in `slots` carries more than `goal`.
+std::vector<uint8_t> NodesAbove(const LayerContext& c, std::span<const int32_t> slots,
+                                double goal) {
+  const int rpn = c.topology.ranks_per_node();
+  std::vector<uint8_t> above(static_cast<size_t>(c.topology.nodes), 0);
+  const std::vector<double> load = RankLoads(c.weight, slots, c.topology.ranks);
+  for (int r = 0; r < c.topology.ranks; ++r) {
+    if (load[r] > goal) above[r / rpn] = 1;
+  }
+  return above;
+}
+
+}  // namespace
+
 bool Regroup(const LayerContext& c, std::span<const int32_t> previous,
              std::span<const int32_t> start, const std::vector<int32_t>& node_of,
              const std::vector<int32_t>& local, double goal, double miss,
@@ -234,11 +250,7 @@ bool Regroup(const LayerContext& c, std::span<const int32_t> previous,
   const Topology& t = c.topology;
   const int rpn = t.ranks_per_node();
   const size_t per_node = start.size() / static_cast<size_t>(t.nodes);
-  std::vector<uint8_t> keep(static_cast<size_t>(t.nodes), 1);  // local's part meets the goal
-  const std::vector<double> load = internal::RankLoads(c.weight, local, t.ranks);
-  for (int r = 0; r < t.ranks; ++r) {
-    if (load[r] > goal) keep[r / rpn] = 0;
-  }
+  const std::vector<uint8_t> above = NodesAbove(c, local, goal);
   // A node's part of a candidate depends only on the groups the candidate gives it, so it
   // is searched once per (node, groups). Every expert of a part lives on its node alone,
   // so its rank loads are those of the whole candidate; a part with a rank above `miss`
@@ -253,7 +265,7 @@ bool Regroup(const LayerContext& c, std::span<const int32_t> previous,
     std::vector<int32_t> out = local;
     bool misses = false;
     for (int node = 0; node < t.nodes && !misses; ++node) {
-      bool same = keep[node];
+      bool same = !above[node];  // local's part meets the goal
       for (int g = 0; g < t.groups && same; ++g) same = (node_of[g] == node) == (next[g] == node);
       if (same) continue;
       std::vector<int32_t> key{node};
@@ -316,14 +328,10 @@ std::vector<int32_t> RepairNodes(const LayerContext& c, std::span<const int32_t>
   const int rpn = t.ranks_per_node();
   const std::vector<int32_t> balanced_node_of = GroupNodes(c, balanced);
   if (balanced_node_of.empty()) return {};
-  auto misses = [&](const std::vector<int32_t>& slots, int node) {
-    const std::vector<double> load = RankLoads(c.weight, slots, t.ranks);
-    return std::any_of(load.begin() + node * rpn, load.begin() + (node + 1) * rpn,
-                       [&](double l) { return l > goal; });
-  };
+  const std::vector<uint8_t> above = NodesAbove(c, local, goal);
   std::vector<int> repair;
   for (int node = 0; node < t.nodes; ++node) {
-    if (!misses(local, node)) continue;
+    if (!above[node]) continue;
     for (int g = 0; g < t.groups; ++g) {
       if ((node_of[g] == node) != (balanced_node_of[g] == node)) return {};
     }
@@ -338,7 +346,7 @@ std::vector<int32_t> RepairNodes(const LayerContext& c, std::span<const int32_t>
   for (int node : repair) {
     StickySlice(c, Slice(c, balanced, node), balanced, start, goal, sticky);
     ImproveNode(c, Slice(c, sticky, node), start, sticky, goal, out);
-    if (misses(out, node)) {
+    if (NodesAbove(c, out, goal)[node]) {
       std::copy(renamed.begin() + node * per_node, renamed.begin() + (node + 1) * per_node,
                 out.begin() + node * per_node);
     }

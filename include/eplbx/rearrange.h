@@ -49,6 +49,13 @@ struct RearrangeOptions {
   // buffer (in place) needs one of its own: in place, layers run one at a time unless
   // Reserve() allocated more buffers; in swap mode READs land in spare rows and need none.
   int layers_in_flight = 8;
+  // With layers in flight, a rank's DONE of layer k + 1 leaves once it sent its DONE of
+  // layer k and its reads and serves of k + 1 are over, without waiting to commit k: the
+  // DONEs of layers whose copies ended together travel in one message, and the commits that
+  // follow take one round instead of one a layer. The cost is the window a lost DONE or a
+  // peer lost mid-commit opens (docs/protocol.md): the ranks may then disagree on every layer
+  // whose DONE went ahead, not on one. false: DONE of k + 1 waits until k committed here.
+  bool dones_ahead = true;
 };
 
 struct LayerOutcome {
@@ -147,7 +154,9 @@ class Rearranger {
   ~Rearranger();
 
   // Moves the weights from placement `from` to `to` (same layers and slots; slots =
-  // ranks x rows). Stops at the first failed layer; layers after it are not started.
+  // ranks x rows). Stops at the first failed layer; layers after it are not started. Returns
+  // OK only once every rank said it applied every layer (the end round, docs/protocol.md): a
+  // rank whose layers are all committed while another rank failed one reports kAborted too.
   RearrangeReport Rearrange(const Placement& from, const Placement& to);
   // Runs `plan` as given (from PlanMigration(from, to, ...), possibly edited: the plan a user
   // computes is the plan executed). Before any byte moves every layer of it is checked to

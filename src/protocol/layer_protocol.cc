@@ -36,6 +36,7 @@ LayerProtocol::LayerProtocol(LayerStep step, Clock::time_point now, Clock::durat
       maps_ok_(step_.world, false),
       chunk_seen_(step_.world, std::vector<bool>(chunks(), false)) {
   if (step_.self < step_.world) maps_ok_[step_.self] = true;
+  if (step_.end_round) maps_ok_.assign(step_.world, true);  // it has no maps
   for (uint32_t r = 0; r < step_.world; ++r) {
     if (!member(r)) maps_ok_[r] = done_from_[r] = true;  // nothing is expected from it
   }
@@ -114,7 +115,7 @@ std::vector<Action> LayerProtocol::Start() {
     }
   }
   const size_t slots = step_.old_map.size(), per = chunk_slots();
-  for (size_t c = 0; c < chunks(); ++c) {
+  for (size_t c = 0; c < chunks() && !step_.end_round; ++c) {
     Record m = Make(RecordKind::kMaps, static_cast<uint32_t>(c * per), step_.self, map_count());
     m.map_slots = static_cast<uint32_t>(slots);
     const size_t first = c * per, n = std::min(per, slots - std::min(slots, first));
@@ -143,6 +144,12 @@ std::vector<Action> LayerProtocol::ReleaseDone(Clock::time_point now) {
   return out;
 }
 
+bool LayerProtocol::held_and_ready() const {
+  return held_ && state_ == LayerState::kRunning && started_ && !done_sent() &&
+         std::all_of(read_done_.begin(), read_done_.end(), [](bool b) { return b; }) &&
+         std::all_of(served_.begin(), served_.end(), [](bool b) { return b; });
+}
+
 void LayerProtocol::MaybeDone(std::vector<Action>* out) {
   if (state_ != LayerState::kRunning || !started_) return;
   if (!done_from_[step_.self]) {
@@ -167,7 +174,8 @@ std::vector<Action> LayerProtocol::Abort(std::string reason, bool broadcast) {
   std::vector<Action> out;
   if (state_ != LayerState::kRunning) return out;
   state_ = LayerState::kAborted;
-  error_ = StrCat("layer ", step_.layer, " (generation ", step_.generation, "): ", reason);
+  error_ = StrCat(step_.end_round ? "the end of the rearrangement" : StrCat("layer ", step_.layer),
+                  " (generation ", step_.generation, "): ", reason);
   if (refused_ > 0) {
     error_ += StrCat("; ", refused_, " record", refused_ == 1 ? "" : "s",
                      " of another epoch refused, the first: ", refused_note_);
@@ -275,6 +283,10 @@ std::vector<Action> LayerProtocol::OnRecord(uint32_t from, const Record& r, Cloc
     case RecordKind::kVote:  // the pipeline takes votes before any layer sees them
       return Abort(StrCat("rank ", from, " sent a VOTE into the layer (misrouted record)"), true);
     case RecordKind::kMaps: {
+      if (step_.end_round) {
+        return Abort(StrCat("rank ", from, " sent MAPS into the end round (misrouted record)"),
+                     true);
+      }
       if (r.source != from || from == step_.self) {
         return Abort(StrCat("rank ", from, " sent misrouted MAPS (source ", r.source, ")"), true);
       }
@@ -421,6 +433,18 @@ std::vector<Action> LayerProtocol::OnTick(Clock::time_point now) {
       return Abort(StrCat("deadline passed waiting for DONE from rank ", r), true);
   }
   return {};
+}
+
+std::vector<std::pair<size_t, std::vector<Action>>> ReleaseDonesAhead(
+    std::span<LayerProtocol* const> layers, Clock::time_point now) {
+  std::vector<std::pair<size_t, std::vector<Action>>> out;
+  for (size_t i = 0; i + 1 < layers.size(); ++i) {
+    const LayerProtocol& before = *layers[i];
+    if (before.state() == LayerState::kAborted || !before.done_sent()) break;
+    LayerProtocol& p = *layers[i + 1];
+    if (p.held_and_ready()) out.emplace_back(i + 1, p.ReleaseDone(now));
+  }
+  return out;
 }
 
 }  // namespace eplbx::protocol

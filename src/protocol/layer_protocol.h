@@ -17,6 +17,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -65,6 +66,10 @@ struct LayerStep {
   // loop release layer k + 1 once layer k committed on this rank, so a rank's DONE of a
   // layer still says it committed every layer before (as when they ran one after another).
   bool hold_done = false;
+  // The end round of a Rearrange() call (after its last layer; no reads, serves or maps): its
+  // DONE says this rank applied every layer of the call, so a rank returns success only once
+  // every rank has. Errors name it instead of a layer.
+  bool end_round = false;
 };
 
 enum class ActionKind {
@@ -104,6 +109,12 @@ class LayerProtocol {
   // This rank cannot take part (bad arguments found before anything moved): abort and tell
   // every rank, so nobody waits for the deadline.
   std::vector<Action> Fail(const std::string& reason) { return Abort(reason, true); }
+
+  // DONE is held (LayerStep::hold_done, not yet released) and would leave at once if
+  // released: this rank's reads and serves are over.
+  bool held_and_ready() const;
+  // This rank sent its DONE of the layer.
+  bool done_sent() const { return step_.self < done_from_.size() && done_from_[step_.self]; }
 
   LayerState state() const { return state_; }
   const std::string& error() const { return error_; }
@@ -153,6 +164,17 @@ class LayerProtocol {
   uint64_t refused_ = 0;
   std::string refused_note_;
 };
+
+// Layers run together in the synchronous loop (RearrangeOptions::layers_in_flight), each
+// holding its DONE (LayerStep::hold_done) until the layer before it was applied here. With
+// DONEs going ahead (RearrangeOptions::dones_ahead) a held DONE also goes once this rank sent
+// the DONE of the layer before it and that layer has not failed here, provided the layer's own
+// reads and serves are over (so its DONE leaves at once, with the one before it when both
+// became possible in the same turn). `layers`: the layers not yet applied here, oldest first.
+// Releases those DONEs (ReleaseDone) and returns each one's actions with its index in
+// `layers`, in order.
+std::vector<std::pair<size_t, std::vector<Action>>> ReleaseDonesAhead(
+    std::span<LayerProtocol* const> layers, Clock::time_point now);
 
 }  // namespace eplbx::protocol
 

@@ -403,7 +403,8 @@ void RearrangerImpl::CancelPending(Run& run) {
   run.pending.clear();
 }
 
-void RearrangerImpl::StartRun(Run& run, uint64_t generation_of_run, bool hold_done) {
+void RearrangerImpl::StartRun(Run& run, uint64_t generation_of_run, bool hold_done,
+                              bool end_round) {
   protocol::LayerStep step;
   step.generation = generation_of_run;
   step.epoch = boot->epoch();
@@ -417,6 +418,7 @@ void RearrangerImpl::StartRun(Run& run, uint64_t generation_of_run, bool hold_do
   step.new_map = run.job.new_map;
   step.row_map = run.job.row_map;
   step.hold_done = hold_done;
+  step.end_round = end_round;
   run.protocol = std::make_unique<LayerProtocol>(step, env->Now(), options.deadline);
   LayerProtocol& p = *run.protocol;
   if (!run.job.refused.ok()) {
@@ -442,34 +444,45 @@ void RearrangerImpl::StartRun(Run& run, uint64_t generation_of_run, bool hold_do
 
 LayerOutcome RearrangerImpl::RunJob(LayerJob& job) {
   std::vector<LayerOutcome> out = RunJobs(
-      1, 1, [](uint32_t) { return false; }, [&job](uint32_t, int) { return std::move(job); });
+      1, 1, [](uint32_t) { return false; }, [&job](uint32_t, int) { return std::move(job); },
+      nullptr);
   return std::move(out.front());
 }
 
 std::vector<LayerOutcome> RearrangerImpl::RunJobs(
     uint32_t count, size_t in_flight, const std::function<bool(uint32_t)>& staged,
-    const std::function<LayerJob(uint32_t, int)>& make) {
-  // runs[i] is the i-th job; every generation of this call is first + i on every rank.
+    const std::function<LayerJob(uint32_t, int)>& make, std::string* end_error) {
+  // runs[i] is the i-th job; every generation of this call is first + i on every rank, and
+  // the end round's first + count.
   std::vector<std::unique_ptr<Run>> runs;
   ++hold_sends;  // records leave once a turn (Flush before each wait and at the end)
   const uint64_t first = generation + 1;
-  generation += count;
+  generation += count + (end_error != nullptr ? 1 : 0);
   std::vector<int> free_slots;
   for (int slot = static_cast<int>(staging.size()) - 1; slot >= 0; --slot)
     free_slots.push_back(slot);
   size_t applied = 0;    // jobs [0, applied) are over: applied or failed
   bool stopped = false;  // a job failed: nothing more starts, nothing after it is applied
+  std::string stop_reason;
+  // The end round: started once every job was (records of jobs not started yet stay deferred
+  // until they start), or at once to fail when this rank stops first, so every rank hears;
+  // its DONE held until every job was applied here; the call ends once it is over.
+  std::unique_ptr<Run> end;
+  auto end_running = [&] { return end && end->protocol->state() == LayerState::kRunning; };
   auto running = [&] {
     std::vector<Run*> out;
     for (size_t i = applied; i < runs.size(); ++i) {
       if (runs[i]->protocol->state() == LayerState::kRunning) out.push_back(runs[i].get());
     }
+    if (end_running()) out.push_back(end.get());
     return out;
   };
   auto route = [&](uint64_t g) -> Run* {
     for (const auto& r : runs) {
       if (r->protocol->generation() >= g) return r.get();
     }
+    // Records of a job not started yet wait (nullptr: deferred), not the end round's.
+    if (end && end->protocol->generation() == g) return end.get();
     return nullptr;
   };
   auto start = [&](uint32_t i, int slot) {
@@ -483,7 +496,7 @@ std::vector<LayerOutcome> RearrangerImpl::RunJobs(
     runs.push_back(std::move(run));
     StartRun(r, first + i, i > applied);
   };
-  while (applied < count && !(stopped && applied == runs.size())) {
+  while (true) {
     // Apply the leading jobs that are over, in order.
     while (applied < runs.size() && runs[applied]->protocol->state() != LayerState::kRunning) {
       Run& r = *runs[applied];
@@ -500,15 +513,16 @@ std::vector<LayerOutcome> RearrangerImpl::RunJobs(
       }
       if (!r.outcome.committed && !stopped) {
         stopped = true;  // the rest fail with it: every rank is told (ABORT), with the cause
-        for (Run* other : running()) {
-          Execute(*other, other->protocol->Fail(StrCat("layer ", r.job.layer,
-                                                       " failed before it: ", r.outcome.error)));
-        }
+        stop_reason = StrCat("layer ", r.job.layer, " failed before it: ", r.outcome.error);
+        for (Run* other : running()) Execute(*other, other->protocol->Fail(stop_reason));
       }
       if (staged(static_cast<uint32_t>(applied))) free_slots.push_back(r.slot);
       ++applied;
-      if (!stopped && applied < runs.size())
+      if (!stopped && applied < runs.size()) {
         Execute(*runs[applied], runs[applied]->protocol->ReleaseDone(env->Now()));
+      } else if (!stopped && applied == count && end) {
+        Execute(*end, end->protocol->ReleaseDone(env->Now()));  // every job applied here
+      }
     }
     // Start jobs while the window and the staging buffers allow.
     while (!stopped && runs.size() < count && runs.size() - applied < in_flight) {
@@ -522,8 +536,20 @@ std::vector<LayerOutcome> RearrangerImpl::RunJobs(
         break;
       }
     }
-    if (applied == runs.size() && (stopped || runs.size() == count)) break;
-    if (runs[applied]->protocol->state() != LayerState::kRunning) continue;  // over at its start
+    if (end_error != nullptr && !end && (stopped || runs.size() == count)) {
+      end = std::make_unique<Run>();
+      end->defer_commit = true;
+      end->job.layer = count;
+      end->outcome.layer = count;
+      StartRun(*end, first + count, /*hold_done=*/applied < count, /*end_round=*/true);
+      if (stopped) Execute(*end, end->protocol->Fail(stop_reason));
+    }
+    const bool jobs_over = applied == runs.size() && (stopped || runs.size() == count);
+    if (jobs_over && !end_running()) break;
+    if (!jobs_over && runs[applied]->protocol->state() != LayerState::kRunning) {
+      continue;  // over at its start
+    }
+    if (!stopped && options.dones_ahead) ReleaseDonesAhead(runs, applied);
     // Wakes on a notification, a finished READ or a lost peer; the timeout only paces
     // deadline checks. This turn's records leave first, each peer's together.
     Flush();
@@ -531,13 +557,25 @@ std::vector<LayerOutcome> RearrangerImpl::RunJobs(
     for (Run* run : running()) Reap(*run);
     CheckPeers(running(), route, {});
     const auto now = env->Now();
-    for (Run* run : running()) Execute(*run, run->protocol->OnTick(now));
+    for (Run* run : running()) {
+      // The end round's deadline runs once it is released (it waits for this rank's jobs).
+      if (run != end.get() || applied == count) Execute(*run, run->protocol->OnTick(now));
+    }
   }
   Flush();  // ABORTs and DONEs of the last turn
   --hold_sends;
+  if (end && end->protocol->state() == LayerState::kAborted) *end_error = end->protocol->error();
   std::vector<LayerOutcome> out;
   for (auto& r : runs) out.push_back(std::move(r->outcome));
   return out;
+}
+
+void RearrangerImpl::ReleaseDonesAhead(const std::vector<std::unique_ptr<Run>>& runs,
+                                       size_t applied) {
+  std::vector<LayerProtocol*> open;
+  for (size_t i = applied; i < runs.size(); ++i) open.push_back(runs[i]->protocol.get());
+  for (auto& [i, actions] : protocol::ReleaseDonesAhead(open, env->Now()))
+    Execute(*runs[applied + i], std::move(actions));
 }
 
 RearrangerImpl::RowPlan RearrangerImpl::PlanRows(uint32_t rank, uint32_t layer,
@@ -794,10 +832,12 @@ RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to
   std::vector<bool> staged(static_cast<size_t>(layers), true);
   for (int l = 0; l < layers && d.layout.spare_rows != 0; ++l)
     staged[l] = !d.PlanRows(d.self(), static_cast<uint32_t>(l), plan.layers[l]).swap;
+  std::string end_error;
   std::vector<LayerOutcome> outcomes = d.RunJobs(
       static_cast<uint32_t>(layers), static_cast<size_t>(std::max(d.options.layers_in_flight, 1)),
       [&](uint32_t l) { return staged[l]; },
-      [&](uint32_t l, int slot) { return d.MakeLayerJob(l, plan.layers[l], from, to, slot); });
+      [&](uint32_t l, int slot) { return d.MakeLayerJob(l, plan.layers[l], from, to, slot); },
+      &end_error);
   for (LayerOutcome& o : outcomes) {
     report.bytes_read += o.bytes_read;
     report.experts_read += o.experts_read;
@@ -810,6 +850,15 @@ RearrangeReport Rearranger::Rearrange(const Placement& from, const Placement& to
           StrCat("rank ", d.self(), ": ", d.failure, "; this layer kept its old weights and map"));
     }
     report.layers.push_back(std::move(o));
+  }
+  if (report.status.ok() && !end_error.empty()) {
+    // Every layer is new here, but some rank did not say it applied them all: the ranks may
+    // disagree (docs/protocol.md, "The end round").
+    d.failed = true;
+    d.failure = end_error;
+    report.status = Status::Aborted(
+        StrCat("rank ", d.self(), ": every layer is committed here, but not known to be on every ",
+               "rank: ", end_error));
   }
   report.bytes_by_path = d.agent->PathBytes();
   for (size_t i = 0; i < report.bytes_by_path.size() && i < paths_before.size(); ++i) {

@@ -113,16 +113,22 @@ class RearrangerImpl {
   };
   // Makes run.job's protocol (generation, DONE held or not) and starts it: a job this rank
   // refused fails at once (its peers told); records that came early are handed to it.
-  void StartRun(Run& run, uint64_t generation_of_run, bool hold_done);
+  void StartRun(Run& run, uint64_t generation_of_run, bool hold_done, bool end_round = false);
   LayerOutcome RunJob(LayerJob& job);
   // Runs `count` jobs, make(i, slot) the i-th (generations first + i on every rank), up to
   // `in_flight` at once; a job for which staged(i) holds takes a staging buffer (`slot`) and
   // waits for a free one. Jobs are applied (their commits run) in order; after the first
   // that fails nothing more starts, the running ones fail (every rank is told) and none after
-  // it is applied. Returns the outcomes of the jobs started, in order.
+  // it is applied. With `end_error` (Rearrange), an end round follows the jobs: the call ends
+  // only once every rank said it applied every job, else `end_error` says why not. Returns
+  // the outcomes of the jobs started, in order.
   std::vector<LayerOutcome> RunJobs(uint32_t count, size_t in_flight,
                                     const std::function<bool(uint32_t)>& staged,
-                                    const std::function<LayerJob(uint32_t, int)>& make);
+                                    const std::function<LayerJob(uint32_t, int)>& make,
+                                    std::string* end_error);
+  // RearrangeOptions::dones_ahead: releases the held DONEs of runs[applied + 1, ...) that can
+  // leave with (or after) the DONE this rank sent of the layer before them.
+  void ReleaseDonesAhead(const std::vector<std::unique_ptr<Run>>& runs, size_t applied);
   // The job of layer `l` of `m`, reading into staging buffer `slot`.
   LayerJob MakeLayerJob(uint32_t l, const LayerMigration& m, const Placement& from,
                         const Placement& to, int slot);

@@ -4,7 +4,9 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <set>
 
@@ -237,6 +239,224 @@ TEST(LayerProtocolTest, NoRankCommitsBeforeEveryRankReleasedItsDone) {
       ASSERT_EQ(w.commits[r], 1);
     }
   }
+}
+
+// Layers run together as the synchronous loop runs them (Rearranger::Rearrange): per rank,
+// one LayerProtocol a layer, DONE held until the layer before was applied here, layers
+// applied in order, the first that fails stopping the rest; with `ahead`, ReleaseDonesAhead
+// after every event. Records and READ completions in a random order; `drop` loses one DONE
+// record (a partition) and the clock then runs past every deadline.
+struct LayersWorld {
+  uint32_t world, layers;
+  bool ahead;
+  std::vector<std::vector<std::unique_ptr<LayerProtocol>>> p;  // [rank][layer]
+  std::vector<uint32_t> applied;                               // per rank
+  std::vector<std::vector<bool>> committed;                    // [rank][layer]
+  std::vector<bool> stopped;
+  struct Msg {
+    uint32_t from, to;
+    Record r;
+  };
+  std::vector<Msg> net;
+  struct Read {
+    uint32_t rank, layer;
+    ReadTask task;
+    Msg done;
+  };
+  std::vector<Read> reads;
+  // The order each rank's DONEs left, and whether the layer before was applied by then.
+  std::vector<std::vector<std::pair<uint32_t, bool>>> dones_sent;
+  Clock::time_point now{};
+  static constexpr uint64_t kGen = 100;
+
+  LayersWorld(uint32_t w, uint32_t l, bool a, std::mt19937& rng)
+      : world(w),
+        layers(l),
+        ahead(a),
+        p(w),
+        applied(w, 0),
+        committed(w, std::vector<bool>(l, false)),
+        stopped(w, false),
+        dones_sent(w) {
+    for (uint32_t layer = 0; layer < layers; ++layer) {
+      std::vector<LayerStep> steps = RandomSteps(world, rng, kGen + layer);
+      for (uint32_t r = 0; r < world; ++r) {
+        steps[r].layer = layer;
+        steps[r].hold_done = layer > 0;
+        p[r].push_back(std::make_unique<LayerProtocol>(steps[r], now, seconds(10)));
+      }
+    }
+  }
+  void Apply(uint32_t r, uint32_t layer, const std::vector<Action>& actions) {
+    for (const Action& a : actions) {
+      if (a.kind == ActionKind::kSend) {
+        if (a.record.kind == RecordKind::kDone && a.peer == (r + 1) % world) {
+          dones_sent[r].push_back({layer, layer == 0 || applied[r] >= layer});
+        }
+        net.push_back({r, a.peer, a.record});
+      } else if (a.kind == ActionKind::kPostRead) {
+        reads.push_back({r, layer, a.read, {r, a.peer, a.record}});
+      }
+    }
+  }
+  // What the loop does after every event: apply what is over, in order; release DONEs.
+  void Settle(uint32_t r) {
+    while (applied[r] < layers && p[r][applied[r]]->state() != LayerState::kRunning) {
+      const uint32_t l = applied[r];
+      if (p[r][l]->state() == LayerState::kCommitted && !stopped[r]) {
+        committed[r][l] = true;
+      } else if (!stopped[r]) {
+        stopped[r] = true;
+        for (uint32_t k = l + 1; k < layers; ++k)
+          Apply(r, k, p[r][k]->Fail("a layer before failed"));
+      }
+      ++applied[r];
+      if (!stopped[r] && applied[r] < layers) {
+        Apply(r, applied[r], p[r][applied[r]]->ReleaseDone(now));
+      }
+    }
+    if (!ahead || stopped[r] || applied[r] >= layers) return;
+    std::vector<LayerProtocol*> open;
+    for (uint32_t k = applied[r]; k < layers; ++k) open.push_back(p[r][k].get());
+    for (auto& [i, actions] : ReleaseDonesAhead(open, now)) {
+      Apply(r, applied[r] + static_cast<uint32_t>(i), actions);
+    }
+  }
+  void Start() {
+    for (uint32_t r = 0; r < world; ++r) {
+      for (uint32_t l = 0; l < layers; ++l) Apply(r, l, p[r][l]->Start());
+      Settle(r);
+    }
+  }
+  // One event, at random: a READ completes or a record arrives (DONEs only if `dones`).
+  // The `drop_done`-th DONE delivered (counting from 0) is lost instead (-1: none). Returns
+  // false when no such event is left.
+  bool Step(std::mt19937& rng, bool dones = true) {
+    std::vector<size_t> msgs;
+    for (size_t i = 0; i < net.size(); ++i) {
+      if (dones || net[i].r.kind != RecordKind::kDone) msgs.push_back(i);
+    }
+    if (msgs.empty() && reads.empty()) return false;
+    if (!reads.empty() && (msgs.empty() || rng() % 2)) {
+      const size_t i = rng() % reads.size();
+      Read rd = reads[i];
+      reads.erase(reads.begin() + static_cast<long>(i));
+      Apply(rd.rank, rd.layer, p[rd.rank][rd.layer]->OnReadComplete(rd.task, Status::OK()));
+      net.push_back(rd.done);
+      Settle(rd.rank);
+      return true;
+    }
+    const size_t i = msgs[rng() % msgs.size()];
+    Msg m = net[i];
+    net.erase(net.begin() + static_cast<long>(i));
+    if (m.r.kind == RecordKind::kDone && dones_delivered++ == drop_done) {
+      lost = m;  // a partition: it never arrives
+      return true;
+    }
+    bool deferred = false;
+    const uint32_t l = static_cast<uint32_t>(m.r.generation - kGen);
+    Apply(m.to, l, p[m.to][l]->OnRecord(m.from, m.r, now, &deferred));
+    EXPECT_FALSE(deferred);
+    Settle(m.to);
+    return true;
+  }
+  int drop_done = -1, dones_delivered = 0;
+  std::optional<Msg> lost;
+  void Expire() {
+    now += seconds(3600);
+    for (uint32_t round = 0; round < layers + 1; ++round) {
+      for (uint32_t r = 0; r < world; ++r) {
+        for (uint32_t l = 0; l < layers; ++l) Apply(r, l, p[r][l]->OnTick(now));
+        Settle(r);
+      }
+    }
+  }
+};
+
+// DONEs going ahead (the synchronous loop's default): with every READ over before any DONE
+// arrives, every rank sends the DONE of every layer at once, where one held until the layer
+// before was applied sends only the first; every rank still commits every layer, and a rank
+// sends a layer's DONE only after the one before it (and, not going ahead, after applying
+// it). 2,000 random worlds each way, records and completions in any order.
+TEST(LayerProtocolTest, DonesGoAheadTogetherAndEveryLayerCommits) {
+  std::mt19937 rng(41);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const bool ahead = trial % 2 == 0;
+    const uint32_t world = 2 + rng() % 4, layers = 1 + rng() % 6;
+    LayersWorld w(world, layers, ahead, rng);
+    w.Start();
+    while (w.Step(rng, /*dones=*/false)) {  // every READ and every record but DONEs
+    }
+    size_t dones = 0;
+    for (const auto& m : w.net) dones += m.r.kind == RecordKind::kDone;
+    ASSERT_EQ(dones, size_t{world} * (world - 1) * (ahead ? layers : 1))
+        << "trial " << trial << ": DONEs in flight before any arrived";
+    while (w.Step(rng)) {
+    }
+    for (uint32_t r = 0; r < world; ++r) {
+      for (uint32_t l = 0; l < layers; ++l) {
+        ASSERT_TRUE(w.committed[r][l]) << "trial " << trial << " rank " << r << " layer " << l;
+      }
+      ASSERT_EQ(w.dones_sent[r].size(), layers);
+      for (uint32_t k = 0; k < layers; ++k) {
+        EXPECT_EQ(w.dones_sent[r][k].first, k) << "trial " << trial << ": DONEs out of order";
+        if (!ahead) {
+          EXPECT_TRUE(w.dones_sent[r][k].second) << "trial " << trial << ": held DONE left early";
+        }
+      }
+    }
+  }
+}
+
+// A DONE lost on the way (a partition), every order: every rank ends (the deadline), each
+// rank's committed layers are a prefix, a layer is committed only where every rank sent its
+// DONE, and the rank that missed the DONE commits nothing from that layer on. The ranks may
+// disagree on that layer when DONEs are held, and on the layers whose DONEs the rank that
+// missed one sent ahead when they go ahead (docs/protocol.md).
+TEST(LayerProtocolTest, ALostDoneLeavesEveryRankAPrefixOfLayersItCommitted) {
+  std::mt19937 rng(43);
+  int lost_runs = 0;
+  for (int trial = 0; trial < 2000; ++trial) {
+    const bool ahead = trial % 2 == 0;
+    const uint32_t world = 2 + rng() % 4, layers = 1 + rng() % 6;
+    LayersWorld w(world, layers, ahead, rng);
+    w.drop_done = static_cast<int>(rng() % (world * (world - 1) * layers));
+    w.Start();
+    while (w.Step(rng)) {
+    }
+    w.Expire();
+    std::vector<uint32_t> prefix(world, 0);
+    for (uint32_t r = 0; r < world; ++r) {
+      ASSERT_EQ(w.applied[r], layers) << "trial " << trial << " rank " << r << " still running";
+      while (prefix[r] < layers && w.committed[r][prefix[r]]) ++prefix[r];
+      for (uint32_t l = prefix[r]; l < layers; ++l) {
+        ASSERT_FALSE(w.committed[r][l]) << "trial " << trial << ": rank " << r << " committed " << l
+                                        << " after failing " << prefix[r];
+      }
+    }
+    for (uint32_t l = 0; l < layers; ++l) {
+      bool any = false;
+      for (uint32_t r = 0; r < world; ++r) any = any || w.committed[r][l];
+      if (!any) continue;
+      for (uint32_t r = 0; r < world; ++r) {
+        bool sent = false;
+        for (const auto& [k, applied_before] : w.dones_sent[r]) sent = sent || k == l;
+        ASSERT_TRUE(sent) << "trial " << trial << ": layer " << l << " committed without rank " << r
+                          << "'s DONE";
+      }
+    }
+    if (!w.lost) continue;
+    ++lost_runs;
+    const uint32_t victim = w.lost->to;
+    const auto layer = static_cast<uint32_t>(w.lost->r.generation - LayersWorld::kGen);
+    EXPECT_LE(prefix[victim], layer) << "trial " << trial;
+    uint32_t most = 0, sent_through = 0;
+    for (uint32_t r = 0; r < world; ++r) most = std::max(most, prefix[r]);
+    for (const auto& [k, applied_before] : w.dones_sent[victim])
+      sent_through = std::max(sent_through, k + 1);
+    EXPECT_LE(most, ahead ? sent_through : layer + 1) << "trial " << trial;
+  }
+  EXPECT_GT(lost_runs, 1000);
 }
 
 LayerStep TwoRankReader() { return LayerStep{5, 2, 0, 2, {{7, 1}}, {}}; }

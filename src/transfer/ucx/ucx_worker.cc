@@ -91,7 +91,9 @@ Status UcxWorker::Start() {
   }
   ucp_worker_params_t wparams{};
   wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
+  // Serialized: the progress thread uses it, and a thread sending a notification while the
+  // progress thread sleeps uses it in its place (worker_mu_, SendNow).
+  wparams.thread_mode = UCS_THREAD_MODE_SERIALIZED;
   st = ucp_worker_create(context_, &wparams, &worker_);
   if (st != UCS_OK) return Status::Unavailable("UCX: ucp_worker_create: " + Ucs(st));
   ucp_address_t* address = nullptr;
@@ -264,7 +266,7 @@ Result<std::shared_ptr<PeerState>> UcxWorker::LivePeer(PeerId id) {
 Status UcxWorker::Notify(PeerId peer, std::string payload, std::function<void(Status)> sent) {
   Result<std::shared_ptr<PeerState>> p = LivePeer(peer);
   if (!p.ok()) return p.status();
-  Enqueue(
+  SendNow(
       [this, p = std::move(*p), payload = std::move(payload), sent = std::move(sent)]() mutable {
         if (p->failed) {
           if (sent) sent(Unreachable(*p));
@@ -279,7 +281,7 @@ std::vector<Status> UcxWorker::NotifyMany(PeerId peer, std::vector<std::string> 
   Result<std::shared_ptr<PeerState>> p = LivePeer(peer);
   if (!p.ok()) return std::vector<Status>(payloads.size(), p.status());
   std::vector<Status> out(payloads.size());
-  Enqueue([this, p = std::move(*p), payloads = std::move(payloads)]() mutable {
+  SendNow([this, p = std::move(*p), payloads = std::move(payloads)]() mutable {
     if (p->failed) return;
     // Consecutive payloads share a message while it stays within 64 KiB (one payload: a
     // plain notification, as Notify sends it).
@@ -305,6 +307,37 @@ std::vector<Status> UcxWorker::NotifyMany(PeerId peer, std::vector<std::string> 
   return out;
 }
 
+void UcxWorker::SendNow(std::function<void()> fn) {
+  // On the calling thread when the progress thread sleeps (it holds worker_mu_ otherwise) and
+  // nothing queued must leave first: the message goes out now instead of after a wake-up of
+  // the progress thread, which on a busy host waits for a core (docs/transfer.md). On the
+  // progress thread itself (a completion's notification) it queues, as before.
+  if (std::this_thread::get_id() == thread_.get_id()) {
+    Enqueue(std::move(fn));
+    return;
+  }
+  std::unique_lock<std::mutex> worker(worker_mu_, std::try_to_lock);
+  if (worker.owns_lock()) {
+    bool queued = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queued = !commands_.empty();
+    }
+    if (!queued && !stopping_) {
+      fn();
+      // A send UCX could not finish at once needs the progress thread.
+      const bool pending = inflight_ > 0;
+      worker.unlock();
+      if (pending) {
+        uint64_t one = 1;
+        [[maybe_unused]] ssize_t n = write(wake_fd_, &one, sizeof(one));
+      }
+      return;
+    }
+  }
+  Enqueue(std::move(fn));
+}
+
 void UcxWorker::Enqueue(std::function<void()> fn) {
   bool was_empty = false;
   {
@@ -323,6 +356,7 @@ void UcxWorker::Loop() {
   std::deque<std::function<void()>> commands;
   Clock::time_point next_tick = Clock::now();
   Clock::time_point stop_deadline{};
+  std::unique_lock<std::mutex> worker(worker_mu_);
   while (true) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -363,9 +397,11 @@ void UcxWorker::Loop() {
     epoll_event events[4];
     const int ms =
         static_cast<int>(std::chrono::duration_cast<std::chrono::milliseconds>(tick_).count());
+    worker.unlock();
     epoll_wait(epoll_fd_, events, 4, std::max(ms, 1));
     uint64_t drained = 0;
     [[maybe_unused]] ssize_t n = read(wake_fd_, &drained, sizeof(drained));
+    worker.lock();
   }
   for (auto& [id, op] : ops_) {
     rma_listener_->OnDataDone(id, Status::Aborted(StrCat("agent '", options_.agent_name,

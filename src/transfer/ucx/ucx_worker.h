@@ -143,6 +143,9 @@ class UcxWorker final : public ControlChannel {
   // ---- threads and commands -----------------------------------------------------------
 
   void Enqueue(std::function<void()> fn);
+  // Runs a send at once on the calling thread when the progress thread sleeps and nothing is
+  // queued before it (worker_mu_), else queues it.
+  void SendNow(std::function<void()> fn);
 
   // Runs `fn` on the progress thread and waits for its result (bounded).
   template <typename T>
@@ -214,6 +217,8 @@ class UcxWorker final : public ControlChannel {
   int epoll_fd_ = -1;
   std::thread thread_;
 
+  // Held by whoever uses worker_: the progress thread but while it sleeps, or SendNow.
+  std::mutex worker_mu_;
   std::mutex mu_;  // commands_, peers_ and by_name_ membership, PeerState::failure
   std::deque<std::function<void()>> commands_;
   std::map<PeerId, std::shared_ptr<PeerState>> peers_;

@@ -1,8 +1,9 @@
 // Internal: one UCX context and worker, owned by a progress thread. It is the agent's
 // control channel (endpoints, active-message notifications, heartbeats and liveness:
 // ucx_worker.cc, ucx_peers.cc) and carries the "ucx" data path's RMA (ucx_path.cc), which
-// uses the same endpoints. No UCX call happens on user threads, so the worker runs in
-// single-thread mode. Not installed.
+// uses the same endpoints. The progress thread makes every UCX call but one: a notification
+// is sent by its calling thread when the progress thread sleeps (SendNow), so the worker runs
+// in serialized mode behind worker_mu_. Not installed.
 #ifndef EPLBX_SRC_TRANSFER_UCX_UCX_WORKER_H_
 #define EPLBX_SRC_TRANSFER_UCX_UCX_WORKER_H_
 
@@ -69,7 +70,7 @@ struct PeerState {
   std::atomic<bool> failed{false};
   bool disconnected = false;  // progress thread
   std::string failure;        // guarded by UcxWorker::mu_ once `failed`
-  // Progress thread only:
+  // Whoever holds UcxWorker::worker_mu_ (the progress thread, or SendNow's caller):
   ucp_ep_h ep = nullptr;
   std::vector<ucp_rkey_h> rkeys;
   Clock::time_point last_heard;
@@ -224,7 +225,7 @@ class UcxWorker final : public ControlChannel {
   std::map<PeerId, std::shared_ptr<PeerState>> peers_;
   std::map<std::string, std::shared_ptr<PeerState>> by_name_;
 
-  // Progress thread only.
+  // Whoever holds worker_mu_ (the progress thread, or SendNow's caller).
   bool stopping_ = false;
   std::map<uint64_t, ucp_mem_h> memh_;
   std::map<TransferId, std::unique_ptr<Op>> ops_;

@@ -56,7 +56,7 @@ if ((sanitize)); then
   # Ranks as threads: protocol, loopback agents, UCX agents (path choice), fault-injecting
   # wrappers, Rearranger (with faults), communicator, store, etcd (its watch thread).
   build-tsan/bin/eplbx_unit_tests --gtest_filter='LayerProtocol*:Record*:Loopback*:Rearranger*:EplbComm*:TcpStore*:Coordinator*:PathChoice*:Fault*:Pipeline*:Swap*:Balancer*:Recovery*:Settle*:ServingGroup*:Etcd*:ShmCopier*'
-  # Real processes over real UCX (tcp, shm, CMA, mapped files): 43 transfer tests, ~4 min under TSan.
+  # Real processes over real UCX (tcp, shm, CMA, mapped files): 57 transfer tests, ~4 min under TSan.
   build-tsan/bin/eplbx_multiproc_tests
   # The cuda_ipc path (its poller thread, Disconnect) between processes, on the stand-in driver.
   if [[ -n "$cuda_targets" ]]; then

@@ -3,6 +3,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <fstream>
@@ -278,6 +279,66 @@ TEST_P(TransferMultiProcTest, NotifyManyAndReadManyKeepOrderAndEachTransfer) {
     }
   }
   for (int k = 0; k < 11; ++k) EXPECT_EQ(peer.child->Expect("NOTIFY "), "batcher OK") << k;
+  peer.child->Send("QUIT");
+}
+
+// Notifications sent while READs keep the agent busy: a Notify or NotifyMany leaves on the
+// calling thread when the UCX progress thread sleeps and is queued to it otherwise
+// (docs/transfer.md); either way a peer gets every payload once, in the order sent. One
+// thread sends 1,500 payloads, alone and in batches, while another READs 1 MiB at a time
+// (over tcp the progress thread drives those READs: it is busy, and sends queue behind it).
+TEST_P(TransferMultiProcTest, NotificationsKeepTheirOrderWhileReadsKeepTheAgentBusy) {
+  constexpr uint64_t kBytes = 8ull << 20;
+  RemotePeer peer = RemotePeer::Start("peer", kBytes, 23, GetParam().memory);
+  ASSERT_FALSE(peer.blob.empty());
+  auto agent = MakeAgent("sender");
+  ASSERT_NE(agent, nullptr);
+  std::vector<uint8_t> local(1u << 20, 0);
+  auto region = agent->RegisterMemory(local.data(), local.size());
+  ASSERT_TRUE(region.ok()) << region.status().ToString();
+  auto pid = agent->Connect(peer.blob);
+  ASSERT_TRUE(pid.ok()) << pid.status().ToString();
+  std::atomic<bool> stop{false};
+  std::atomic<int> reads{0};
+  std::thread reader([&] {
+    const Descriptor l = Descriptor::Of(local.data(), local.size());
+    for (uint64_t i = 0; !stop; ++i) {
+      const Descriptor r{peer.base + (i % 8) * local.size(), local.size()};
+      auto id = agent->Read(*pid, {&l, 1}, {&r, 1});
+      if (!id.ok() || agent->Wait(*id, std::chrono::seconds(30)).state != TransferState::kDone) {
+        ADD_FAILURE() << "READ " << i << " failed";
+        return;
+      }
+      (void)agent->Release(*id);
+      ++reads;
+    }
+  });
+  std::vector<std::string> expected;
+  auto payload = [&](char kind, int i) {
+    std::string p(1, kind);
+    p += std::to_string(i);
+    expected.push_back(std::to_string(p.size()));
+    expected.back() += ' ';
+    expected.back() += p;
+    return p;
+  };
+  // At least 1,500 payloads, and on until a READ completed meanwhile.
+  for (int i = 0; (i < 1500 || reads < 1) && i < 400000;) {
+    if (i % 7 == 0) {
+      std::vector<std::string> batch;
+      for (int k = 0; k < 5; ++k, ++i) batch.push_back(payload('b', i));
+      for (const Status& st : agent->NotifyMany(*pid, batch)) ASSERT_TRUE(st.ok()) << st.ToString();
+    } else {
+      ASSERT_TRUE(agent->Notify(*pid, payload('n', i++)).ok());
+    }
+  }
+  stop = true;
+  reader.join();
+  EXPECT_GE(reads.load(), 1);
+  peer.child->Send("ECHO " + std::to_string(expected.size()) + " 30000");
+  for (size_t i = 0; i < expected.size(); ++i) {
+    ASSERT_EQ(peer.child->Expect("GOT "), "sender " + expected[i]) << "notification " << i;
+  }
   peer.child->Send("QUIT");
 }
 

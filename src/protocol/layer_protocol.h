@@ -64,7 +64,8 @@ struct LayerStep {
   // DONE waits for ReleaseDone(): this rank's reads and serves go on meanwhile, but no rank
   // commits the layer before it is released here. Layers run together in the synchronous
   // loop release layer k + 1 once layer k committed on this rank, so a rank's DONE of a
-  // layer still says it committed every layer before (as when they ran one after another).
+  // layer still says it committed every layer before (as when they ran one after another),
+  // or, with DONEs ahead (ReleaseDonesAhead), once its DONE of layer k left.
   bool hold_done = false;
   // The end round of a Rearrange() call (after its last layer; no reads, serves or maps): its
   // DONE says this rank applied every layer of the call, so a rank returns success only once

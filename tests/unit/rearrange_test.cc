@@ -151,7 +151,8 @@ std::vector<std::unique_ptr<Rank>> RearrangeOnThreads(
     const std::vector<std::vector<int32_t>>& before,
     const std::function<RearrangeReport(Rearranger&)>& run, std::vector<RearrangeReport>* out,
     const std::vector<std::shared_ptr<internal::FaultPlan>>& faults = {},
-    std::chrono::milliseconds deadline = std::chrono::seconds(10), Env* env = nullptr) {
+    std::chrono::milliseconds deadline = std::chrono::seconds(10), Env* env = nullptr,
+    bool dones_ahead = true) {
   InMemoryGroup group(kRanks);
   std::vector<std::unique_ptr<Rank>> ranks;
   for (uint32_t r = 0; r < kRanks; ++r) {
@@ -165,6 +166,7 @@ std::vector<std::unique_ptr<Rank>> RearrangeOnThreads(
       RearrangeOptions o;
       o.deadline = deadline;
       o.env = env;
+      o.dones_ahead = dones_ahead;
       auto re = Rearranger::Create(ranks[r]->agent.get(), boot.get(), ranks[r]->layout, o);
       if (re.ok()) {
         (*out)[r] = run(**re);
@@ -411,6 +413,61 @@ TEST(RearrangerFaultTest, EveryPhaseRollsBackOnEveryRank) { ExpectEveryPhaseRoll
 // a layer that fails stops the ones after it, on every rank, whatever they had done.
 TEST(RearrangerFaultTest, EveryPhaseRollsBackOnEveryRankWithLayersInFlight) {
   ExpectEveryPhaseRollsBack(kLayers);
+}
+
+// The end round (docs/protocol.md): rank 1's DONE of the last layer is lost on the way to
+// one peer. The other ranks get every DONE and commit every layer; the peer that missed it
+// rolls the last layer back. No rank returns OK: the ranks that committed every layer say so
+// and name the end round, and every layer of every rank is all-old or all-new. With DONEs
+// ahead and held alike (held, this was the one layer whose lost DONE went unnoticed).
+TEST(RearrangerFaultTest, NoRankReturnsOkWhileAnotherRolledALayerBack) {
+  using internal::Fault;
+  for (const bool ahead : {true, false}) {
+    SCOPED_TRACE(ahead ? "DONEs ahead" : "DONEs held");
+    std::mt19937 rng(ahead ? 12 : 13);
+    const RandomMoves m(rng);
+    ASSERT_TRUE(m.from.ok() && m.to.ok());
+    auto faulty = std::make_shared<internal::FaultPlan>();
+    Fault drop = Fault::Of(Fault::Action::kDrop);
+    drop.times = 1;
+    drop.match = [](std::string_view p) {
+      Result<protocol::Record> r = protocol::DecodeRecord(p);
+      return r.ok() && r->kind == protocol::RecordKind::kDone && r->layer == kLayers - 1;
+    };
+    faulty->OnNotifications(drop);
+    std::vector<RearrangeReport> reports;
+    const auto start = std::chrono::steady_clock::now();
+    auto ranks = RearrangeOnThreads(
+        m.before,
+        [&](Rearranger& re) {
+          EXPECT_TRUE(re.Reserve({.max_layers_in_flight = kLayers}).ok());
+          return re.Rearrange(*m.from, *m.to);
+        },
+        &reports, {nullptr, faulty, nullptr}, std::chrono::milliseconds(400), nullptr, ahead);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+    ASSERT_EQ(faulty->injected(), 1u) << "the fault never applied";
+    int all_new = 0, rolled_back = 0;
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      EXPECT_FALSE(reports[r].status.ok()) << "rank " << r << " returned OK";
+      int committed = 0;
+      for (const LayerOutcome& o : reports[r].layers) committed += o.committed;
+      if (committed == kLayers) {
+        ++all_new;
+        EXPECT_NE(reports[r].status.message().find("every layer is committed here"),
+                  std::string::npos)
+            << reports[r].status.ToString();
+        EXPECT_NE(reports[r].status.message().find("the end of the rearrangement"),
+                  std::string::npos)
+            << reports[r].status.ToString();
+      } else {
+        ++rolled_back;
+        EXPECT_EQ(committed, kLayers - 1) << "rank " << r << ": " << reports[r].status.ToString();
+      }
+    }
+    EXPECT_EQ(rolled_back, 1);
+    EXPECT_EQ(all_new, kRanks - 1);
+    ExpectLayerAtomic(ranks, reports, m, ahead ? "ahead" : "held");
+  }
 }
 
 // Deadlines are measured on the Env's clock: with a READY lost and a 300 s deadline, a clock

@@ -144,19 +144,20 @@ std::vector<Action> LayerProtocol::ReleaseDone(Clock::time_point now) {
   return out;
 }
 
-bool LayerProtocol::held_and_ready() const {
-  return held_ && state_ == LayerState::kRunning && started_ && !done_sent() &&
-         std::all_of(read_done_.begin(), read_done_.end(), [](bool b) { return b; }) &&
+bool LayerProtocol::PartOver() const {
+  return std::all_of(read_done_.begin(), read_done_.end(), [](bool b) { return b; }) &&
          std::all_of(served_.begin(), served_.end(), [](bool b) { return b; });
+}
+
+bool LayerProtocol::held_and_ready() const {
+  return held_ && state_ == LayerState::kRunning && started_ && !done_sent() && PartOver();
 }
 
 void LayerProtocol::MaybeDone(std::vector<Action>* out) {
   if (state_ != LayerState::kRunning || !started_) return;
   if (!done_from_[step_.self]) {
     if (held_) return;
-    const bool reads = std::all_of(read_done_.begin(), read_done_.end(), [](bool b) { return b; });
-    const bool serves = std::all_of(served_.begin(), served_.end(), [](bool b) { return b; });
-    if (!reads || !serves) return;
+    if (!PartOver()) return;
     done_from_[step_.self] = true;
     for (uint32_t r = 0; r < step_.world; ++r) {
       if (r != step_.self && member(r))

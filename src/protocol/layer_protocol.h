@@ -129,6 +129,8 @@ class LayerProtocol {
  private:
   std::vector<Action> Abort(std::string reason, bool broadcast);
   void MaybeDone(std::vector<Action>* out);
+  // This rank's READs completed and every READ of its rows was acknowledged.
+  bool PartOver() const;
   int FindRead(uint32_t expert, uint32_t source) const;
   int FindServe(uint32_t expert, uint32_t reader) const;
   std::vector<Action> OnMaps(uint32_t from, const Record& r);

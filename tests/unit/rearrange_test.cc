@@ -179,6 +179,15 @@ std::vector<std::unique_ptr<Rank>> RearrangeOnThreads(
   return ranks;
 }
 
+// What each rank runs: reserve `staging` buffers (that many layers in flight, in place), then
+// rearrange m.from -> m.to.
+std::function<RearrangeReport(Rearranger&)> ReserveAndRearrange(int staging, const RandomMoves& m) {
+  return [staging, &m](Rearranger& re) {
+    EXPECT_TRUE(re.Reserve({.max_layers_in_flight = staging}).ok());
+    return re.Rearrange(*m.from, *m.to);
+  };
+}
+
 // Trials alternate between layers one at a time (one staging buffer) and up to kLayers in
 // flight together (buffers reserved): every byte lands either way.
 TEST(RearrangerTest, RandomPlacementsEveryByteLands) {
@@ -189,13 +198,7 @@ TEST(RearrangerTest, RandomPlacementsEveryByteLands) {
     const auto& after = m.after;
     std::vector<RearrangeReport> reports;
     const int staging = trial % 2 == 0 ? 1 : 1 + trial % kLayers;
-    auto ranks = RearrangeOnThreads(
-        m.before,
-        [&](Rearranger& re) {
-          EXPECT_TRUE(re.Reserve({.max_layers_in_flight = staging}).ok());
-          return re.Rearrange(*m.from, *m.to);
-        },
-        &reports);
+    auto ranks = RearrangeOnThreads(m.before, ReserveAndRearrange(staging, m), &reports);
     for (uint32_t r = 0; r < kRanks; ++r) {
       ASSERT_TRUE(reports[r].status.ok()) << reports[r].status.ToString();
       for (int l = 0; l < kLayers; ++l) {
@@ -365,13 +368,8 @@ void ExpectEveryPhaseRollsBack(int staging) {
     c.arm(*faulty);
     std::vector<RearrangeReport> reports;
     const auto start = std::chrono::steady_clock::now();
-    auto ranks = RearrangeOnThreads(
-        m.before,
-        [&](Rearranger& re) {
-          EXPECT_TRUE(re.Reserve({.max_layers_in_flight = staging}).ok());
-          return re.Rearrange(*m.from, *m.to);
-        },
-        &reports, {nullptr, faulty, nullptr}, std::chrono::milliseconds(400));
+    auto ranks = RearrangeOnThreads(m.before, ReserveAndRearrange(staging, m), &reports,
+                                    {nullptr, faulty, nullptr}, std::chrono::milliseconds(400));
     const auto took = std::chrono::steady_clock::now() - start;
     EXPECT_GE(faulty->injected(), 1u) << "the fault never applied";
     int failed_layer = -1;
@@ -437,13 +435,9 @@ TEST(RearrangerFaultTest, NoRankReturnsOkWhileAnotherRolledALayerBack) {
     faulty->OnNotifications(drop);
     std::vector<RearrangeReport> reports;
     const auto start = std::chrono::steady_clock::now();
-    auto ranks = RearrangeOnThreads(
-        m.before,
-        [&](Rearranger& re) {
-          EXPECT_TRUE(re.Reserve({.max_layers_in_flight = kLayers}).ok());
-          return re.Rearrange(*m.from, *m.to);
-        },
-        &reports, {nullptr, faulty, nullptr}, std::chrono::milliseconds(400), nullptr, ahead);
+    auto ranks = RearrangeOnThreads(m.before, ReserveAndRearrange(kLayers, m), &reports,
+                                    {nullptr, faulty, nullptr}, std::chrono::milliseconds(400),
+                                    nullptr, ahead);
     EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
     ASSERT_EQ(faulty->injected(), 1u) << "the fault never applied";
     int all_new = 0, rolled_back = 0;

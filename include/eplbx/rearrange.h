@@ -185,6 +185,15 @@ class Rearranger {
   // to the layer deadline). Every rank commits the same layers at the same step. With no
   // rearrangement running it returns at once with nothing.
   CommitResult Commit();
+  // For a caller with no forward steps of its own (the demo; an engine draining a
+  // rearrangement): blocks, driving the rearrangement as Poll() does, until a Commit() now
+  // makes progress, or `timeout` passes (false). Due: the first Commit; more leading layers
+  // ready here than this rank last voted; the latest vote known of every rank lets another
+  // layer be applied, or says a rank failed; this rank failed; READs wait for the next
+  // step's budget; the member set changed. Commit() back to back instead sends a vote round
+  // per call while nothing changes (each a message to every rank). False at once when no
+  // rearrangement is running.
+  bool AwaitCommit(std::chrono::milliseconds timeout);
   AsyncProgress progress() const;
   bool busy() const;  // an asynchronous rearrangement is running
   // Host memory held in staging buffers (a layer's rows each): one from the start in place,

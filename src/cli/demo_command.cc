@@ -909,9 +909,9 @@ void AddDemoCommand(CLI::App& app, Action& run) {
       ->check(IntIn<int>(0, 1 << 20));
   AddDemoFlags(*demo, *o);
   demo->add_flag("--pipeline", o->pipeline,
-                 "rearrange with the asynchronous pipeline (Begin, then Commit back to back: "
-                 "layers in flight together, no budget, a vote per Commit) instead of the "
-                 "synchronous loop");
+                 "rearrange with the asynchronous pipeline (Begin, then Commit whenever "
+                 "AwaitCommit says one is due: layers in flight together, no budget) instead "
+                 "of the synchronous loop");
   demo->callback([&run, o] { run = [o] { return RunDemo(*o); }; });
 }
 

@@ -408,9 +408,10 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann:
     }
     RearrangeReport rr;
     if (o.pipeline) {
-      // The asynchronous pipeline with no engine around it: Commit() back to back, no budget
-      // (every READ posted as soon as its READY comes), as many layers in flight as the
-      // synchronous loop (StagingLayers: all of --layers-in-flight with a spare row per slot).
+      // The asynchronous pipeline with no engine around it: Commit() whenever one is due
+      // (AwaitCommit: no vote rounds while nothing changes), no budget (every READ posted as
+      // soon as its READY comes), as many layers in flight as the synchronous loop
+      // (StagingLayers: all of --layers-in-flight with a spare row per slot).
       const auto t0 = std::chrono::steady_clock::now();
       MigrationOptions mo;
       mo.ranks = o.ranks;
@@ -423,6 +424,7 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann:
       Status begun = plan.ok() ? (*rearranger)->Begin(*current, *next, *plan, ao) : plan.status();
       rr.status = begun;
       while (begun.ok() && (*rearranger)->busy()) {
+        if (!(*rearranger)->AwaitCommit(std::chrono::milliseconds(100))) continue;
         CommitResult c = (*rearranger)->Commit();
         if (c.finished) rr = (*rearranger)->async_report();
       }

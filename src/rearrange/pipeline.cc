@@ -40,6 +40,7 @@ struct RearrangerImpl::Pipeline {
   std::vector<std::unique_ptr<Run>> runs;  // started layers; runs[i] is layer i
   uint32_t layers = 0, applied = 0;
   int64_t step = 0, last_commit_step = 0;
+  int64_t vote_sent = 0;  // the last step this rank sent its VOTE of
   uint64_t posted_this_step = 0;
   // Votes by (pipeline, step), per rank; kept for a later pipeline too (a faster peer may
   // vote in the next one before this rank began it).
@@ -91,6 +92,21 @@ struct RearrangerImpl::Pipeline {
     v.resize(world);
     if (!v[from]) v[from] = r;  // a duplicate changes nothing
   }
+  // Every member's VOTE of `step` is here, and they end the rearrangement: each says every
+  // layer is ready, or one says its rank failed.
+  bool VotesEnd(int64_t step, const std::vector<bool>& members) const {
+    auto it = votes.find({id, step});
+    if (step < 1 || it == votes.end()) return false;
+    bool all_ready = true, failed = false;
+    for (uint32_t r = 0; r < members.size() || r < it->second.size(); ++r) {
+      const bool member = r >= members.size() || members[r];
+      if (!member) continue;
+      if (r >= it->second.size() || !it->second[r]) return false;
+      all_ready = all_ready && it->second[r]->expert >= layers;
+      failed = failed || it->second[r]->reader != 0;
+    }
+    return all_ready || failed;
+  }
   // The run with the smallest generation >= g.
   Run* Route(uint64_t g) const {
     for (const auto& r : runs) {
@@ -139,6 +155,7 @@ Status RearrangerImpl::Begin(const Placement& from, const Placement& to, const M
   p->plan = plan;
   p->opt = opt;
   p->layers = static_cast<uint32_t>(layout.layers.size());
+  unsent_vote.clear();
   p->first_generation = generation + 1;
   generation += p->layers;
   // The default budget: the busiest rank's bytes over target_steps (every rank computes the
@@ -198,6 +215,53 @@ void StopRuns(RearrangerImpl& d, RearrangerImpl::Pipeline& p, const std::string&
   }
 }
 
+// Queues this rank's VOTE of `step` (how many leading layers are ready here, failed?) for
+// every other member, to leave with the turn's records (Flush), and keeps it as its own.
+void QueueVote(RearrangerImpl& d, RearrangerImpl::Pipeline& p, int64_t step) {
+  Record mine;
+  mine.kind = RecordKind::kVote;
+  mine.generation = p.id;
+  mine.epoch = d.boot->epoch();
+  mine.layer = static_cast<uint32_t>(step);
+  mine.expert = p.ReadyPrefix();
+  mine.source = d.self();
+  mine.reader = p.failure.ok() ? 0 : 1;
+  mine.reason = p.failure.ok() ? "" : p.failure.message().substr(0, protocol::kMaxReasonBytes);
+  auto& v = p.votes[{p.id, step}];
+  v.resize(d.world());
+  v[d.self()] = mine;
+  p.vote_sent = step;
+  const std::string wire = protocol::EncodeRecord(mine);
+  // Votes go to and come from the members at this epoch only.
+  const std::vector<bool> members = d.boot->members();
+  if (d.outbox.size() < d.world()) d.outbox.resize(d.world());
+  for (uint32_t r = 0; r < d.world(); ++r) {
+    if (r == d.self() || (r < members.size() && !members[r])) continue;
+    d.outbox[r].push_back({nullptr, RecordKind::kVote, wire});
+  }
+}
+
+// This rank failed if a layer of it aborted or the rearrangement's deadline passed: its
+// next vote says so, and its running layers stop.
+void NoteFailure(RearrangerImpl& d, RearrangerImpl::Pipeline& p, protocol::Clock::time_point now) {
+  if (p.failure.ok()) {
+    for (const auto& run : p.runs) {
+      if (run->protocol->state() == LayerState::kAborted) {
+        p.failure = Status::Aborted(StrCat("rank ", d.self(), ": ", run->protocol->error()));
+        break;
+      }
+    }
+  }
+  if (p.failure.ok() && !d.unsent_vote.empty()) p.failure = Status::Unavailable(d.unsent_vote);
+  if (p.failure.ok() && now > p.deadline) {
+    p.failure = Status::Timeout(StrCat(
+        "rank ", d.self(), ": the rearrangement passed its deadline of ", p.opt.deadline.count(),
+        " ms after ", p.step, " steps with ", p.applied, " of ", p.layers, " layers committed (",
+        p.ReadyPrefix(), " ready here)", p.refused_note.empty() ? "" : "; ", p.refused_note));
+  }
+  if (!p.failure.ok()) StopRuns(d, p, p.failure.message());
+}
+
 }  // namespace
 
 Status RearrangerImpl::Poll() {
@@ -210,21 +274,7 @@ Status RearrangerImpl::Poll() {
   PollTurn();
   Flush();
   --hold_sends;
-  if (p.failure.ok()) {
-    for (const auto& run : p.runs) {
-      if (run->protocol->state() == LayerState::kAborted) {
-        p.failure = Status::Aborted(StrCat("rank ", self(), ": ", run->protocol->error()));
-        break;
-      }
-    }
-  }
-  if (p.failure.ok() && env->Now() > p.deadline) {
-    p.failure = Status::Timeout(StrCat(
-        "rank ", self(), ": the rearrangement passed its deadline of ", p.opt.deadline.count(),
-        " ms after ", p.step, " steps with ", p.applied, " of ", p.layers, " layers committed (",
-        p.ReadyPrefix(), " ready here)", p.refused_note.empty() ? "" : "; ", p.refused_note));
-  }
-  if (!p.failure.ok()) StopRuns(*this, p, p.failure.message());
+  NoteFailure(*this, p, env->Now());
   return p.failure;
 }
 
@@ -251,13 +301,16 @@ void RearrangerImpl::PollTurn() {
     run->outcome.layer = l;
     Run& r = *run;
     p.runs.push_back(std::move(run));
-    StartRun(r, p.first_generation + l, /*hold_done=*/false);
+    // Its DONE waits for the DONE of the layer before (dones_ahead: ReleaseDonesAhead below),
+    // so the DONEs of layers whose copies end together leave together, as in Rearrange().
+    StartRun(r, p.first_generation + l, /*hold_done=*/l > 0 && options.dones_ahead);
   }
   Handle(agent->PollNotifications(), route, vote);
   for (Run* run : p.Running()) Reap(*run);
   CheckPeers(p.Running(), route, vote);
   const auto now = env->Now();
   for (Run* run : p.Running()) Execute(*run, run->protocol->OnTick(now));
+  if (options.dones_ahead) ReleaseDonesAhead(p.runs, 0);
   // READs the budget held back, oldest layer first (Flush asks the budget for each).
   for (Run* run : p.Running()) {
     while (!run->held.empty() && p.Fits(RowBytes(run->job.layer))) {
@@ -272,9 +325,11 @@ CommitResult RearrangerImpl::Commit() {
   CommitResult out;
   if (!Busy()) return out;
   Pipeline& p = *pipe;
-  (void)Poll();
+  // This turn's records and the vote leave together, each peer's as one message (Flush).
+  ++hold_sends;
+  PollTurn();
+  NoteFailure(*this, p, env->Now());
   ++p.step;
-  p.posted_this_step = 0;
   // `agreed`: every rank ends the same way at this step, so the Rearranger stays usable;
   // otherwise (a vote missing) the ranks may disagree and it must be rebuilt.
   auto finish = [&](Status status, bool agreed) {
@@ -308,35 +363,20 @@ CommitResult RearrangerImpl::Commit() {
                                p.epoch, " -> ", boot->epoch(), "); committed ", p.applied, " of ",
                                p.layers, " layers, the rest keep their old weights and maps")),
         false);
+    Flush();  // the ABORTs
+    --hold_sends;
     return out;
   }
-  Record mine;
-  mine.kind = RecordKind::kVote;
-  mine.generation = p.id;
-  mine.epoch = boot->epoch();
-  mine.layer = static_cast<uint32_t>(p.step);
-  mine.expert = p.ReadyPrefix();
-  mine.source = self();
-  mine.reader = p.failure.ok() ? 0 : 1;
-  mine.reason = p.failure.ok() ? "" : p.failure.message().substr(0, protocol::kMaxReasonBytes);
-  {
-    auto& v = p.votes[{p.id, p.step}];
-    v.resize(world());
-    v[self()] = mine;
-  }
-  const std::string wire = protocol::EncodeRecord(mine);
-  // Votes go to and come from the members at this epoch only.
+  // No vote is needed when the votes of the step before are all here and end the
+  // rearrangement (every layer ready everywhere, or a rank failed): every rank ends at this
+  // step on those same votes, and no rank waits for one of this step.
+  if (!p.VotesEnd(p.step - 1, boot->members())) QueueVote(*this, p, p.step);
+  Flush();
+  --hold_sends;
+  p.posted_this_step = 0;             // the turn's READs count against the step before
+  NoteFailure(*this, p, env->Now());  // a record or the vote that could not leave
   const std::vector<bool> members = boot->members();
   auto member = [&members](uint32_t r) { return r >= members.size() || members[r]; };
-  for (uint32_t r = 0; r < world(); ++r) {
-    if (r == self() || !member(r)) continue;
-    Status s = agent->Notify(peer_of[r], wire);
-    if (!s.ok() && p.failure.ok()) {
-      p.failure =
-          Status::Unavailable(StrCat("rank ", self(), ": rank ", r, " unreachable: ", s.message()));
-      StopRuns(*this, p, p.failure.message());
-    }
-  }
   if (p.step == 1) {
     (void)Poll();
     return out;
@@ -380,6 +420,7 @@ CommitResult RearrangerImpl::Commit() {
     ++hold_sends;
     Handle(agent->WaitEvents(std::chrono::milliseconds(kTickMs)), route, vote);
     for (Run* run : p.Running()) Reap(*run);
+    if (options.dones_ahead) ReleaseDonesAhead(p.runs, 0);
     Flush();
     --hold_sends;
   }
@@ -430,6 +471,71 @@ CommitResult RearrangerImpl::Commit() {
     (void)Poll();
   }
   return out;
+}
+
+bool RearrangerImpl::CommitDue() const {
+  const Pipeline& p = *pipe;
+  if (boot->epoch() != p.epoch || !p.failure.ok() || !unsent_vote.empty()) return true;
+  // News of this rank: its next vote would say more than its last (the first: anything)...
+  auto own = p.votes.find({p.id, p.vote_sent});
+  const uint32_t voted = own != p.votes.end() && own->second.size() > self() && own->second[self()]
+                             ? own->second[self()]->expert
+                             : 0;
+  // ... once every layer started is ready here and no other can start before a commit:
+  // without forward passes in between, committing the first layers a round earlier gains
+  // nothing, and each vote round costs every rank a wake-up per message.
+  const uint32_t ready = p.ReadyPrefix();
+  const size_t started = p.runs.size();
+  const bool blocked =
+      ready == started && (started == p.layers ||
+                           started - p.applied >= static_cast<size_t>(p.opt.max_layers_in_flight) ||
+                           (p.staged[started] && p.free_slots.empty()));
+  if (blocked && ready > voted) return true;
+  for (const auto& run : p.runs) {
+    if (!run->held.empty()) return true;  // the budget of this step is spent
+  }
+  // The latest vote known of every member (votes are kept by step, in order).
+  std::vector<const Record*> latest(world(), nullptr);
+  for (auto it = p.votes.lower_bound({p.id, 0}); it != p.votes.end() && it->first.first == p.id;
+       ++it) {
+    for (uint32_t r = 0; r < it->second.size() && r < world(); ++r) {
+      if (!it->second[r]) continue;
+      if (it->second[r]->reader != 0) return true;  // a rank failed: every rank ends
+      latest[r] = &*it->second[r];
+      // A rank that voted step t waits in its Commit for every vote of step t - 1: this
+      // rank's, when it has not sent it yet.
+      if (it->first.second >= p.vote_sent + 2) return true;
+    }
+  }
+  const std::vector<bool> members = boot->members();
+  uint32_t low = p.layers;
+  for (uint32_t r = 0; r < world(); ++r) {
+    if (r < members.size() && !members[r]) continue;
+    low = latest[r] == nullptr ? 0 : std::min(low, latest[r]->expert);
+  }
+  return low > p.applied;  // a vote round applies another layer
+}
+
+bool RearrangerImpl::AwaitCommit(std::chrono::milliseconds timeout) {
+  if (!Busy()) return false;
+  Pipeline& p = *pipe;
+  const auto until = env->Now() + timeout;
+  auto route = [&p](uint64_t g) { return p.Route(g); };
+  auto vote = [&p, this](uint32_t from, const Record& r) {
+    p.TakeVote(from, r, world(), boot->epoch());
+  };
+  for (;;) {
+    (void)Poll();
+    if (CommitDue()) return true;
+    const auto now = env->Now();
+    if (now >= until) return false;
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - now);
+    ++hold_sends;
+    Handle(agent->WaitEvents(
+               std::clamp(left, std::chrono::milliseconds(1), std::chrono::milliseconds(kTickMs))),
+           route, vote);
+    --hold_sends;  // Poll above sends what this wait's records call for, with its own
+  }
 }
 
 AsyncProgress RearrangerImpl::Progress() const {

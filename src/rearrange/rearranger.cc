@@ -280,6 +280,12 @@ void RearrangerImpl::Flush() {
       std::vector<Status> sent = agent->NotifyMany(peer_of[peer], std::move(payloads));
       for (size_t i = 0; i < batch.size() && i < sent.size(); ++i) {
         if (sent[i].ok() || batch[i].kind == protocol::RecordKind::kAbort) continue;
+        if (batch[i].run == nullptr) {  // a VOTE (no layer's): the pipeline fails on it
+          if (unsent_vote.empty())
+            unsent_vote =
+                StrCat("rank ", self(), ": rank ", peer, " unreachable: ", sent[i].message());
+          continue;
+        }
         Run& run = *batch[i].run;
         Result<PeerInfo> info = agent->Peer(peer_of[peer]);
         if (info.ok() && info->reachable) {
@@ -876,6 +882,9 @@ Status Rearranger::Begin(const Placement& from, const Placement& to, const Migra
 Status Rearranger::Poll() { return impl_->Poll(); }
 Status Rearranger::Reserve(const AsyncOptions& options) { return impl_->Reserve(options); }
 CommitResult Rearranger::Commit() { return impl_->Commit(); }
+bool Rearranger::AwaitCommit(std::chrono::milliseconds timeout) {
+  return impl_->AwaitCommit(timeout);
+}
 AsyncProgress Rearranger::progress() const { return impl_->Progress(); }
 bool Rearranger::busy() const { return impl_->Busy(); }
 uint64_t Rearranger::staging_bytes() const { return impl_->staging.size() * impl_->StagingBytes(); }

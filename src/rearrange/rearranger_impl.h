@@ -156,6 +156,8 @@ class RearrangerImpl {
   void PollTurn();  // Poll's turn: starts, records, READs (held until Poll flushes them)
   Status Reserve(const AsyncOptions& options);
   CommitResult Commit();
+  bool AwaitCommit(std::chrono::milliseconds timeout);
+  bool CommitDue() const;
   AsyncProgress Progress() const;
   RearrangeReport PipelineReport() const;
   bool Busy() const;
@@ -177,7 +179,7 @@ class RearrangerImpl {
   Agent::ReadRequest PrepareRead(Run& run, const protocol::Action& a);
   void Posted(Run& run, const protocol::Action& a, Result<TransferId> id);
   struct Outgoing {
-    Run* run = nullptr;
+    Run* run = nullptr;  // null: a VOTE, no layer's record
     protocol::RecordKind kind = protocol::RecordKind::kReady;
     std::string bytes;
   };
@@ -191,6 +193,8 @@ class RearrangerImpl {
   // it returns, so a turn's records to a peer travel together).
   int hold_sends = 0;
   bool flushing = false;
+  // The first VOTE that could not leave (Flush), for the pipeline to fail on: its reason.
+  std::string unsent_vote;
   // Handles the records in `notes`: route(g) is the run with the smallest generation >= g
   // (null: none started yet). A record goes to the run of its generation; one later than
   // every run is deferred; an older one is stale. Votes go to `vote` when set.

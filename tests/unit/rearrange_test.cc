@@ -886,6 +886,9 @@ void ServeRank(Rank& rank, Bootstrap& boot, int steps, int every, const AsyncOpt
       }
     }
     log->maps_digest.push_back(Digest(maps));
+    // ... and takes time, as an engine's does: a rebalance slowed by 5 ms spans tens of steps,
+    // not the hundreds a loop of checks alone runs through (a Commit takes microseconds here).
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
     if (step % every == 1 && !(*re)->busy()) {
       std::mt19937 rng(1000 + rebalances);
       std::vector<int32_t> flat_from, flat_to;
@@ -1184,6 +1187,84 @@ TEST(PipelineTest, EveryPhaseEndsEveryRankAtomically) {
        false, ""},
   };
   std::mt19937 rng(71);
+  // Driven by Commit() each step (an engine) and by AwaitCommit() (no forward steps).
+  for (const bool await : {false, true}) {
+    for (const Case& c : cases) {
+      SCOPED_TRACE(c.name + (await ? ", AwaitCommit" : ", Commit every step"));
+      const RandomMoves m(rng);
+      ASSERT_TRUE(m.from.ok() && m.to.ok());
+      MigrationOptions mo;
+      mo.ranks = kRanks;
+      auto plan = PlanMigration(*m.from, *m.to, mo);
+      ASSERT_TRUE(plan.ok());
+      auto faulty = std::make_shared<internal::FaultPlan>();
+      c.arm(*faulty);
+      std::vector<RearrangeReport> reports;
+      const auto start = std::chrono::steady_clock::now();
+      auto ranks = RearrangeOnThreads(
+          m.before,
+          [&](Rearranger& re) {
+            AsyncOptions ao;
+            ao.step_budget_bytes = kBytes[0] + kBytes[1];  // several steps
+            ao.max_layers_in_flight = 2;
+            Status b = re.Begin(*m.from, *m.to, *plan, ao);
+            EXPECT_TRUE(b.ok()) << b.ToString();
+            RearrangeReport out;
+            while (b.ok() && re.busy()) {
+              if (await) {
+                if (!re.AwaitCommit(std::chrono::milliseconds(50))) continue;
+              } else {
+                (void)re.Poll();
+              }
+              CommitResult cr = re.Commit();
+              if (cr.finished) {
+                out = re.async_report();
+                out.status = cr.status;
+              }
+            }
+            return out;
+          },
+          &reports, {nullptr, faulty, nullptr}, std::chrono::milliseconds(400));
+      const auto took = std::chrono::steady_clock::now() - start;
+      EXPECT_GE(faulty->injected(), 1u) << "the fault never applied";
+      EXPECT_LT(took, std::chrono::seconds(5));
+      int failed = 0;
+      for (uint32_t r = 0; r < kRanks; ++r) failed += !reports[r].status.ok();
+      EXPECT_GE(failed, c.agreed ? kRanks : 1);
+      if (!c.says.empty()) {
+        EXPECT_NE(reports[1].status.message().find(c.says), std::string::npos)
+            << reports[1].status.ToString();
+      }
+      for (uint32_t r = 0; r < kRanks && c.agreed; ++r) {
+        ASSERT_EQ(reports[r].layers.size(), reports[0].layers.size());
+        for (size_t l = 0; l < reports[r].layers.size(); ++l) {
+          EXPECT_EQ(reports[r].layers[l].committed, reports[0].layers[l].committed)
+              << "rank " << r << " layer " << l;
+        }
+      }
+      ExpectLayerAtomic(ranks, reports, m, c.name);
+    }
+  }
+}
+
+// AwaitCommit (a caller with no forward steps of its own): with every layer in flight and no
+// budget (the demo's pipeline), each rank votes once, when every layer is ready here, and the next
+// Commit applies them all on every rank at the same step and ends without a vote; with two layers
+// in flight and a row a step it goes window by window. Every rank commits the same layers at the
+// same Commit, every byte lands (ExpectLayerAtomic), and nothing waits for a vote never sent.
+TEST(PipelineTest, AwaitCommitVotesOnlyWhenARoundAppliesLayers) {
+  using internal::Fault;
+  struct Case {
+    std::string name;
+    uint64_t budget;
+    int in_flight;
+    int votes;  // the VOTEs rank 1 sends in all (-1: any)
+  };
+  const std::vector<Case> cases = {
+      {"every layer in flight", UINT64_MAX / 4, kLayers, kRanks - 1},
+      {"two layers in flight, a row a step", kBytes[0] + kBytes[1], 2, -1},
+  };
+  std::mt19937 rng(73);
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
     const RandomMoves m(rng);
@@ -1192,46 +1273,52 @@ TEST(PipelineTest, EveryPhaseEndsEveryRankAtomically) {
     mo.ranks = kRanks;
     auto plan = PlanMigration(*m.from, *m.to, mo);
     ASSERT_TRUE(plan.ok());
-    auto faulty = std::make_shared<internal::FaultPlan>();
-    c.arm(*faulty);
+    auto count = std::make_shared<internal::FaultPlan>();
+    std::atomic<int> votes{0};
+    Fault f = Fault::Of(Fault::Action::kRun);
+    f.match = [](std::string_view p) { return IsRecord(p, protocol::RecordKind::kVote); };
+    f.run = [&votes] { ++votes; };
+    count->OnNotifications(f);
     std::vector<RearrangeReport> reports;
-    const auto start = std::chrono::steady_clock::now();
+    std::vector<std::vector<int>> commits(kRanks);  // per rank: the Commit call of each layer
+    std::vector<int> calls(kRanks, 0);
+    std::atomic<int> next{0};  // each thread its own entry
     auto ranks = RearrangeOnThreads(
         m.before,
         [&](Rearranger& re) {
           AsyncOptions ao;
-          ao.step_budget_bytes = kBytes[0] + kBytes[1];  // several steps
-          ao.max_layers_in_flight = 2;
+          ao.step_budget_bytes = c.budget;
+          ao.max_bytes_in_flight = c.budget;
+          ao.max_layers_in_flight = c.in_flight;
           Status b = re.Begin(*m.from, *m.to, *plan, ao);
           EXPECT_TRUE(b.ok()) << b.ToString();
           RearrangeReport out;
+          const int r = next++;
           while (b.ok() && re.busy()) {
-            (void)re.Poll();
+            if (!re.AwaitCommit(std::chrono::milliseconds(50))) continue;
             CommitResult cr = re.Commit();
+            ++calls[r];
+            for (size_t i = 0; i < cr.layers.size(); ++i) commits[r].push_back(calls[r]);
             if (cr.finished) {
               out = re.async_report();
               out.status = cr.status;
             }
           }
+          EXPECT_FALSE(re.AwaitCommit(std::chrono::milliseconds(1)));  // nothing running
           return out;
         },
-        &reports, {nullptr, faulty, nullptr}, std::chrono::milliseconds(400));
-    const auto took = std::chrono::steady_clock::now() - start;
-    EXPECT_GE(faulty->injected(), 1u) << "the fault never applied";
-    EXPECT_LT(took, std::chrono::seconds(5));
-    int failed = 0;
-    for (uint32_t r = 0; r < kRanks; ++r) failed += !reports[r].status.ok();
-    EXPECT_GE(failed, c.agreed ? kRanks : 1);
-    if (!c.says.empty()) {
-      EXPECT_NE(reports[1].status.message().find(c.says), std::string::npos)
-          << reports[1].status.ToString();
+        &reports, {nullptr, count, nullptr}, std::chrono::seconds(10));
+    for (uint32_t r = 0; r < kRanks; ++r) {
+      EXPECT_TRUE(reports[r].status.ok()) << "rank " << r << ": " << reports[r].status.ToString();
+      EXPECT_EQ(commits[r].size(), static_cast<size_t>(kLayers)) << "rank " << r;
+      EXPECT_EQ(commits[r], commits[0]) << "rank " << r;
+      EXPECT_EQ(calls[r], calls[0]) << "rank " << r;
     }
-    for (uint32_t r = 0; r < kRanks && c.agreed; ++r) {
-      ASSERT_EQ(reports[r].layers.size(), reports[0].layers.size());
-      for (size_t l = 0; l < reports[r].layers.size(); ++l) {
-        EXPECT_EQ(reports[r].layers[l].committed, reports[0].layers[l].committed)
-            << "rank " << r << " layer " << l;
-      }
+    if (c.votes >= 0) {
+      EXPECT_EQ(votes.load(), c.votes);
+      EXPECT_EQ(calls[0], 2);  // the vote, then the Commit that applies every layer
+    } else {
+      EXPECT_GT(calls[0], 2);  // window by window
     }
     ExpectLayerAtomic(ranks, reports, m, c.name);
   }

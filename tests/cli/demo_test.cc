@@ -185,8 +185,8 @@ TEST(DemoTest, SoakMemoryStaysFlat) {
 
 // Every demo/worker flag error: exit 1, one line on stderr naming the flag, the value and
 // what was expected, before any rank starts (docs/reliability.md's bad-input table).
-// The asynchronous pipeline (Begin, Commit when AwaitCommit says one is due) moves the same bytes as the
-// synchronous loop, and every byte verifies.
+// The asynchronous pipeline (Begin, Commit when AwaitCommit says one is due) moves the same
+// bytes as the synchronous loop, and every byte verifies.
 TEST(DemoTest, PipelineRearrangesAndVerifiesEveryByte) {
   DemoRun sync = Demo(kSmall);
   DemoRun pipe = Demo(std::string(kSmall) + " --pipeline");

@@ -1131,6 +1131,14 @@ TEST(PipelineTest, BeginRefusesAPlanThatDoesNotMatchAndASecondRebalance) {
   }
 }
 
+// The plan every rank runs from m.from to m.to.
+Result<MigrationPlan> PlanMoves(const RandomMoves& m) {
+  if (!m.from.ok() || !m.to.ok()) return Status::Internal("the random placements are invalid");
+  MigrationOptions mo;
+  mo.ranks = kRanks;
+  return PlanMigration(*m.from, *m.to, mo);
+}
+
 // Rollback, deadline and abort at every phase of an asynchronous rebalance (one fault on
 // rank 1, through the fault-injecting path and channel): every rank ends with an error by
 // name within the deadline, every layer of every rank is all-old or all-new, and where the
@@ -1192,10 +1200,7 @@ TEST(PipelineTest, EveryPhaseEndsEveryRankAtomically) {
     for (const Case& c : cases) {
       SCOPED_TRACE(c.name + (await ? ", AwaitCommit" : ", Commit every step"));
       const RandomMoves m(rng);
-      ASSERT_TRUE(m.from.ok() && m.to.ok());
-      MigrationOptions mo;
-      mo.ranks = kRanks;
-      auto plan = PlanMigration(*m.from, *m.to, mo);
+      Result<MigrationPlan> plan = PlanMoves(m);
       ASSERT_TRUE(plan.ok());
       auto faulty = std::make_shared<internal::FaultPlan>();
       c.arm(*faulty);
@@ -1268,10 +1273,7 @@ TEST(PipelineTest, AwaitCommitVotesOnlyWhenARoundAppliesLayers) {
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
     const RandomMoves m(rng);
-    ASSERT_TRUE(m.from.ok() && m.to.ok());
-    MigrationOptions mo;
-    mo.ranks = kRanks;
-    auto plan = PlanMigration(*m.from, *m.to, mo);
+    Result<MigrationPlan> plan = PlanMoves(m);
     ASSERT_TRUE(plan.ok());
     auto count = std::make_shared<internal::FaultPlan>();
     std::atomic<int> votes{0};

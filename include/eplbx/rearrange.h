@@ -187,11 +187,12 @@ class Rearranger {
   CommitResult Commit();
   // For a caller with no forward steps of its own (the demo; an engine draining a
   // rearrangement): blocks, driving the rearrangement as Poll() does, until a Commit() now
-  // makes progress, or `timeout` passes (false). Due: the first Commit; more leading layers
-  // ready here than this rank last voted; the latest vote known of every rank lets another
-  // layer be applied, or says a rank failed; this rank failed; READs wait for the next
-  // step's budget; the member set changed. Commit() back to back instead sends a vote round
-  // per call while nothing changes (each a message to every rank). False at once when no
+  // makes progress, or `timeout` passes (false). Due: every layer started here is ready and
+  // none can start before a commit (and this rank's last vote says fewer); the latest vote
+  // known of every rank lets another layer be applied, or says a rank failed; a rank waits
+  // for this rank's vote of a step; this rank failed; READs wait for the next step's
+  // budget; the member set changed. Commit() back to back instead sends a vote round per
+  // call while nothing changes (each a message to every rank). False at once when no
   // rearrangement is running.
   bool AwaitCommit(std::chrono::milliseconds timeout);
   AsyncProgress progress() const;

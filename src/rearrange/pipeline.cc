@@ -40,7 +40,8 @@ struct RearrangerImpl::Pipeline {
   std::vector<std::unique_ptr<Run>> runs;  // started layers; runs[i] is layer i
   uint32_t layers = 0, applied = 0;
   int64_t step = 0, last_commit_step = 0;
-  int64_t vote_sent = 0;  // the last step this rank sent its VOTE of
+  int64_t vote_sent = 0;     // the last step this rank sent its VOTE of
+  uint32_t voted_ready = 0;  // the leading layers ready that vote said
   uint64_t posted_this_step = 0;
   // Votes by (pipeline, step), per rank; kept for a later pipeline too (a faster peer may
   // vote in the next one before this rank began it).
@@ -231,6 +232,7 @@ void QueueVote(RearrangerImpl& d, RearrangerImpl::Pipeline& p, int64_t step) {
   v.resize(d.world());
   v[d.self()] = mine;
   p.vote_sent = step;
+  p.voted_ready = mine.expert;
   const std::string wire = protocol::EncodeRecord(mine);
   // Votes go to and come from the members at this epoch only.
   const std::vector<bool> members = d.boot->members();
@@ -370,12 +372,12 @@ CommitResult RearrangerImpl::Commit() {
   // No vote is needed when the votes of the step before are all here and end the
   // rearrangement (every layer ready everywhere, or a rank failed): every rank ends at this
   // step on those same votes, and no rank waits for one of this step.
-  if (!p.VotesEnd(p.step - 1, boot->members())) QueueVote(*this, p, p.step);
+  const std::vector<bool> members = boot->members();
+  if (!p.VotesEnd(p.step - 1, members)) QueueVote(*this, p, p.step);
   Flush();
   --hold_sends;
   p.posted_this_step = 0;             // the turn's READs count against the step before
   NoteFailure(*this, p, env->Now());  // a record or the vote that could not leave
-  const std::vector<bool> members = boot->members();
   auto member = [&members](uint32_t r) { return r >= members.size() || members[r]; };
   if (p.step == 1) {
     (void)Poll();
@@ -476,21 +478,17 @@ CommitResult RearrangerImpl::Commit() {
 bool RearrangerImpl::CommitDue() const {
   const Pipeline& p = *pipe;
   if (boot->epoch() != p.epoch || !p.failure.ok() || !unsent_vote.empty()) return true;
-  // News of this rank: its next vote would say more than its last (the first: anything)...
-  auto own = p.votes.find({p.id, p.vote_sent});
-  const uint32_t voted = own != p.votes.end() && own->second.size() > self() && own->second[self()]
-                             ? own->second[self()]->expert
-                             : 0;
-  // ... once every layer started is ready here and no other can start before a commit:
-  // without forward passes in between, committing the first layers a round earlier gains
-  // nothing, and each vote round costs every rank a wake-up per message.
+  // News of this rank (its next vote would say more than its last), once every layer
+  // started is ready here and no other can start before a commit: without forward passes in
+  // between, committing the first layers a round earlier gains nothing, and each vote round
+  // costs every rank a wake-up per message.
   const uint32_t ready = p.ReadyPrefix();
   const size_t started = p.runs.size();
   const bool blocked =
       ready == started && (started == p.layers ||
                            started - p.applied >= static_cast<size_t>(p.opt.max_layers_in_flight) ||
                            (p.staged[started] && p.free_slots.empty()));
-  if (blocked && ready > voted) return true;
+  if (blocked && ready > p.voted_ready) return true;
   for (const auto& run : p.runs) {
     if (!run->held.empty()) return true;  // the budget of this step is spent
   }

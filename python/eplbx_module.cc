@@ -454,6 +454,7 @@ class Store {
     });
   }
   ~Store() { Close(); }
+  uint16_t port() const { return store_->port(); }
   void Close() {
     stop_ = true;
     if (thread_.joinable()) {
@@ -748,6 +749,8 @@ PYBIND11_MODULE(_eplbx, m) {
       .def(py::init<const std::string&, uint16_t, const std::string&, uint32_t, double>(),
            py::arg("addr"), py::arg("port"), py::arg("token"), py::arg("world"),
            py::arg("deadline_s") = 10.0)
+      .def_property_readonly("port", &Store::port,
+                             "The port it listens on (the system's choice where port 0 was asked)")
       .def("close", &Store::Close);
 
   py::class_<PyServingGroup>(m, "_ServingGroup")

@@ -38,7 +38,7 @@ import sys
 import time
 import traceback
 
-from bench_util import placements, spawn
+from bench_util import init_gloo, placements, spawn
 
 BENCH = {"world": 4, "layers": 8, "slots": 64, "experts": 48, "mib": [8, 2, 1], "repeats": 3}
 CHECK = {"world": 3, "layers": 2, "slots": 12, "experts": 8, "mib": [0.25, 0.0625, 0.03125],
@@ -162,8 +162,7 @@ def worker(rank, world, port, cfg, device_kind, results):
             device = f"cuda:{torch.cuda.current_device()}"
         else:
             device = "cpu"
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world)
+        init_gloo(port, rank, world)
         group = dist.new_group(backend="gloo")
         rows = cfg["slots"] // world
         elems = [int(m * (1 << 20)) // 4 for m in cfg["mib"]]

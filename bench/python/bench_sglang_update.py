@@ -37,7 +37,7 @@ import sys
 import time
 import traceback
 
-from bench_util import placements, spawn
+from bench_util import init_gloo, placements, spawn
 
 BENCH = {"world": 8, "moe_layers": [0, 1, 2, 3], "layers": 4, "experts": 256, "slots": 288,
          "shapes": [(512, 1024), (1024, 256), (128,)], "transitions": 3, "dead": 5}
@@ -124,8 +124,7 @@ def worker(rank, world, port, cfg, seed, results):
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world)
+        init_gloo(port, rank, world)
         import eplbx.sglang
         from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
         from sglang.srt.eplb import expert_location as el

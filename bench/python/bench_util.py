@@ -1,15 +1,30 @@
-"""Helpers shared by the Python benchmarks in this folder."""
+"""Helpers shared by the Python benchmarks in this folder (and the tests in tests/python)."""
+import datetime
 import multiprocessing as mp
 import random
-import socket
 import time
 
+HOST = "127.0.0.1"
 
-def free_port():
-    """A TCP port free on localhost now (for the ranks' rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def gloo_store():
+    """torch.distributed's TCPStore served by this process on a port the system picks:
+    (store, port); keep `store` alive while the workers run. A port picked by binding port 0
+    and closing it can be taken by anyone (an outgoing connection, another test) before the
+    rank meant to serve on it binds it ("Address already in use" failed a CI run); this one
+    is never let go."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(HOST, 0, None, True, datetime.timedelta(seconds=120), wait_for_workers=False)
+    return store, store.port
+
+
+def init_gloo(port, rank, world):
+    """In a worker: joins the store on `port` (gloo_store's) and the gloo process group over it."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(HOST, port, None, False, datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
 
 
 def placements(seed, layers, slots, experts):
@@ -28,7 +43,7 @@ def spawn(target, world, *args, timeout=900):
     (rank, item) on `results`. Returns {rank: item} for the ranks that reported in time."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    store, port = gloo_store()  # held until the workers are done
     procs = [ctx.Process(target=target, args=(r, world, port, *args, results)) for r in range(world)]
     for p in procs:
         p.start()
@@ -45,4 +60,5 @@ def spawn(target, world, *args, timeout=900):
         p.join(timeout=10)
         if p.is_alive():
             p.kill()
+    del store
     return out

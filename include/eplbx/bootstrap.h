@@ -195,6 +195,8 @@ class TcpStore {
                                                   Env* env = nullptr);
   ~TcpStore();
   TcpStore(const TcpStore&) = delete;
+  // The port it listens on: the one asked for, or the one the system chose for port 0.
+  uint16_t port() const { return port_; }
   TcpStore& operator=(const TcpStore&) = delete;
 
   // Waits up to `join_timeout` for every rank to join (kTimeout naming the missing ranks),
@@ -230,6 +232,7 @@ class TcpStore {
   // Tells the peer on `fd` why (it may be gone), closes it, counts it by its address.
   void Refuse(int fd, const std::string& refusal);
   int listen_fd_ = -1;
+  uint16_t port_ = 0;
   std::string token_;
   uint32_t world_ = 0;
   Env* env_ = nullptr;

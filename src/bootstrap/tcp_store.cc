@@ -86,8 +86,12 @@ Result<std::unique_ptr<TcpStore>> TcpStore::Listen(const std::string& addr, uint
     close(fd);
     return s;
   }
+  sockaddr_in bound{};
+  socklen_t len = sizeof(bound);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
   auto store = std::unique_ptr<TcpStore>(new TcpStore());
   store->listen_fd_ = fd;
+  store->port_ = ntohs(bound.sin_port);
   store->token_ = std::move(token);
   store->world_ = world;
   store->env_ = EnvOrDefault(env);

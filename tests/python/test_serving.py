@@ -6,20 +6,15 @@ where they are. Skips, saying why, where torch is absent."""
 import multiprocessing as mp
 import os
 import signal
-import socket
 import tempfile
 import unittest
 
 import numpy as np
 
+from rendezvous import gloo_store, init_gloo, start_etcd
+
 LAYERS, ROWS, EXPERTS, WORLD, ROW_FLOATS = 2, 5, 12, 4, 64
 STEPS, KILL_AT, JOIN_AT = 60, 15, 30
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def value(layer, expert):
@@ -130,14 +125,13 @@ def worker(rank, world, gloo_port, results, backup_dir, joining=False, etcd=None
                                    window=10, interval=10, deadline_s=3.0)
             serve(g, rank, weights, results, g.steps, torch)
             return
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=rank,
-                                world_size=world)
+        init_gloo(gloo_port, rank, world)
         # Rank 0 serves the coordinator; its port reaches the others over the process group.
         box = [None]
         store = None
         if rank == 0:
-            box[0] = free_port()
-            store = eplbx.Store("127.0.0.1", box[0], "t", world, deadline_s=3.0)
+            store = eplbx.Store("127.0.0.1", 0, "t", world, deadline_s=3.0)  # the system's port
+            box[0] = store.port
             with open(os.path.join(backup_dir, "store"), "w") as f:
                 f.write(str(box[0]))
         dist.broadcast_object_list(box, src=0)
@@ -183,7 +177,7 @@ class ServingGroupTest(unittest.TestCase):
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
         backup_dir = tempfile.mkdtemp(prefix="eplbx-serving-")
-        gloo_port = free_port()
+        gloo, gloo_port = gloo_store()  # held while the workers run
         procs = [ctx.Process(target=worker, args=(r, WORLD, gloo_port, results, backup_dir))
                  for r in range(WORLD)]
         for p in procs:
@@ -200,6 +194,7 @@ class ServingGroupTest(unittest.TestCase):
                      f"eplbx_experts_recovered_total {first['experts_recovered']}\n"):
             self.assertIn(line, first["metrics"])
         self.assertEqual(os.listdir(backup_dir), ["store"])  # the backup's name is gone
+        del gloo  # every worker is done with the process group's store
 
     def test_on_etcd_rank_zero_is_lost_and_a_new_process_for_it_joins(self):
         """Coordination on etcd (docs/deploy.md): no eplbx.Store anywhere, so rank 0 can be
@@ -207,7 +202,6 @@ class ServingGroupTest(unittest.TestCase):
         serve on; a new process for rank 0 joins. Needs an etcd binary (scripts/setup.sh
         installs Debian's etcd-server); skips saying why where there is none."""
         import shutil
-        import subprocess
         import time
 
         etcd = shutil.which("etcd")
@@ -216,20 +210,9 @@ class ServingGroupTest(unittest.TestCase):
             print(msg, file=__import__("sys").stderr)
             self.skipTest(msg)
         data = tempfile.mkdtemp(prefix="eplbx-etcd-")
-        client, peer = free_port(), free_port()
-        server = subprocess.Popen(
-            [etcd, "--name", "e", "--data-dir", data, "--listen-client-urls", f"http://127.0.0.1:{client}",
-             "--advertise-client-urls", f"http://127.0.0.1:{client}", "--listen-peer-urls",
-             f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-cluster", f"e=http://127.0.0.1:{peer}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server, client = start_etcd(etcd, data)
         try:
             url = f"etcd://127.0.0.1:{client}"
-            for _ in range(100):  # up when its port answers
-                with socket.socket() as s:
-                    if s.connect_ex(("127.0.0.1", client)) == 0:
-                        break
-                time.sleep(0.05)
             ctx = mp.get_context("spawn")
             results = ctx.Queue()
             backup_dir = tempfile.mkdtemp(prefix="eplbx-serving-")

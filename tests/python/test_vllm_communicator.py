@@ -3,21 +3,16 @@ vLLM drives an EPLB communicator; tensors in shared memory (share_memory_()); la
 mismatches and a killed rank."""
 import multiprocessing as mp
 import os
-import socket
 import threading
 import time
 import traceback
 import unittest
 
+from rendezvous import gloo_store, init_gloo
+
 LAYERS, ROWS, EXPERTS = 3, 4, 9
 SHAPES = [(6, 5), (7,), (3,)]          # per-expert shape of each tensor
 DTYPES = ["float32", "float16", "int32"]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def value(layer, expert, tensor):
@@ -46,7 +41,7 @@ def worker(rank, world, port, scenario, results, seed=7):
         # "cuda": every rank's tensors on GPU 0 (IPC works within one device), moved as vLLM's
         # asynchronous mode drives it: set_stream(), then the transfer calls from another thread.
         device = "cuda:0" if scenario == "cuda" else "cpu"
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        init_gloo(port, rank, world)
         group = dist.new_group(backend="gloo")
         before = random_maps(seed, world)
         after = random_maps(seed + 1, world)
@@ -253,7 +248,7 @@ def bad_arguments(torch, eplbx, EplbxCommunicator, group, weights, buffer, befor
 def run(world, scenario, timeout=90):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    store, port = gloo_store()  # held until the workers are done
     procs = [ctx.Process(target=worker, args=(r, world, port, scenario, results)) for r in range(world)]
     for p in procs:
         p.start()
@@ -270,6 +265,7 @@ def run(world, scenario, timeout=90):
         p.join(timeout=5)
         if p.is_alive():
             p.kill()
+    del store  # the workers are done with it
     return out
 
 

@@ -249,6 +249,33 @@ TEST(TcpStoreTest, MissingRanksTimeOutByName) {
             Code::kTimeout);
 }
 
+// Port 0: the system picks a free port, port() says which, and members join on it.
+TEST(TcpStoreTest, PortZeroListensOnAPortItNames) {
+  auto store = TcpStore::Listen("127.0.0.1", 0, "t", 1);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  const uint16_t port = (*store)->port();
+  ASSERT_NE(port, 0);
+  Status served;
+  std::thread serve([&] {
+    served = (*store)->Serve(milliseconds(5000), milliseconds(5000), [](uint32_t, std::string) {});
+  });
+  {
+    auto r0 = JoinTcpStore("127.0.0.1", port, "t", 0, 1, milliseconds(5000));
+    EXPECT_TRUE(r0.ok()) << r0.status().ToString();
+    if (r0.ok()) {
+      auto g = (*r0)->AllGather("only", milliseconds(5000));
+      EXPECT_TRUE(g.ok() && *g == std::vector<std::string>{"only"}) << g.status().ToString();
+    }
+  }
+  serve.join();
+  EXPECT_TRUE(served.ok()) << served.ToString();
+  // A named port is reported as asked.
+  const uint16_t named = Port();
+  auto again = TcpStore::Listen("127.0.0.1", named, "t", 1);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ((*again)->port(), named);
+}
+
 // The store's and the socket bootstrap's deadlines are measured on their Env's clock: with
 // 300 s join and all-gather timeouts, a clock moved an hour ahead ends both at once.
 TEST(TcpStoreTest, DeadlinesFollowTheEnvClock) {

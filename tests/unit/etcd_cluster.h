@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -55,34 +56,20 @@ class EtcdCluster {
     char tmpl[] = "/tmp/eplbx-etcd-XXXXXX";
     if (mkdtemp(tmpl) == nullptr) return;
     dir_ = tmpl;
-    std::string initial;
-    for (int i = 0; i < members; ++i) {
-      client_ports_.push_back(FreePort());
-      peer_ports_.push_back(FreePort());
-      if (i > 0) initial += ',';
-      initial += Name(i);
-      initial += "=http://127.0.0.1:";
-      initial += std::to_string(peer_ports_[i]);
-    }
-    initial_ = initial;
-    for (int i = 0; i < members; ++i) pids_.push_back(Launch(i));
-    // Ready when a put answers on every member (a leader exists).
-    for (int tries = 0; tries < 200 && !ready_; ++tries) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      ready_ = true;
-      for (int i = 0; i < members && ready_; ++i) {
-        auto c = coord::EtcdClient::Create({endpoints()[i]}, std::chrono::milliseconds(500));
-        ready_ = c.ok() && (*c)->Put("ready", "1").ok();
+    // A port FreePort named may be taken (by another test, an outgoing connection) before
+    // etcd binds it: a member that exits is started again, all of them on new ports.
+    for (int attempt = 0; attempt < 3 && !ready_; ++attempt) {
+      if (attempt > 0) {
+        StopAll();
+        std::error_code ec;
+        std::filesystem::remove_all(dir_, ec);
+        std::filesystem::create_directory(dir_, ec);
       }
+      Start(members);
     }
   }
   ~EtcdCluster() {
-    for (pid_t p : pids_) {
-      if (p > 0) {
-        kill(p, SIGKILL);
-        waitpid(p, nullptr, 0);
-      }
-    }
+    StopAll();
     if (!dir_.empty()) {
       std::error_code ec;
       std::filesystem::remove_all(dir_, ec);
@@ -125,6 +112,44 @@ class EtcdCluster {
   }
 
  private:
+  // Launches `members` on fresh ports; ready_ when a put answers on every member (a leader
+  // exists). Returns early when a member exited (its port was taken).
+  void Start(int members) {
+    client_ports_.clear();
+    peer_ports_.clear();
+    std::string initial;
+    for (int i = 0; i < members; ++i) {
+      client_ports_.push_back(FreePort());
+      peer_ports_.push_back(FreePort());
+      if (i > 0) initial += ',';
+      initial += Name(i);
+      initial += "=http://127.0.0.1:";
+      initial += std::to_string(peer_ports_[i]);
+    }
+    initial_ = initial;
+    for (int i = 0; i < members; ++i) pids_.push_back(Launch(i));
+    for (int tries = 0; tries < 200 && !ready_; ++tries) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      for (pid_t& p : pids_) {
+        if (p > 0 && waitpid(p, nullptr, WNOHANG) == p) p = -1;
+      }
+      if (std::count(pids_.begin(), pids_.end(), -1) > 0) return;
+      ready_ = true;
+      for (int i = 0; i < members && ready_; ++i) {
+        auto c = coord::EtcdClient::Create({endpoints()[i]}, std::chrono::milliseconds(500));
+        ready_ = c.ok() && (*c)->Put("ready", "1").ok();
+      }
+    }
+  }
+  void StopAll() {
+    for (pid_t p : pids_) {
+      if (p > 0) {
+        kill(p, SIGKILL);
+        waitpid(p, nullptr, 0);
+      }
+    }
+    pids_.clear();
+  }
   static std::string Name(int i) {
     std::string name = std::to_string(i);
     name.insert(name.begin(), 'm');  // (not "m" + ...: GCC 12's -Wrestrict misfires on it)

@@ -42,10 +42,11 @@ inline uint16_t Port() {
 // A store of `world` members served on a thread with a 300 ms round timeout, every member
 // joined; `lost` collects the store's on_lost calls. Stops serving when destroyed.
 struct JoinedStore {
-  JoinedStore(uint32_t world, bool membership) : port(Port()) {
-    auto listening = TcpStore::Listen("127.0.0.1", port, "t", world);
+  JoinedStore(uint32_t world, bool membership) {
+    auto listening = TcpStore::Listen("127.0.0.1", 0, "t", world);  // a port no one can take
     if (!listening.ok()) return;
     store = std::move(*listening);
+    port = store->port();
     store->set_membership(membership);
     serve = std::thread([this] {
       (void)store->Serve(
@@ -78,7 +79,7 @@ struct JoinedStore {
     std::lock_guard<std::mutex> lock(mu);
     return lost;
   }
-  uint16_t port;
+  uint16_t port = 0;
   std::unique_ptr<TcpStore> store;
   std::thread serve;
   std::atomic<bool> done{false};

@@ -132,12 +132,12 @@ Rounds OnEtcd(const std::vector<std::string>& endpoints, uint32_t n, int rounds,
 
 Rounds OnStore(uint32_t n, int rounds, size_t bytes) {
   Rounds out;
-  const int port = testing::FreePort();
-  auto store = TcpStore::Listen("127.0.0.1", static_cast<uint16_t>(port), "bench", n);
+  auto store = TcpStore::Listen("127.0.0.1", 0, "bench", n);
   if (!store.ok()) {
     out.error = store.status().ToString();
     return out;
   }
+  const uint16_t port = (*store)->port();
   (*store)->set_membership(true);
   std::thread serve([&] {
     (void)(*store)->Serve(std::chrono::seconds(60), std::chrono::seconds(60),
@@ -148,8 +148,7 @@ Rounds OnStore(uint32_t n, int rounds, size_t bytes) {
   std::vector<std::string> errors(n);
   for (uint32_t r = 0; r < n; ++r) {
     joins.emplace_back([&, r] {
-      auto b = JoinTcpStore("127.0.0.1", static_cast<uint16_t>(port), "bench", r, n,
-                            std::chrono::seconds(30));
+      auto b = JoinTcpStore("127.0.0.1", port, "bench", r, n, std::chrono::seconds(30));
       if (b.ok())
         group[r] = std::move(*b);
       else

@@ -22,24 +22,9 @@
 #include <vector>
 
 #include "coord/etcd_client.h"
+#include "free_port.h"
 
 namespace eplbx::testing {
-
-inline int FreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof a;
-  int port = -1;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0) {
-    port = ntohs(a.sin_port);
-  }
-  close(fd);
-  return port;
-}
 
 inline std::string EtcdBinary() {
   for (const char* p : {"/usr/bin/etcd", "/usr/local/bin/etcd"}) {
@@ -56,8 +41,8 @@ class EtcdCluster {
     char tmpl[] = "/tmp/eplbx-etcd-XXXXXX";
     if (mkdtemp(tmpl) == nullptr) return;
     dir_ = tmpl;
-    // A port FreePort named may be taken (by another test, an outgoing connection) before
-    // etcd binds it: a member that exits is started again, all of them on new ports.
+    // A port Port() named may be taken (by another test) before etcd binds it: a member
+    // that exits is started again, all of them on new ports.
     for (int attempt = 0; attempt < 3 && !ready_; ++attempt) {
       if (attempt > 0) {
         StopAll();
@@ -119,8 +104,8 @@ class EtcdCluster {
     peer_ports_.clear();
     std::string initial;
     for (int i = 0; i < members; ++i) {
-      client_ports_.push_back(FreePort());
-      peer_ports_.push_back(FreePort());
+      client_ports_.push_back(Port());
+      peer_ports_.push_back(Port());
       if (i > 0) initial += ',';
       initial += Name(i);
       initial += "=http://127.0.0.1:";

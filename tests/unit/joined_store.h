@@ -1,5 +1,5 @@
-// Test helpers: a free port from the kernel, and a TcpStore served on a thread with every
-// rank joined (optionally with membership and epochs), for tests of ranks as threads.
+// Test helpers: a TcpStore served on a thread with every rank joined (optionally with
+// membership and epochs), for tests of ranks as threads; Port() (free_port.h).
 #ifndef EPLBX_TESTS_UNIT_JOINED_STORE_H_
 #define EPLBX_TESTS_UNIT_JOINED_STORE_H_
 
@@ -20,24 +20,9 @@
 #include <vector>
 
 #include "eplbx/bootstrap.h"
+#include "free_port.h"
 
 namespace eplbx {
-
-// A port no socket uses now, from the kernel (a fixed range collided with other test
-// processes' ports and with UCX's ephemeral ones when runs overlapped).
-inline uint16_t Port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    ADD_FAILURE() << "no free port";
-  }
-  close(fd);
-  return ntohs(a.sin_port);
-}
 
 // A store of `world` members served on a thread with a 300 ms round timeout, every member
 // joined; `lost` collects the store's on_lost calls. Stops serving when destroyed.

@@ -7,7 +7,7 @@
 //   auto region = agent->RegisterMemory(weights, weight_bytes);    // once, a large region
 //   std::string blob = agent->Metadata();                          // all-gather the blobs
 //   auto peer = agent->Connect(blob_of_rank5);
-//   auto xfer = agent->Read(*peer, {{dst, n}}, {{src_addr_on_rank5, n}}, "READ_DONE");
+//   auto xfer = agent->Read(*peer, {{dst, n}}, {{src_addr_on_rank5, n}}, "rows landed");
 //   agent->Wait(*xfer, std::chrono::seconds(30));
 //
 // Thread safety: every Agent method may be called from any thread. Completion callbacks

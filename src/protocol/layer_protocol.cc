@@ -30,7 +30,6 @@ LayerProtocol::LayerProtocol(LayerStep step, Clock::time_point now, Clock::durat
       held_(step_.hold_done),
       ready_(step_.reads.size(), false),
       read_done_(step_.reads.size(), false),
-      served_(step_.serves.size(), false),
       done_from_(step_.world, false),
       posted_(step_.reads.size(), false),
       maps_ok_(step_.world, false),
@@ -69,14 +68,6 @@ Record LayerProtocol::Make(RecordKind kind, uint32_t expert, uint32_t source,
 int LayerProtocol::FindRead(uint32_t expert, uint32_t source) const {
   for (size_t i = 0; i < step_.reads.size(); ++i) {
     if (step_.reads[i].expert == expert && step_.reads[i].source == source)
-      return static_cast<int>(i);
-  }
-  return -1;
-}
-
-int LayerProtocol::FindServe(uint32_t expert, uint32_t reader) const {
-  for (size_t i = 0; i < step_.serves.size(); ++i) {
-    if (step_.serves[i].expert == expert && step_.serves[i].reader == reader)
       return static_cast<int>(i);
   }
   return -1;
@@ -145,8 +136,7 @@ std::vector<Action> LayerProtocol::ReleaseDone(Clock::time_point now) {
 }
 
 bool LayerProtocol::PartOver() const {
-  return std::all_of(read_done_.begin(), read_done_.end(), [](bool b) { return b; }) &&
-         std::all_of(served_.begin(), served_.end(), [](bool b) { return b; });
+  return std::all_of(read_done_.begin(), read_done_.end(), [](bool b) { return b; });
 }
 
 bool LayerProtocol::held_and_ready() const {
@@ -250,25 +240,6 @@ std::vector<Action> LayerProtocol::OnRecord(uint32_t from, const Record& r, Cloc
       if (maps_ok_[from]) PostRead(static_cast<size_t>(i), &out);
       break;
     }
-    case RecordKind::kReadDone: {
-      if (r.reader != from || r.source != step_.self) {
-        return Abort(StrCat("rank ", from, " sent a misrouted READ_DONE (source ", r.source,
-                            ", reader ", r.reader, ")"),
-                     true);
-      }
-      const int i = FindServe(r.expert, from);
-      if (i < 0) {
-        return Abort(StrCat("rank ", from, " sent READ_DONE for expert ", r.expert,
-                            ", which it does not read here"),
-                     true);
-      }
-      if (served_[i]) {
-        ++ignored_;
-        return {};
-      }
-      served_[i] = true;
-      break;
-    }
     case RecordKind::kDone:
       if (r.source != from || from == step_.self) {
         return Abort(StrCat("rank ", from, " sent a misrouted DONE (source ", r.source, ")"), true);
@@ -308,8 +279,7 @@ void LayerProtocol::PostRead(size_t i, std::vector<Action>* out) {
   if (posted_[i]) return;
   posted_[i] = true;
   const ReadTask& t = step_.reads[i];
-  out->push_back(MakeAction(ActionKind::kPostRead, t.source,
-                            Make(RecordKind::kReadDone, t.expert, t.source, step_.self), t));
+  out->push_back(MakeAction(ActionKind::kPostRead, t.source, {}, t));
 }
 
 std::vector<Action> LayerProtocol::OnMaps(uint32_t from, const Record& r) {
@@ -396,9 +366,11 @@ std::vector<Action> LayerProtocol::OnReadComplete(const ReadTask& task, const St
 }
 
 std::vector<Action> LayerProtocol::OnPeerFailed(uint32_t rank, const Status& why) {
-  // A peer that sent DONE has finished its part of the layer: its READs completed and
-  // every READ of its rows was acknowledged. Losing it now (it may simply have finished and
-  // exited) takes nothing from this layer.
+  // A peer that sent DONE has finished its part of the layer: its READs completed. Losing
+  // it now (it may simply have finished and exited) takes nothing from this layer that its
+  // loss could still spoil unseen: a READ of its rows still under way here fails (or passes
+  // the deadline) and fails the layer itself; a reader elsewhere that cannot finish never
+  // sends its DONE, so the layer commits nowhere.
   // An absent rank (not a member at this epoch) is expected for nothing either.
   if (rank < step_.world && rank != step_.self && done_from_[rank]) return {};
   return Abort(StrCat("rank ", rank, " unreachable: ", why.message()), true);
@@ -419,13 +391,6 @@ std::vector<Action> LayerProtocol::OnTick(Clock::time_point now) {
     if (!read_done_[i]) {
       return Abort(StrCat("deadline passed waiting for the READ of expert ", step_.reads[i].expert,
                           " from rank ", step_.reads[i].source),
-                   true);
-    }
-  }
-  for (size_t i = 0; i < step_.serves.size(); ++i) {
-    if (!served_[i]) {
-      return Abort(StrCat("deadline passed waiting for READ_DONE of expert ",
-                          step_.serves[i].expert, " from rank ", step_.serves[i].reader),
                    true);
     }
   }

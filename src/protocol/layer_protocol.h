@@ -5,10 +5,11 @@
 //
 // One generation per layer step. A source sends READY(expert, reader) to every reader of
 // its rows (they are stable: nothing is overwritten before commit). A reader posts its READ
-// on READY; the action carries READ_DONE, which the caller sends to the source only once
-// the READ completed (the data landed).
-// A rank whose READs completed and whose readers all sent READ_DONE sends DONE to every
-// rank; a rank commits (staging -> weights, new map published) once DONE came from all.
+// on READY. A rank whose READs completed (the data landed) sends DONE to every rank; a rank
+// commits (staging -> weights, new map published) once DONE came from all, so once every
+// READ of every rank's rows completed. (Before protocol version 6 a reader also sent the
+// source READ_DONE per READ and a source's DONE waited for them: a hop and a record per
+// READ that told the commit nothing DONE does not.)
 // Any failure sends ABORT(reason) to every rank; the layer then keeps its old bytes and map.
 // Before any of that, every rank sends its maps of the layer (MAPS) to every other rank, and
 // nothing is read from a rank whose maps differ from this rank's.
@@ -75,7 +76,7 @@ struct LayerStep {
 
 enum class ActionKind {
   kSend,      // send `record` to rank `peer`
-  kPostRead,  // READ `read`; send `record` (READ_DONE) to its source once it completed
+  kPostRead,  // READ `read` (OnReadComplete when it completed)
   kCommit,    // every rank is done: commit the layer
   kAbort,     // the layer failed (`reason`); ABORT records were already emitted as kSend
 };
@@ -104,7 +105,7 @@ class LayerProtocol {
   // Aborts unless `rank` already sent DONE for this layer (then nothing depends on it).
   std::vector<Action> OnPeerFailed(uint32_t rank, const Status& why);
   std::vector<Action> OnTick(Clock::time_point now);
-  // Lets DONE go (LayerStep::hold_done): at once if this rank's reads and serves are over.
+  // Lets DONE go (LayerStep::hold_done): at once if this rank's READs are over.
   // The layer's deadline is then at least `now` + its deadline (it waited on others).
   std::vector<Action> ReleaseDone(Clock::time_point now);
   // This rank cannot take part (bad arguments found before anything moved): abort and tell
@@ -112,7 +113,7 @@ class LayerProtocol {
   std::vector<Action> Fail(const std::string& reason) { return Abort(reason, true); }
 
   // DONE is held (LayerStep::hold_done, not yet released) and would leave at once if
-  // released: this rank's reads and serves are over.
+  // released: this rank's READs are over.
   bool held_and_ready() const;
   // This rank sent its DONE of the layer.
   bool done_sent() const { return step_.self < done_from_.size() && done_from_[step_.self]; }
@@ -129,10 +130,9 @@ class LayerProtocol {
  private:
   std::vector<Action> Abort(std::string reason, bool broadcast);
   void MaybeDone(std::vector<Action>* out);
-  // This rank's READs completed and every READ of its rows was acknowledged.
+  // This rank's READs completed.
   bool PartOver() const;
   int FindRead(uint32_t expert, uint32_t source) const;
-  int FindServe(uint32_t expert, uint32_t reader) const;
   std::vector<Action> OnMaps(uint32_t from, const Record& r);
   void PostRead(size_t i, std::vector<Action>* out);
   uint32_t map_count() const {
@@ -157,7 +157,6 @@ class LayerProtocol {
   bool held_;                    // DONE waits for ReleaseDone()
   std::vector<bool> ready_;      // per read: READY received
   std::vector<bool> read_done_;  // per read: our READ completed
-  std::vector<bool> served_;     // per serve: READ_DONE received
   std::vector<bool> done_from_;  // per rank: DONE received (self: sent)
   std::vector<bool> posted_;     // per read: READ posted
   std::vector<bool> maps_ok_;    // per rank: every MAPS chunk received and matched (self: true)
@@ -172,7 +171,7 @@ class LayerProtocol {
 // holding its DONE (LayerStep::hold_done) until the layer before it was applied here. With
 // DONEs going ahead (RearrangeOptions::dones_ahead) a held DONE also goes once this rank sent
 // the DONE of the layer before it and that layer has not failed here, provided the layer's own
-// reads and serves are over (so its DONE leaves at once, with the one before it when both
+// READs are over (so its DONE leaves at once, with the one before it when both
 // became possible in the same turn). `layers`: the layers not yet applied here, oldest first.
 // Releases those DONEs (ReleaseDone) and returns each one's actions with its index in
 // `layers`, in order.

@@ -14,16 +14,14 @@ namespace {
 constexpr char kMagic[4] = {'E', 'P', 'X', 'R'};
 // 2: MAPS records (map agreement before any READ). 3: VOTE records (asynchronous commits).
 // 4: MAPS may carry the row tables (swap commit mode) as a third map. 5: the membership
-// epoch after the generation.
-constexpr uint16_t kVersion = 5;
+// epoch after the generation. 6: no READ_DONE (kind 2); DONE says this rank's READs completed.
+constexpr uint16_t kVersion = 6;
 }  // namespace
 
 std::string_view KindName(RecordKind kind) {
   switch (kind) {
     case RecordKind::kReady:
       return "READY";
-    case RecordKind::kReadDone:
-      return "READ_DONE";
     case RecordKind::kDone:
       return "DONE";
     case RecordKind::kAbort:
@@ -83,7 +81,7 @@ Result<Record> DecodeRecord(std::string_view bytes) {
     return Status::NotSupported(
         StrCat("protocol record: version ", version, " (this build speaks ", kVersion, ")"));
   }
-  if (kind < 1 || kind > 6)
+  if (kind < 1 || kind > 6 || kind == 2)
     return Status::Corruption(StrCat("protocol record: unknown kind ", +kind));
   r.kind = static_cast<RecordKind>(kind);
   if (reserved != 0) return Status::Corruption("protocol record: reserved byte is not 0");

@@ -15,11 +15,12 @@
 namespace eplbx::protocol {
 
 enum class RecordKind : uint8_t {
-  kReady = 1,     // source -> reader: the expert's rows are stable, READ them
-  kReadDone = 2,  // reader -> source, once the READ completed here: the data landed
-  kDone = 3,      // rank -> every rank: my reads and my readers' reads are complete
-  kAbort = 4,     // rank -> every rank: the generation failed; reason attached
-  kMaps = 5,      // rank -> every rank: a chunk of the layer's old (and new) map, first
+  kReady = 1,  // source -> reader: the expert's rows are stable, READ them
+  // 2 was READ_DONE (reader -> source, once a READ completed), retired in version 6: DONE
+  // from every rank already says every READ completed.
+  kDone = 3,   // rank -> every rank: my READs are complete
+  kAbort = 4,  // rank -> every rank: the generation failed; reason attached
+  kMaps = 5,   // rank -> every rank: a chunk of the layer's old (and new) map, first
   // rank -> every rank, once per step of an asynchronous rearrangement: `generation` is the
   // rearrangement, `layer` the step, `expert` how many leading layers are ready here,
   // `reader` 1 when this rank failed (then `reason` says why).
@@ -37,7 +38,7 @@ struct Record {
   uint64_t generation = 0;
   uint32_t layer = 0;
   uint32_t expert = 0;
-  uint32_t source = 0;  // the serving rank (READY, READ_DONE) or the sender (DONE, ABORT)
+  uint32_t source = 0;  // the serving rank (READY) or the sender (DONE, ABORT, MAPS, VOTE)
   uint32_t reader = 0;
   std::string reason;  // ABORT, VOTE
   // MAPS only: `expert` is the chunk's first slot, `reader` the number of maps (1: old

@@ -254,7 +254,7 @@ Agent::ReadRequest RearrangerImpl::PrepareRead(Run& run, const Action& a) {
 
 void RearrangerImpl::Posted(Run& run, const Action& a, Result<TransferId> id) {
   if (id.ok()) {
-    run.pending.push_back({*id, a.read, RowBytes(run.job.layer), protocol::EncodeRecord(a.record)});
+    run.pending.push_back({*id, a.read, RowBytes(run.job.layer)});
   } else {
     Execute(run, run.protocol->OnReadComplete(a.read, id.status()));
   }
@@ -370,13 +370,6 @@ void RearrangerImpl::Reap(Run& run) {
     }
     (void)agent->Release(run.pending[i].id);
     const ReadTask task = run.pending[i].task;
-    if (s.state == TransferState::kDone) {
-      // The bytes landed: READ_DONE goes to the source with this turn's other records (the
-      // DONE this completion may allow leaves after it). Sent here rather than attached to
-      // the READ, a completion needs no hand-off to the control channel's thread before the
-      // loop hears of it.
-      Queue(run, task.source, protocol::RecordKind::kReadDone, std::move(run.pending[i].read_done));
-    }
     run.pending.erase(run.pending.begin() + static_cast<long>(i));
     Execute(run, run.protocol->OnReadComplete(
                      task, s.state == TransferState::kDone ? Status::OK() : s.error));

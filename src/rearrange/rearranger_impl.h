@@ -97,7 +97,6 @@ class RearrangerImpl {
     TransferId id;
     protocol::ReadTask task;
     uint64_t bytes = 0;
-    std::string read_done;  // the READ_DONE record for the source, sent once the bytes landed
   };
   // A layer's protocol and what it has in flight.
   struct Run {
@@ -175,7 +174,7 @@ class RearrangerImpl {
   // Adds a record of `run` for `peer` to the outbox.
   void Queue(Run& run, uint32_t peer, protocol::RecordKind kind, std::string bytes);
   // A READ's request (its bytes counted in run's outcome), and what follows its post: pending
-  // (its READ_DONE kept to be sent when Reap finds it landed), or failed at once.
+  // (until Reap finds it landed), or failed at once.
   Agent::ReadRequest PrepareRead(Run& run, const protocol::Action& a);
   void Posted(Run& run, const protocol::Action& a, Result<TransferId> id);
   struct Outgoing {

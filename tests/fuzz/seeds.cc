@@ -177,8 +177,6 @@ int main(int argc, char** argv) {
   };
   Put(root / "fuzz_protocol_record", "ready",
       protocol::EncodeRecord(record(RecordKind::kReady, 1, 1, 0)));
-  Put(root / "fuzz_protocol_record", "read_done",
-      protocol::EncodeRecord(record(RecordKind::kReadDone, 3, 0, 1)));
   Put(root / "fuzz_protocol_record", "done",
       protocol::EncodeRecord(record(RecordKind::kDone, 0, 2, 0)));
   Record abort = record(RecordKind::kAbort, 0, 1, 0);

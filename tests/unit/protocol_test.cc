@@ -21,8 +21,7 @@ namespace {
 using std::chrono::seconds;
 
 TEST(RecordTest, RoundTripsEveryKind) {
-  for (RecordKind k :
-       {RecordKind::kReady, RecordKind::kReadDone, RecordKind::kDone, RecordKind::kAbort}) {
+  for (RecordKind k : {RecordKind::kReady, RecordKind::kDone, RecordKind::kAbort}) {
     Record r{k, 77, 3, 12, 1, 2, k == RecordKind::kAbort ? "rank 1: boom" : ""};
     r.epoch = 0x100000004;
     Result<Record> d = DecodeRecord(EncodeRecord(r));
@@ -36,6 +35,21 @@ TEST(RecordTest, RoundTripsEveryKind) {
     EXPECT_EQ(d->reader, 2u);
     EXPECT_EQ(d->reason, r.reason);
   }
+}
+
+// Kind 2 was READ_DONE (protocol version 5 and before): no longer a record. A peer of an
+// older build is refused by its version first.
+TEST(RecordTest, RetiredReadDoneAndOlderVersionsAreRefused) {
+  std::string bytes = EncodeRecord({RecordKind::kDone, 5, 2, 0, 1, 0, ""});
+  std::string kind2 = bytes;
+  kind2[6] = 2;
+  EXPECT_NE(DecodeRecord(kind2).status().message().find("unknown kind 2"), std::string::npos);
+  std::string v5 = bytes;
+  v5[4] = 5;  // little-endian
+  v5[5] = 0;
+  EXPECT_NE(DecodeRecord(v5).status().message().find("version 5 (this build speaks 6)"),
+            std::string::npos)
+      << DecodeRecord(v5).status().ToString();
 }
 
 TEST(RecordTest, MapsRoundTripAndMalformedMaps) {
@@ -98,7 +112,8 @@ TEST(RecordTest, RejectsEveryMalformedRecord) {
   EXPECT_EQ(patched(4, 2).code(), Code::kNotSupported);  // version 2: before VOTE
   EXPECT_EQ(patched(4, 3).code(), Code::kNotSupported);  // version 3: before row tables
   EXPECT_EQ(patched(4, 4).code(), Code::kNotSupported);  // version 4: before epochs
-  EXPECT_EQ(patched(4, 6).code(), Code::kNotSupported);
+  EXPECT_EQ(patched(4, 5).code(), Code::kNotSupported);  // version 5: with READ_DONE
+  EXPECT_EQ(patched(4, 7).code(), Code::kNotSupported);
   EXPECT_NE(patched(6, 0).message().find("unknown kind 0"), std::string::npos);
   EXPECT_NE(patched(6, 9).message().find("unknown kind 9"), std::string::npos);
   EXPECT_NE(patched(7, 1).message().find("reserved"), std::string::npos);
@@ -136,10 +151,13 @@ struct World {
         case ActionKind::kPostRead:
           reads.push_back({self, a.read});
           posted.push_back({self, a.read});
-          // READ_DONE is delivered only after the READ completes; the test completes it later.
-          pending_done.push_back({self, a.peer, a.record});
           break;
         case ActionKind::kCommit:
+          // Commit safety: no READ of any rank's rows is still under way anywhere (in place,
+          // a source overwrites its rows at its commit).
+          EXPECT_TRUE(reads.empty()) << "rank " << self << " committed with " << reads.size()
+                                     << " READ(s) under way, the first from rank "
+                                     << reads[0].second.source;
           ++commits[self];
           break;
         case ActionKind::kAbort:
@@ -148,7 +166,6 @@ struct World {
       }
     }
   }
-  std::deque<Msg> pending_done;
   std::vector<std::pair<uint32_t, ReadTask>> posted;  // every READ ever posted
 
   // Delivers everything in a random order, duplicating some records.
@@ -160,10 +177,7 @@ struct World {
         size_t i = rng() % reads.size();
         auto [self, task] = reads[i];
         reads.erase(reads.begin() + static_cast<long>(i));
-        Msg done = pending_done[i];
-        pending_done.erase(pending_done.begin() + static_cast<long>(i));
         Apply(self, ranks[self].OnReadComplete(task, Status::OK()));
-        net.push_back(done);  // attached notification: after the data
         continue;
       }
       size_t i = rng() % net.size();
@@ -261,7 +275,6 @@ struct LayersWorld {
   struct Read {
     uint32_t rank, layer;
     ReadTask task;
-    Msg done;
   };
   std::vector<Read> reads;
   // The order each rank's DONEs left, and whether the layer before was applied by then.
@@ -295,7 +308,13 @@ struct LayersWorld {
         }
         net.push_back({r, a.peer, a.record});
       } else if (a.kind == ActionKind::kPostRead) {
-        reads.push_back({r, layer, a.read, {r, a.peer, a.record}});
+        reads.push_back({r, layer, a.read});
+      } else if (a.kind == ActionKind::kCommit) {
+        for (const Read& rd : reads) {  // commit safety: every READ of the layer completed
+          EXPECT_NE(rd.layer, layer) << "rank " << r << " committed layer " << layer
+                                     << " while rank " << rd.rank << " still READs from rank "
+                                     << rd.task.source;
+        }
       }
     }
   }
@@ -342,7 +361,6 @@ struct LayersWorld {
       Read rd = reads[i];
       reads.erase(reads.begin() + static_cast<long>(i));
       Apply(rd.rank, rd.layer, p[rd.rank][rd.layer]->OnReadComplete(rd.task, Status::OK()));
-      net.push_back(rd.done);
       Settle(rd.rank);
       return true;
     }
@@ -672,8 +690,8 @@ TEST(LayerProtocolTest, StaleFutureAndDuplicateRecords) {
   auto a = p.OnRecord(1, {RecordKind::kReady, 5, 2, 7, 1, 0, ""}, {}, &deferred);
   ASSERT_EQ(a.size(), 1u);
   EXPECT_EQ(a[0].kind, ActionKind::kPostRead);
-  EXPECT_EQ(a[0].record.kind, RecordKind::kReadDone);
-  EXPECT_EQ(a[0].peer, 1u);
+  EXPECT_EQ(a[0].read.expert, 7u);
+  EXPECT_EQ(a[0].read.source, 1u);
   EXPECT_TRUE(
       p.OnRecord(1, {RecordKind::kReady, 5, 2, 7, 1, 0, ""}, {}, &deferred).empty());  // duplicate
   EXPECT_EQ(p.ignored(), 2u);
@@ -725,9 +743,11 @@ TEST(LayerProtocolTest, RecordsOfAnotherEpochAreRefusedByName) {
   auto a = p.OnRecord(1, ready, {}, &deferred);
   ASSERT_EQ(a.size(), 1u);
   EXPECT_EQ(a[0].kind, ActionKind::kPostRead);
-  EXPECT_EQ(a[0].record.epoch, 2u);
+  auto done = p.OnReadComplete({7, 1}, Status::OK());
+  ASSERT_EQ(done.size(), 1u);
+  EXPECT_EQ(done[0].record.kind, RecordKind::kDone);
+  EXPECT_EQ(done[0].record.epoch, 2u);  // what it sends carries its epoch
   // At the deadline the error says what was refused.
-  p.OnReadComplete({7, 1}, Status::OK());
   p.OnTick(Clock::time_point{} + seconds(11));
   ASSERT_EQ(p.state(), LayerState::kAborted);
   EXPECT_NE(p.error().find("deadline passed waiting for DONE from rank 1; 3 records of another "
@@ -792,8 +812,7 @@ TEST(LayerProtocolTest, MisroutedRecordsAbortNamingTheRank) {
       {1, {RecordKind::kReady, 5, 2, 7, 2, 0, ""}, "rank 1 sent a misrouted READY"},
       {1, {RecordKind::kReady, 5, 2, 7, 1, 1, ""}, "rank 1 sent a misrouted READY"},
       {1, {RecordKind::kReady, 5, 2, 8, 1, 0, ""}, "rank 1 sent READY for expert 8"},
-      {1, {RecordKind::kReadDone, 5, 2, 7, 0, 1, ""}, "rank 1 sent READ_DONE for expert 7"},
-      {1, {RecordKind::kReadDone, 5, 2, 7, 1, 1, ""}, "rank 1 sent a misrouted READ_DONE"},
+      {1, {RecordKind::kVote, 5, 2, 0, 1, 0, ""}, "rank 1 sent a VOTE into the layer"},
       {1, {RecordKind::kDone, 5, 2, 0, 0, 0, ""}, "rank 1 sent a misrouted DONE"},
       {7, {RecordKind::kDone, 5, 2, 0, 7, 0, ""}, "claims to come from rank 7"},
   };
@@ -862,17 +881,20 @@ TEST(LayerProtocolTest, FailuresAndDeadlinesNameWhatIsMissing) {
     EXPECT_NE(p.error().find("rank 1 sent a malformed notification"), std::string::npos);
   }
   {
-    // A source waits for READ_DONE, then for DONE.
+    // A source that reads nothing is DONE at once (its DONE says its READs completed; its
+    // rows stay as they are until every rank's DONE, so until every READ of them completed),
+    // then waits for its reader's DONE.
     LayerProtocol p(LayerStep{5, 2, 1, 2, {}, {{7, 0}}}, t0, seconds(10));
     auto start = p.Start();
-    ASSERT_EQ(start.size(), 2u);
-    EXPECT_EQ(start[0].record.kind, RecordKind::kMaps);  // maps first, then READY
+    ASSERT_EQ(start.size(), 3u);
+    EXPECT_EQ(start[0].record.kind, RecordKind::kMaps);  // maps first, then READY, then DONE
     EXPECT_EQ(start[1].record.kind, RecordKind::kReady);
+    EXPECT_EQ(start[2].record.kind, RecordKind::kDone);
     bool d = false;
     p.OnRecord(0, MapsOf(0, 5, 2), t0, &d);
+    EXPECT_EQ(p.state(), LayerState::kRunning);  // the reader's DONE: its READ is not over yet
     p.OnTick(t0 + seconds(11));
-    EXPECT_NE(p.error().find("waiting for READ_DONE of expert 7 from rank 0"), std::string::npos)
-        << p.error();
+    EXPECT_NE(p.error().find("waiting for DONE from rank 0"), std::string::npos) << p.error();
   }
 }
 

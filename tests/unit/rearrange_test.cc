@@ -338,9 +338,9 @@ void ExpectEveryPhaseRollsBack(int staging) {
          p.OnNotifications(OnRecord(RecordKind::kReady, Fault::Action::kDrop));
        },
        true, "deadline passed"},
-      {"READ_DONE fails to leave",
+      {"READY fails to leave",
        [&](internal::FaultPlan& p) {
-         p.OnNotifications(OnRecord(RecordKind::kReadDone, Fault::Action::kFail));
+         p.OnNotifications(OnRecord(RecordKind::kReady, Fault::Action::kFail));
        },
        true, "injected failure"},
       {"MAPS fails to leave",
@@ -1164,9 +1164,9 @@ TEST(PipelineTest, EveryPhaseEndsEveryRankAtomically) {
          p.OnNotifications(OnRecord(RecordKind::kReady, Fault::Action::kDrop));
        },
        true, "deadline passed"},
-      {"READ_DONE fails to leave",
+      {"READY fails to leave",
        [&](internal::FaultPlan& p) {
-         p.OnNotifications(OnRecord(RecordKind::kReadDone, Fault::Action::kFail));
+         p.OnNotifications(OnRecord(RecordKind::kReady, Fault::Action::kFail));
        },
        true, "injected failure"},
       {"MAPS fails to leave",

@@ -155,9 +155,9 @@ struct World {
         case ActionKind::kCommit:
           // Commit safety: no READ of any rank's rows is still under way anywhere (in place,
           // a source overwrites its rows at its commit).
-          EXPECT_TRUE(reads.empty()) << "rank " << self << " committed with " << reads.size()
-                                     << " READ(s) under way, the first from rank "
-                                     << reads[0].second.source;
+          EXPECT_TRUE(reads.empty())
+              << "rank " << self << " committed with " << reads.size()
+              << " READ(s) under way, the first from rank " << reads[0].second.source;
           ++commits[self];
           break;
         case ActionKind::kAbort:
@@ -311,9 +311,9 @@ struct LayersWorld {
         reads.push_back({r, layer, a.read});
       } else if (a.kind == ActionKind::kCommit) {
         for (const Read& rd : reads) {  // commit safety: every READ of the layer completed
-          EXPECT_NE(rd.layer, layer) << "rank " << r << " committed layer " << layer
-                                     << " while rank " << rd.rank << " still READs from rank "
-                                     << rd.task.source;
+          EXPECT_NE(rd.layer, layer)
+              << "rank " << r << " committed layer " << layer << " while rank " << rd.rank
+              << " still READs from rank " << rd.task.source;
         }
       }
     }

@@ -195,9 +195,9 @@ class TcpStore {
                                                   Env* env = nullptr);
   ~TcpStore();
   TcpStore(const TcpStore&) = delete;
+  TcpStore& operator=(const TcpStore&) = delete;
   // The port it listens on: the one asked for, or the one the system chose for port 0.
   uint16_t port() const { return port_; }
-  TcpStore& operator=(const TcpStore&) = delete;
 
   // Waits up to `join_timeout` for every rank to join (kTimeout naming the missing ranks),
   // then serves like ServeSocketBootstrap. With membership it keeps listening: a process

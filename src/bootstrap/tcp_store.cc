@@ -88,10 +88,10 @@ Result<std::unique_ptr<TcpStore>> TcpStore::Listen(const std::string& addr, uint
   }
   sockaddr_in bound{};
   socklen_t len = sizeof(bound);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
+  const bool named = getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len) == 0;
   auto store = std::unique_ptr<TcpStore>(new TcpStore());
   store->listen_fd_ = fd;
-  store->port_ = ntohs(bound.sin_port);
+  store->port_ = named ? ntohs(bound.sin_port) : port;
   store->token_ = std::move(token);
   store->world_ = world;
   store->env_ = EnvOrDefault(env);

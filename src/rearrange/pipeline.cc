@@ -1,14 +1,15 @@
 // The asynchronous, pipelined rearrangement (docs/protocol.md, "Asynchronous commits").
 //
-// Each layer runs the same protocol as the synchronous loop (MAPS, READY, READ, DONE), into its own
-// staging buffer; up to max_layers_in_flight layers run at once. A layer whose protocol reaches its
-// commit point (every rank's reads done) is *ready*; it is applied only when every rank voted it
-// ready. Votes: at each Commit() call (step s) a rank sends VOTE(s, how many leading layers are
-// ready here, failed?) to every rank, then applies the layers that every rank's VOTE(s - 1) says
-// are ready. The vote of the previous step was sent a whole step earlier, so it is normally there
-// already; the commit of a layer lags its readiness by one step, and every rank applies the same
-// layers at the same step. A failure on any rank reaches every rank in the next VOTE: all of them
-// end the rearrangement at the same step with the same layers committed.
+// Each layer runs the same protocol as the synchronous loop (MAPS, READY, READ, DONE),
+// into its own staging buffer; up to max_layers_in_flight layers run at once. A layer whose
+// protocol reaches its commit point (every rank's reads done) is *ready*; it is applied only
+// when every rank voted it ready. Votes: at each Commit() call (step s) a rank sends VOTE(s,
+// how many leading layers are ready here, failed?) to every rank, then applies the layers
+// that every rank's VOTE(s - 1) says are ready. The vote of the previous step was sent a
+// whole step earlier, so it is normally there already; the commit of a layer lags its
+// readiness by one step, and every rank applies the same layers at the same step. A failure
+// on any rank reaches every rank in the next VOTE: all of them end the rearrangement at the
+// same step with the same layers committed.
 //
 // Who drives: the engine's thread, in Poll() and Commit() (non-blocking but for the vote
 // wait). The bytes move on the data paths' threads (shm and cma copy threads, UCX's progress

@@ -100,8 +100,7 @@ struct RearrangerImpl::Pipeline {
     if (step < 1 || it == votes.end()) return false;
     bool all_ready = true, failed = false;
     for (uint32_t r = 0; r < members.size() || r < it->second.size(); ++r) {
-      const bool member = r >= members.size() || members[r];
-      if (!member) continue;
+      if (!IsMember(members, r)) continue;
       if (r >= it->second.size() || !it->second[r]) return false;
       all_ready = all_ready && it->second[r]->expert >= layers;
       failed = failed || it->second[r]->reader != 0;
@@ -218,7 +217,8 @@ void StopRuns(RearrangerImpl& d, RearrangerImpl::Pipeline& p, const std::string&
 
 // Queues this rank's VOTE of `step` (how many leading layers are ready here, failed?) for
 // every other member, to leave with the turn's records (Flush), and keeps it as its own.
-void QueueVote(RearrangerImpl& d, RearrangerImpl::Pipeline& p, int64_t step) {
+void QueueVote(RearrangerImpl& d, RearrangerImpl::Pipeline& p, int64_t step,
+               const std::vector<bool>& members) {
   Record mine;
   mine.kind = RecordKind::kVote;
   mine.generation = p.id;
@@ -235,10 +235,9 @@ void QueueVote(RearrangerImpl& d, RearrangerImpl::Pipeline& p, int64_t step) {
   p.voted_ready = mine.expert;
   const std::string wire = protocol::EncodeRecord(mine);
   // Votes go to and come from the members at this epoch only.
-  const std::vector<bool> members = d.boot->members();
   if (d.outbox.size() < d.world()) d.outbox.resize(d.world());
   for (uint32_t r = 0; r < d.world(); ++r) {
-    if (r == d.self() || (r < members.size() && !members[r])) continue;
+    if (r == d.self() || !IsMember(members, r)) continue;
     d.outbox[r].push_back({nullptr, RecordKind::kVote, wire});
   }
 }
@@ -373,12 +372,11 @@ CommitResult RearrangerImpl::Commit() {
   // rearrangement (every layer ready everywhere, or a rank failed): every rank ends at this
   // step on those same votes, and no rank waits for one of this step.
   const std::vector<bool> members = boot->members();
-  if (!p.VotesEnd(p.step - 1, members)) QueueVote(*this, p, p.step);
+  if (!p.VotesEnd(p.step - 1, members)) QueueVote(*this, p, p.step, members);
   Flush();
   --hold_sends;
   p.posted_this_step = 0;             // the turn's READs count against the step before
   NoteFailure(*this, p, env->Now());  // a record or the vote that could not leave
-  auto member = [&members](uint32_t r) { return r >= members.size() || members[r]; };
   if (p.step == 1) {
     (void)Poll();
     return out;
@@ -397,7 +395,7 @@ CommitResult RearrangerImpl::Commit() {
     v.resize(world());
     int missing = -1;
     for (uint32_t r = 0; r < world() && missing < 0; ++r) {
-      if (!v[r] && member(r)) missing = static_cast<int>(r);
+      if (!v[r] && IsMember(members, r)) missing = static_cast<int>(r);
     }
     if (missing < 0) break;
     Result<PeerInfo> info = agent->Peer(peer_of[missing]);
@@ -508,7 +506,7 @@ bool RearrangerImpl::CommitDue() const {
   const std::vector<bool> members = boot->members();
   uint32_t low = p.layers;
   for (uint32_t r = 0; r < world(); ++r) {
-    if (r < members.size() && !members[r]) continue;
+    if (!IsMember(members, r)) continue;
     low = latest[r] == nullptr ? 0 : std::min(low, latest[r]->expert);
   }
   return low > p.applied;  // a vote round applies another layer

@@ -124,9 +124,8 @@ Status RearrangerImpl::Setup() {
   // in as ours (its slots hold nothing a plan over the members may use), with identity row
   // tables, the same on every member (they compare every slot's row in the layer protocol).
   const std::vector<bool> members = boot->members();
-  auto member = [&](uint32_t r) { return r >= members.size() || members[r]; };
   for (uint32_t r = 0; r < gathered->size(); ++r) {
-    if (!member(r)) {
+    if (!IsMember(members, r)) {
       all[r] = layout;
       all[r].rank = r;
       all[r].row_of_slot.clear();
@@ -164,7 +163,7 @@ Status RearrangerImpl::Setup() {
   linked.resize(world(), false);
   for (uint32_t r = 0; r < world(); ++r) {
     if (r == self()) continue;
-    if (!member(r)) {  // no longer a member: forget it
+    if (!IsMember(members, r)) {  // no longer a member: forget it
       if (linked[r]) {
         (void)agent->Disconnect(peer_of[r]);
         connected.erase(std::remove(connected.begin(), connected.end(), peer_of[r]),

@@ -21,6 +21,12 @@ namespace eplbx::internal {
 // checks (deadlines are seconds).
 constexpr int kTickMs = 10;
 
+// Whether rank r is a member in a bootstrap's members() (ranks past its end are: a bootstrap
+// without membership says nothing of them).
+inline bool IsMember(const std::vector<bool>& members, uint32_t r) {
+  return r >= members.size() || members[r];
+}
+
 class RearrangerImpl {
  public:
   Agent* agent = nullptr;

@@ -1,5 +1,6 @@
 #include "transfer/agent_core.h"
 
+#include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -148,6 +149,18 @@ Result<std::shared_ptr<AgentCore>> AgentCore::Create(std::string name, AgentConf
     if (!n.ok()) return n.status().WithPrefix(StrCat("agent '", core->name_, "'"));
     options.inline_copy_bytes = *n;
   }
+  // Without it the agent's waits stay on the condition variable (WaitHere needs the fd).
+  core->wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  // Switches for measuring (docs/transfer.md, "Notifications on one host"): 0 or 1.
+  for (auto [var, flag] :
+       {std::pair<const char*, bool*>{"EPLBX_LOCAL_NOTIFY", &options.local_notify},
+        {"EPLBX_RECEIVE_HERE", &core->receive_here_}}) {
+    if (std::string v = env->GetVar(var).value_or(""); !v.empty()) {
+      Result<int> n = ParseInteger<int>(v, var, 0, 1);
+      if (!n.ok()) return n.status().WithPrefix(StrCat("agent '", core->name_, "'"));
+      *flag = *n == 1;
+    }
+  }
   core->control_slot_ = std::make_unique<ListenerSlot>(core.get());
   std::vector<CoreListener*> listeners;
   std::vector<ListenerSlot*> slots;
@@ -179,6 +192,15 @@ AgentCore::~AgentCore() {
   // first, then the control channel they may use.
   parts_.paths.clear();
   parts_.control.reset();
+  if (wake_fd_ >= 0) close(wake_fd_);
+}
+
+void AgentCore::Wake() {
+  cv_.notify_all();
+  if (waiting_here_.load()) {
+    uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = write(wake_fd_, &one, sizeof(one));
+  }
 }
 
 std::vector<std::string> AgentCore::path_names() const { return path_names_; }
@@ -710,10 +732,32 @@ std::vector<Notification> AgentCore::PollNotifications(std::chrono::milliseconds
   std::unique_lock<std::mutex> lock(mu_);
   // No wait at all for a poll: a zero wait_for still makes a futex call (a third of a
   // pipeline's Poll() on a busy host).
-  if (timeout.count() > 0) {
-    cv_.wait_for(lock, timeout, [&] {
-      return !notifications_.empty() || (or_completion && events_ != events_seen_);
-    });
+  const auto ready = [&] {
+    return !notifications_.empty() || (or_completion && events_ != events_seen_);
+  };
+  if (timeout.count() > 0 && !ready()) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    // One waiter at a time receives the control channel's messages itself (WaitHere): a
+    // message wakes it instead of the channel's thread, which would then wake it. Every
+    // change a waiter looks for is made under mu_ and then Wake()s, which writes wake_fd_
+    // while waiting_here_: set under mu_ before the last look, it cannot miss one.
+    bool here = false;
+    while (wake_fd_ >= 0 && !waiting_here_.load() && receive_here_) {
+      waiting_here_.store(true);
+      here = true;
+      lock.unlock();
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      const bool waited = left.count() > 0 && parts_.control->WaitHere(left, wake_fd_);
+      uint64_t drained = 0;
+      [[maybe_unused]] ssize_t n = read(wake_fd_, &drained, sizeof(drained));
+      lock.lock();
+      waiting_here_.store(false);
+      if (!waited || ready() || std::chrono::steady_clock::now() >= deadline) break;
+    }
+    if (!ready() && (!here || std::chrono::steady_clock::now() < deadline)) {
+      cv_.wait_until(lock, deadline, ready);
+    }
   }
   if (or_completion) events_seen_ = events_;
   std::vector<Notification> out(std::make_move_iterator(notifications_.begin()),
@@ -787,7 +831,7 @@ void AgentCore::Complete(TransferId id, Status status) {
     it->second.notify.reset();
     ++events_;
   }
-  cv_.notify_all();
+  Wake();
 }
 
 void AgentCore::OnNotification(std::string sender, std::string payload) {
@@ -795,7 +839,7 @@ void AgentCore::OnNotification(std::string sender, std::string payload) {
     std::lock_guard<std::mutex> lock(mu_);
     notifications_.push_back(Notification{std::move(sender), std::move(payload)});
   }
-  cv_.notify_all();
+  Wake();
 }
 
 void AgentCore::OnNotifications(std::string sender, std::vector<std::string> payloads) {
@@ -803,7 +847,7 @@ void AgentCore::OnNotifications(std::string sender, std::vector<std::string> pay
     std::lock_guard<std::mutex> lock(mu_);
     for (std::string& p : payloads) notifications_.push_back(Notification{sender, std::move(p)});
   }
-  cv_.notify_all();
+  Wake();
 }
 
 void AgentCore::OnPeerFailed(PeerId peer, Status reason) {
@@ -815,7 +859,7 @@ void AgentCore::OnPeerFailed(PeerId peer, Status reason) {
     it->second.failure = reason.message();
     ++events_;  // wakes WaitEvents: the caller's loop checks Peer()
   }
-  cv_.notify_all();
+  Wake();
 }
 
 Result<std::unique_ptr<Agent>> AgentFactory::Create(std::string name, AgentConfig config,

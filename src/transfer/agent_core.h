@@ -7,6 +7,7 @@
 #define EPLBX_SRC_TRANSFER_AGENT_CORE_H_
 
 #include <array>
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -154,8 +155,15 @@ class AgentCore : public CoreListener {
   AgentParts parts_;  // set once in Create
   std::vector<DataPath*> paths_;
 
+  // Wakes waiters after a change under mu_: the condition variable's, and the one waiting
+  // in the control channel (WaitHere) through wake_fd_.
+  void Wake();
+
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
+  int wake_fd_ = -1;               // an eventfd: the waiter in the control channel's WaitHere
+  std::atomic<bool> waiting_here_{false};  // a PollNotifications waits there (one at a time)
+  bool receive_here_ = true;  // EPLBX_RECEIVE_HERE=0: waits stay on cv_
   uint64_t events_ = 0;       // transfers that became terminal, peers lost (guarded by mu_)
   uint64_t events_seen_ = 0;  // as of the last PollNotifications(or_completion)
   std::map<uint64_t, LocalRegion> regions_;  // by address

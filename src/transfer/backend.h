@@ -96,6 +96,9 @@ struct PartOptions {
   int copy_threads = 2;
   uint64_t inline_copy_bytes = 0;  // same-host transfers up to this size: on the caller
   uint64_t prefault_bytes = 0;     // AgentConfig::prefault_bytes, resolved
+  // Notifications to a peer of this host through its inbox, not the network (UCX:
+  // ucx_local.cc); EPLBX_LOCAL_NOTIFY=0 turns it off.
+  bool local_notify = true;
 };
 
 // A registered region as a data path sees it.
@@ -141,6 +144,13 @@ class ControlChannel {
     for (std::string& p : payloads) out.push_back(Notify(peer, std::move(p)));
     return out;
   }
+  // Optional: the calling thread waits up to `timeout` for a message and receives it itself
+  // (delivered through the listener on this thread), or until the eventfd `wake_fd` is
+  // readable. Saves the channel's own thread a wake-up per message, which on a host with
+  // fewer cores than busy threads is a wait for a core (docs/transfer.md). Returns false
+  // at once, having done nothing, where it cannot (not supported; the channel's thread
+  // busy): the caller then waits as it would have.
+  virtual bool WaitHere(std::chrono::milliseconds /*timeout*/, int /*wake_fd*/) { return false; }
 };
 
 // Which memory a path moves, and between which peers.

@@ -15,7 +15,7 @@ namespace eplbx::internal {
 
 inline constexpr char kAgentMagic[4] = {'E', 'P', 'X', 'A'};
 // Version 3: a neutral header plus one opaque section per data path (docs/transfer.md).
-inline constexpr uint16_t kAgentMetadataVersion = 3;
+inline constexpr uint16_t kAgentMetadataVersion = 4;
 inline constexpr size_t kMaxMetadataBytes = 16u << 20;
 inline constexpr size_t kMaxHostIdBytes = 256;
 inline constexpr size_t kMaxPartNameBytes = 32;
@@ -43,7 +43,7 @@ struct AgentMetadata {
   std::string host_id;
   uint32_t pid = 0;
   std::string control;    // the control channel's name ("ucx", "loopback")
-  std::string conn_info;  // its connection info (UCX worker address)
+  std::string conn_info;  // its connection info (UCX: worker address and inbox name)
   std::vector<RegionInfo> regions;
   std::vector<PathSection> sections;  // distinct path names
 

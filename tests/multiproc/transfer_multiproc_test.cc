@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -21,6 +22,7 @@
 #include "eplbx/transfer.h"
 #include "multiproc/child.h"
 #include "multiproc/peer_util.h"
+#include "transfer/metadata.h"
 
 namespace eplbx {
 namespace {
@@ -36,6 +38,9 @@ struct Variant {
   const char* label;
   Transport transport;
   const char* memory;  // the peer's buffer: plain, allocate (AllocateShared) or file
+  // Notifications through the peer's inbox (same host); false: over UCX as between hosts
+  // (EPLBX_LOCAL_NOTIFY=0 here and in the peer process, which inherits it).
+  bool local_notify = true;
 };
 void PrintTo(const Variant& v, std::ostream* os) { *os << v.label; }  // readable test names
 
@@ -74,6 +79,13 @@ struct RemotePeer {
 
 class TransferMultiProcTest : public ::testing::TestWithParam<Variant> {
  protected:
+  void SetUp() override {
+    if (GetParam().local_notify) {
+      unsetenv("EPLBX_LOCAL_NOTIFY");
+    } else {
+      setenv("EPLBX_LOCAL_NOTIFY", "0", 1);
+    }
+  }
   std::unique_ptr<Agent> MakeAgent(const std::string& name) {
     AgentConfig config;
     config.transport = GetParam().transport;
@@ -500,6 +512,31 @@ TEST_P(TransferMultiProcTest, OutOfBoundsDescriptorsAreRejectedAndNothingMoves) 
       std::all_of(unregistered.begin(), unregistered.end(), [](uint8_t b) { return b == 0; }));
 }
 
+// A peer whose inbox cannot be reached (another host's name, a full backlog) gets its
+// notifications over UCX, in order (docs/transfer.md, "Notifications on one host").
+TEST_P(TransferMultiProcTest, NotificationsGoOverUcxWhenTheInboxIsOutOfReach) {
+  RemotePeer peer = RemotePeer::Start("peer", 4096, 1, GetParam().memory);
+  auto agent = MakeAgent("sender");
+  ASSERT_NE(agent, nullptr);
+  Result<internal::AgentMetadata> meta = internal::DecodeAgentMetadata(peer.blob);
+  ASSERT_TRUE(meta.ok()) << meta.status().ToString();
+  uint32_t bytes = 0;
+  for (int i = 0; i < 4; ++i)
+    bytes |= static_cast<uint32_t>(static_cast<uint8_t>(meta->conn_info[i])) << (8 * i);
+  ASSERT_LE(bytes + 4, meta->conn_info.size());
+  meta->conn_info = meta->conn_info.substr(0, 4 + bytes) + "eplbx-no-such-inbox";
+  auto pid = agent->Connect(internal::EncodeAgentMetadata(*meta));
+  ASSERT_TRUE(pid.ok()) << pid.status().ToString();
+  std::vector<std::string> batch = {"b1", "b2", "b3"};
+  ASSERT_TRUE(agent->Notify(*pid, "n0").ok());
+  for (const Status& st : agent->NotifyMany(*pid, batch)) ASSERT_TRUE(st.ok()) << st.ToString();
+  ASSERT_TRUE(agent->Notify(*pid, "n4").ok());
+  peer.child->Send("ECHO 5 30000");
+  for (const char* want : {"n0", "b1", "b2", "b3", "n4"})
+    EXPECT_EQ(peer.child->Expect("GOT "), std::string("sender 2 ") + want);
+  peer.child->Send("QUIT");
+}
+
 TEST_P(TransferMultiProcTest, MalformedAndDuplicateMetadataIsRejected) {
   RemotePeer peer = RemotePeer::Start("peer", 4096, 1, GetParam().memory);
   auto agent = MakeAgent("tester");
@@ -515,6 +552,20 @@ TEST_P(TransferMultiProcTest, MalformedAndDuplicateMetadataIsRejected) {
             std::string::npos);
   EXPECT_NE(agent->Connect(agent->Metadata()).status().message().find("own metadata"),
             std::string::npos);
+  // Connection info that cannot hold the UCX address it announces: refused by name.
+  Result<internal::AgentMetadata> meta = internal::DecodeAgentMetadata(blob);
+  ASSERT_TRUE(meta.ok()) << meta.status().ToString();
+  const std::string info = meta->conn_info;
+  ASSERT_GT(info.size(), 4u);
+  for (const std::string& bad : {info.substr(0, 3), std::string("\xff\xff\x00\x00", 4) + "abc",
+                                 std::string(4, '\0') + info.substr(4)}) {
+    internal::AgentMetadata m = *meta;
+    m.conn_info = bad;
+    Result<PeerId> refused = agent->Connect(internal::EncodeAgentMetadata(m));
+    EXPECT_EQ(refused.status().code(), Code::kInvalidArgument) << refused.status().ToString();
+    EXPECT_NE(refused.status().message().find("connection info of peer 'peer'"), std::string::npos)
+        << refused.status().ToString();
+  }
   auto first = agent->Connect(blob);
   ASSERT_TRUE(first.ok()) << first.status().ToString();
   auto again = agent->Connect(blob);
@@ -643,16 +694,16 @@ TEST_P(TransferMultiProcTest, StoppedPeerFailsWithNamedErrorWithinDeadline) {
   CheckDeathOf(this, SIGSTOP);
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, TransferMultiProcTest,
-                         ::testing::Values(Variant{"shm_cma", Transport::kShm, "plain"},
-                                           Variant{"shm_mapped", Transport::kShm, "allocate"},
-                                           Variant{"shm_file", Transport::kShm, "file"},
-                                           Variant{"tcp", Transport::kTcp, "plain"},
-                                           Variant{"tcp_file", Transport::kTcp, "file"},
-                                           Variant{"auto", Transport::kAuto, "plain"}),
-                         [](const ::testing::TestParamInfo<Variant>& info) {
-                           return info.param.label;
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Transports, TransferMultiProcTest,
+    ::testing::Values(Variant{"shm_cma", Transport::kShm, "plain"},
+                      Variant{"shm_mapped", Transport::kShm, "allocate"},
+                      Variant{"shm_file", Transport::kShm, "file"},
+                      Variant{"tcp", Transport::kTcp, "plain"},
+                      Variant{"tcp_file", Transport::kTcp, "file"},
+                      Variant{"tcp_ucx_notify", Transport::kTcp, "plain", false},
+                      Variant{"auto", Transport::kAuto, "plain"}),
+    [](const ::testing::TestParamInfo<Variant>& info) { return info.param.label; });
 
 }  // namespace
 }  // namespace eplbx

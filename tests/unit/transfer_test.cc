@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include "common/bytes.h"
+#include "common/strings.h"
 #include "eplbx/transfer.h"
 #include "transfer/cma/cma_path.h"
 #include "transfer/loopback/loopback_path.h"
@@ -76,26 +77,30 @@ TEST(AgentMetadataTest, EveryTruncationIsRejected) {
 }
 
 TEST(AgentMetadataTest, OlderVersionsAreRefusedNamingThePeer) {
-  // A version-2 blob (eplbx before the data-path sections): magic, version, reserved,
-  // length, then the name as in every version.
-  internal::ByteWriter w;
-  w.Raw("EPXA");
-  w.U16(2);
-  w.U16(0);
-  w.U32(0);
-  w.Str16("rank5");
-  w.Str16("host");
-  std::string v2 = w.Take();
-  Result<AgentMetadata> d = DecodeAgentMetadata(v2);
-  EXPECT_EQ(d.status().code(), Code::kNotSupported);
-  EXPECT_NE(d.status().message().find("of peer 'rank5' is version 2, this build reads version 3: "
-                                      "both sides need the same eplbx version"),
-            std::string::npos)
-      << d.status().ToString();
-  // Too short to hold a name: still refused by version, without a name.
-  Result<AgentMetadata> bare = DecodeAgentMetadata(v2.substr(0, 12));
-  EXPECT_NE(bare.status().message().find("of the peer is version 2"), std::string::npos)
-      << bare.status().ToString();
+  // Version 2 (eplbx before the data-path sections) and 3 (before the inbox's name in the
+  // connection info): magic, version, reserved, length, then the name as in every version.
+  for (uint16_t version : {2, 3}) {
+    internal::ByteWriter w;
+    w.Raw("EPXA");
+    w.U16(version);
+    w.U16(0);
+    w.U32(0);
+    w.Str16("rank5");
+    w.Str16("host");
+    std::string old = w.Take();
+    Result<AgentMetadata> d = DecodeAgentMetadata(old);
+    EXPECT_EQ(d.status().code(), Code::kNotSupported);
+    EXPECT_NE(d.status().message().find(internal::StrCat("of peer 'rank5' is version ", version,
+                                                         ", this build reads version 4: "
+                                                         "both sides need the same eplbx version")),
+              std::string::npos)
+        << d.status().ToString();
+    // Too short to hold a name: still refused by version, without a name.
+    Result<AgentMetadata> bare = DecodeAgentMetadata(old.substr(0, 12));
+    EXPECT_NE(bare.status().message().find(internal::StrCat("of the peer is version ", version)),
+              std::string::npos)
+        << bare.status().ToString();
+  }
 }
 
 TEST(AgentMetadataTest, EachMalformationHasItsOwnMessage) {

@@ -254,6 +254,9 @@ class FaultyControl final : public ControlChannel {
 
   std::string_view name() const override { return inner_->name(); }
   std::string ConnectionInfo() const override { return inner_->ConnectionInfo(); }
+  bool WaitHere(std::chrono::milliseconds timeout, int wake_fd) override {
+    return inner_->WaitHere(timeout, wake_fd);
+  }
   Status Connect(PeerId id, std::string_view peer_name, std::string_view conn_info) override {
     EPLBX_RETURN_IF_ERROR(inner_->Connect(id, peer_name, conn_info));
     std::lock_guard<std::mutex> lock(mu_);

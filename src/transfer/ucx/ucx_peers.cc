@@ -17,6 +17,9 @@ Status UcxWorker::Unreachable(const PeerState& p) const {
 }
 
 void UcxWorker::MarkFailed(PeerState& p, const std::string& why) {
+  // What the peer put in the inbox before it was lost (its last DONE, say) is delivered
+  // before the loss, as UCX delivers a message before the error of its connection.
+  if (!p.failed && !p.disconnected) DrainLocal();
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (p.failed) return;
@@ -46,6 +49,7 @@ void UcxWorker::OnEpError(void* arg, ucp_ep_h, ucs_status_t status) {
 }
 
 void UcxWorker::CloseEp(const std::shared_ptr<PeerState>& p) {
+  CloseLocal(*p, "");
   if (p->ep == nullptr) return;
   ucp_request_param_t param{};
   param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
@@ -105,6 +109,8 @@ void UcxWorker::SendAm(PeerState& p, MessageKind kind, std::string payload,
   auto* msg = new AmMessage{this, EncodeMessageHeader({kind, options_.agent_name}), p.name,
                             std::move(sent)};
   msg->bytes += payload;
+  // Notifications to a peer of this host go through its inbox; liveness stays on UCX.
+  if (kind != MessageKind::kPing && SendLocal(p, msg)) return;
   SendAmOn(p.ep, msg,
            UCP_AM_SEND_FLAG_EAGER | (kind == MessageKind::kPing ? UCP_AM_SEND_FLAG_REPLY : 0));
 }
@@ -165,44 +171,48 @@ ucs_status_t UcxWorker::OnAm(void* arg, const void* header, size_t header_length
     return self->OnStageAm({static_cast<const char*>(header), header_length}, data, length, param);
   }
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) return UCS_OK;  // never sent
-  std::string_view bytes(static_cast<const char*>(data), length);
+  const bool reply = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0;
+  self->Deliver({static_cast<const char*>(data), length}, reply ? param->reply_ep : nullptr);
+  return UCS_OK;
+}
+
+void UcxWorker::Deliver(std::string_view bytes, ucp_ep_h reply_ep) {
   size_t consumed = 0;
   Result<MessageHeader> h = DecodeMessageHeader(bytes, &consumed);
   if (!h.ok()) {
-    ++self->dropped_messages_;
-    return UCS_OK;
+    ++dropped_messages_;
+    return;
   }
-  if (auto it = self->by_name_.find(h->sender); it != self->by_name_.end()) {
+  if (auto it = by_name_.find(h->sender); it != by_name_.end()) {
     it->second->last_heard = Clock::now();
   }
   switch (h->kind) {
     case MessageKind::kNotify:
-      self->listener_->OnNotification(std::move(h->sender), std::string(bytes.substr(consumed)));
+      listener_->OnNotification(std::move(h->sender), std::string(bytes.substr(consumed)));
       break;
     case MessageKind::kNotifyBatch: {
       Result<std::vector<std::string>> batch = DecodeNotifyBatch(bytes.substr(consumed));
       if (batch.ok()) {
-        self->listener_->OnNotifications(std::move(h->sender), std::move(*batch));
+        listener_->OnNotifications(std::move(h->sender), std::move(*batch));
       } else {
         // Delivered as it came: the receiver's decoder names the sender and what is wrong,
         // instead of a layer waiting for its deadline.
-        self->listener_->OnNotification(std::move(h->sender), std::string(bytes.substr(consumed)));
+        listener_->OnNotification(std::move(h->sender), std::string(bytes.substr(consumed)));
       }
       break;
     }
     case MessageKind::kPing:
-      if ((param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) != 0 && param->reply_ep != nullptr) {
-        auto* msg = new AmMessage{
-            self, EncodeMessageHeader({MessageKind::kPong, self->options_.agent_name}), h->sender,
-            nullptr};
-        self->SendAmOn(param->reply_ep, msg, UCP_AM_SEND_FLAG_EAGER);
+      if (reply_ep != nullptr) {
+        auto* msg =
+            new AmMessage{this, EncodeMessageHeader({MessageKind::kPong, options_.agent_name}),
+                          h->sender, nullptr};
+        SendAmOn(reply_ep, msg, UCP_AM_SEND_FLAG_EAGER);
       }
       break;
     case MessageKind::kPong:
     case MessageKind::kStage:  // comes with a header (OnStageAm)
       break;
   }
-  return UCS_OK;
 }
 
 void UcxWorker::SetStageSink(std::shared_ptr<StageSink> sink) {

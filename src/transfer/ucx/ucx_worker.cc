@@ -2,6 +2,7 @@
 // and the progress loop.
 #include "transfer/ucx/ucx_path.h"
 
+#include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -70,6 +71,9 @@ UcxWorker::~UcxWorker() {
   if (context_ != nullptr) ucp_cleanup(context_);
   if (wake_fd_ >= 0) close(wake_fd_);
   if (epoll_fd_ >= 0) close(epoll_fd_);
+  for (int fd : local_in_) close(fd);
+  if (local_listen_fd_ >= 0) close(local_listen_fd_);
+  if (local_epoll_fd_ >= 0) close(local_epoll_fd_);
 }
 
 Status UcxWorker::Start() {
@@ -102,6 +106,11 @@ Status UcxWorker::Start() {
   if (st != UCS_OK) return Status::Unavailable("UCX: ucp_worker_get_address: " + Ucs(st));
   address_.assign(reinterpret_cast<const char*>(address), length);
   ucp_worker_release_address(worker_, address);
+  StartLocal();
+  const auto bytes = static_cast<uint32_t>(address_.size());
+  for (int i = 0; i < 4; ++i) conn_info_.push_back(static_cast<char>((bytes >> (8 * i)) & 0xff));
+  conn_info_ += address_;
+  conn_info_ += local_name_;
   ucp_am_handler_param_t am{};
   am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
                   UCP_AM_HANDLER_PARAM_FIELD_ARG;
@@ -110,15 +119,15 @@ Status UcxWorker::Start() {
   am.arg = this;
   st = ucp_worker_set_am_recv_handler(worker_, &am);
   if (st != UCS_OK) return Status::Unavailable("UCX: setting the message handler: " + Ucs(st));
-  int worker_fd = -1;
-  st = ucp_worker_get_efd(worker_, &worker_fd);
+  st = ucp_worker_get_efd(worker_, &worker_fd_);
   if (st != UCS_OK) return Status::Unavailable("UCX: ucp_worker_get_efd: " + Ucs(st));
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
   if (wake_fd_ < 0 || epoll_fd_ < 0) {
     return Status::Unavailable(StrCat("eventfd/epoll: ", std::strerror(errno)));
   }
-  for (int fd : {worker_fd, wake_fd_}) {
+  for (int fd : {worker_fd_, wake_fd_, local_epoll_fd_}) {
+    if (fd < 0) continue;  // no inbox
     epoll_event ev{};
     ev.events = EPOLLIN;
     ev.data.fd = fd;
@@ -181,7 +190,17 @@ Status UcxWorker::Connect(PeerId id, std::string_view peer_name, std::string_vie
   // done both ways, so the peer is known reachable and never sees a half-built endpoint.
   auto flushed = std::make_shared<std::promise<ucs_status_t>>();
   std::future<ucs_status_t> flush_done = flushed->get_future();
-  const std::string address(conn_info);
+  // [u32 address bytes][UCX address][the name of its inbox, if any] (ConnectionInfo).
+  uint32_t bytes = 0;
+  for (size_t i = 0; i < 4 && i < conn_info.size(); ++i)
+    bytes |= static_cast<uint32_t>(static_cast<uint8_t>(conn_info[i])) << (8 * i);
+  if (conn_info.size() < 4 || bytes == 0 || bytes > conn_info.size() - 4) {
+    return Status::InvalidArgument(StrCat(
+        "agent '", options_.agent_name, "': the connection info of peer '", peer_name, "' (",
+        conn_info.size(), " bytes) does not hold a UCX address: a peer of another eplbx version?"));
+  }
+  const std::string address(conn_info.substr(4, bytes));
+  const std::string local(conn_info.substr(4 + bytes));
   Result<bool> created = RunSync<bool>([&]() -> Result<bool> {
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -195,6 +214,7 @@ Status UcxWorker::Connect(PeerId id, std::string_view peer_name, std::string_vie
       return Status::Unavailable(StrCat("agent '", options_.agent_name, "': cannot reach peer '",
                                         p->name, "' (UCX ep_create: ", Ucs(st), ")"));
     }
+    ConnectLocal(*p, local);
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     param.cb.send = [](void* request, ucs_status_t status, void* user_data) {
@@ -338,6 +358,71 @@ void UcxWorker::SendNow(std::function<void()> fn) {
   Enqueue(std::move(fn));
 }
 
+bool UcxWorker::WaitHere(std::chrono::milliseconds timeout, int wake_fd) {
+  if (std::this_thread::get_id() == thread_.get_id()) return false;
+  std::unique_lock<std::mutex> worker(worker_mu_, std::try_to_lock);
+  // The progress thread runs (it holds worker_mu_ but while it sleeps), or it is needed:
+  // RMA in flight and closing endpoints need it to spin; the cuda_staged path's sink is
+  // called on it.
+  if (!worker.owns_lock() || stopping_ || inflight_ > 0 || !closing_.empty() || stage_sink_) {
+    return false;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!commands_.empty()) return false;
+  }
+  // The progress thread sleeps in epoll_wait (or is about to: it sleeps only after arming
+  // the worker, which this thread does too). Muted, the worker's fd no longer wakes it; its
+  // tick and its commands still do, and it progresses the worker then as always: whoever
+  // holds worker_mu_ progresses, so muting only decides who wakes.
+  const auto mute = [&](uint32_t events) {
+    for (int fd : {worker_fd_, local_epoll_fd_}) {
+      if (fd < 0) continue;
+      epoll_event ev{};
+      ev.events = events;
+      ev.data.fd = fd;
+      (void)epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, fd, &ev);
+    }
+  };
+  if (muted_++ == 0) mute(0);
+  const Clock::time_point deadline = Clock::now() + timeout;
+  while (true) {
+    DrainLocal();  // the inbox first, as the progress thread does
+    while (ucp_worker_progress(worker_) != 0) {
+    }
+    FinishCloses();
+    if (stopping_ || inflight_ > 0 || !closing_.empty()) break;
+    if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+    const Clock::duration left = deadline - Clock::now();
+    if (left <= Clock::duration::zero()) break;
+    pollfd fds[3] = {{wake_fd, POLLIN, 0}, {worker_fd_, POLLIN, 0}, {local_epoll_fd_, POLLIN, 0}};
+    const auto ms = std::chrono::ceil<std::chrono::milliseconds>(left).count();
+    worker.unlock();
+    const int n =
+        poll(fds, local_epoll_fd_ >= 0 ? 3 : 2, static_cast<int>(std::min<int64_t>(ms, 1000)));
+    worker.lock();
+    // The listener was handed something (or this thread's caller woken otherwise), the
+    // time is up, or poll failed: the caller looks.
+    if (n <= 0 || (fds[0].revents & POLLIN) != 0) break;
+  }
+  // The progress thread sleeps on an armed worker: arm it (progressing what came meanwhile)
+  // before it watches the fds again.
+  while (!stopping_ && inflight_ == 0 && closing_.empty()) {
+    DrainLocal();
+    while (ucp_worker_progress(worker_) != 0) {
+    }
+    if (ucp_worker_arm(worker_) != UCS_ERR_BUSY) break;
+  }
+  if (--muted_ == 0) mute(EPOLLIN);
+  const bool kick = stopping_ || inflight_ > 0 || !closing_.empty();
+  worker.unlock();
+  if (kick) {
+    uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = write(wake_fd_, &one, sizeof(one));
+  }
+  return true;
+}
+
 void UcxWorker::Enqueue(std::function<void()> fn) {
   bool was_empty = false;
   {
@@ -379,6 +464,8 @@ void UcxWorker::Loop() {
         CloseEp(p);
       }
     }
+    // The inbox first: what a peer sent before UCX reports it lost arrives before the loss.
+    DrainLocal();
     while (ucp_worker_progress(worker_) != 0) {
     }
     FinishCloses();

@@ -1,9 +1,10 @@
 // Internal: one UCX context and worker, owned by a progress thread. It is the agent's
 // control channel (endpoints, active-message notifications, heartbeats and liveness:
 // ucx_worker.cc, ucx_peers.cc) and carries the "ucx" data path's RMA (ucx_path.cc), which
-// uses the same endpoints. The progress thread makes every UCX call but one: a notification
-// is sent by its calling thread when the progress thread sleeps (SendNow), so the worker runs
-// in serialized mode behind worker_mu_. Not installed.
+// uses the same endpoints. The progress thread makes every UCX call but two: a notification
+// is sent by its calling thread when the progress thread sleeps (SendNow), and a thread
+// waiting for the agent's events receives messages itself (WaitHere); so the worker runs in
+// serialized mode behind worker_mu_. Not installed.
 #ifndef EPLBX_SRC_TRANSFER_UCX_UCX_WORKER_H_
 #define EPLBX_SRC_TRANSFER_UCX_UCX_WORKER_H_
 
@@ -62,6 +63,8 @@ struct StageReceive {
   std::string head;
 };
 
+struct AmMessage;
+
 // One connected peer. Immutable after Connect except where noted.
 struct PeerState {
   UcxWorker* self = nullptr;
@@ -75,6 +78,11 @@ struct PeerState {
   std::vector<ucp_rkey_h> rkeys;
   Clock::time_point last_heard;
   Clock::time_point last_ping;
+  // A peer of this host: its notifications go over this connected socket to the peer's
+  // inbox (ucx_local.cc) instead of UCX; -1: over UCX. Messages the socket could not take
+  // yet wait in `local_queued`, in order, and leave before any later one.
+  int local_fd = -1;
+  std::deque<AmMessage*> local_queued;
 };
 
 // One transfer on UCX RMA (progress thread only).
@@ -115,12 +123,18 @@ class UcxWorker final : public ControlChannel {
 
   // ControlChannel
   std::string_view name() const override { return "ucx"; }
-  std::string ConnectionInfo() const override { return address_; }
+  // The UCX address and the inbox's name: [u32 address bytes][address][name].
+  std::string ConnectionInfo() const override { return conn_info_; }
   Status Connect(PeerId id, std::string_view peer_name, std::string_view conn_info) override;
   void Disconnect(PeerId id) override;
   Status Notify(PeerId peer, std::string payload, std::function<void(Status)> sent) override;
   // One command for the progress thread, and one active message per 64 KiB of payloads.
   std::vector<Status> NotifyMany(PeerId peer, std::vector<std::string> payloads) override;
+  // While the progress thread sleeps: mutes its wait on the worker's fd and progresses the
+  // worker on the calling thread until a message was handed to the listener (the listener
+  // writes `wake_fd`), `timeout` passed, or the progress thread is needed (RMA, closing
+  // endpoints, commands); then arms the worker and unmutes.
+  bool WaitHere(std::chrono::milliseconds timeout, int wake_fd) override;
 
   // For the "ucx" data path (ucx_path.cc), which reports to `rma_listener`.
   void set_rma_listener(CoreListener* listener) { rma_listener_ = listener; }
@@ -195,6 +209,30 @@ class UcxWorker final : public ControlChannel {
                          const ucp_am_recv_param_t* param);
   static void OnStageReceived(void* request, ucs_status_t status, size_t length, void* user_data);
 
+  // A message's bytes (header, then body) as they arrived over UCX or the inbox: handed to
+  // the listener. `reply_ep`: where a PING's PONG goes (UCX only).
+  void Deliver(std::string_view bytes, ucp_ep_h reply_ep);
+
+  // ---- notifications between processes of one host (ucx_local.cc) -----------------------
+
+  // The inbox: a SOCK_SEQPACKET socket in the abstract namespace, named at random. Without
+  // it (an error), every peer's notifications go over UCX.
+  void StartLocal();
+  // Connects to the inbox `name` of the peer (one of this host: reachable by that name in
+  // this network namespace); on failure the peer's notifications go over UCX.
+  void ConnectLocal(PeerState& p, std::string_view name);
+  // Sends `msg` over the peer's socket (true) or returns false: the peer is not local.
+  bool SendLocal(PeerState& p, AmMessage* msg);
+  void FlushLocal(PeerState& p);
+  // Closes the peer's socket; fails the peer with `failure` unless empty; what waited for
+  // the socket fails with the peer's reason.
+  void CloseLocal(PeerState& p, const std::string& failure);
+  // Accepts connections and hands every message waiting in the inbox to the listener.
+  void DrainLocal();
+  void DrainLocalOnce();
+  void Accept();
+  void ReceiveLocal(int fd);
+
   // ---- data: UCX RMA ---------------------------------------------------------------------
 
   void StartRma(const std::shared_ptr<PeerState>& p, PathRequest req);
@@ -216,16 +254,29 @@ class UcxWorker final : public ControlChannel {
   bool cuda_memory_ = false;
   int wake_fd_ = -1;
   int epoll_fd_ = -1;
+  int worker_fd_ = -1;     // ucp_worker_get_efd's; in epoll_fd_
+  std::string conn_info_;  // ConnectionInfo(): the UCX address and the inbox's name
+  // The inbox (ucx_local.cc): its listening socket and the connections it accepted, all in
+  // local_epoll_fd_, which is in epoll_fd_. Whoever holds worker_mu_.
+  int local_listen_fd_ = -1;
+  int local_epoll_fd_ = -1;
+  std::string local_name_;
+  std::vector<int> local_in_;
+  std::string local_buffer_;
+  bool draining_ = false;
+  // Peers whose inbox could not take a message yet, by socket (watched for EPOLLOUT).
+  std::map<int, std::shared_ptr<PeerState>> local_blocked_;
+  int muted_ = 0;  // callers in WaitHere (worker_fd_ muted in epoll_fd_ while > 0)
   std::thread thread_;
 
-  // Held by whoever uses worker_: the progress thread but while it sleeps, or SendNow.
+  // Held by whoever uses worker_: the progress thread but while it sleeps, SendNow, WaitHere.
   std::mutex worker_mu_;
   std::mutex mu_;  // commands_, peers_ and by_name_ membership, PeerState::failure
   std::deque<std::function<void()>> commands_;
   std::map<PeerId, std::shared_ptr<PeerState>> peers_;
   std::map<std::string, std::shared_ptr<PeerState>> by_name_;
 
-  // Whoever holds worker_mu_ (the progress thread, or SendNow's caller).
+  // Whoever holds worker_mu_ (the progress thread, SendNow's or WaitHere's caller).
   bool stopping_ = false;
   std::map<uint64_t, ucp_mem_h> memh_;
   std::map<TransferId, std::unique_ptr<Op>> ops_;

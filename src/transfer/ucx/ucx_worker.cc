@@ -386,13 +386,21 @@ bool UcxWorker::WaitHere(std::chrono::milliseconds timeout, int wake_fd) {
   };
   if (muted_++ == 0) mute(0);
   const Clock::time_point deadline = Clock::now() + timeout;
+  // The worker is armed: the progress thread armed it before it went to sleep, and so did
+  // every waiter before it let go of worker_mu_ (a send does not disarm it). So UCX is
+  // progressed only once its fd says an event came: while notifications come through the
+  // inbox, a wait costs no UCX calls.
+  bool ucx_events = false;
   while (true) {
     DrainLocal();  // the inbox first, as the progress thread does
-    while (ucp_worker_progress(worker_) != 0) {
+    if (ucx_events) {
+      while (ucp_worker_progress(worker_) != 0) {
+      }
+      FinishCloses();
+      if (stopping_ || inflight_ > 0 || !closing_.empty()) break;
+      if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
+      ucx_events = false;
     }
-    FinishCloses();
-    if (stopping_ || inflight_ > 0 || !closing_.empty()) break;
-    if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) continue;
     const Clock::duration left = deadline - Clock::now();
     if (left <= Clock::duration::zero()) break;
     pollfd fds[3] = {{wake_fd, POLLIN, 0}, {worker_fd_, POLLIN, 0}, {local_epoll_fd_, POLLIN, 0}};
@@ -402,16 +410,10 @@ bool UcxWorker::WaitHere(std::chrono::milliseconds timeout, int wake_fd) {
         poll(fds, local_epoll_fd_ >= 0 ? 3 : 2, static_cast<int>(std::min<int64_t>(ms, 1000)));
     worker.lock();
     // The listener was handed something (or this thread's caller woken otherwise), the
-    // time is up, or poll failed: the caller looks.
+    // time is up, or poll failed: the caller looks. UCX events not progressed here keep the
+    // worker's fd readable: the progress thread takes them once it watches the fd again.
     if (n <= 0 || (fds[0].revents & POLLIN) != 0) break;
-  }
-  // The progress thread sleeps on an armed worker: arm it (progressing what came meanwhile)
-  // before it watches the fds again.
-  while (!stopping_ && inflight_ == 0 && closing_.empty()) {
-    DrainLocal();
-    while (ucp_worker_progress(worker_) != 0) {
-    }
-    if (ucp_worker_arm(worker_) != UCS_ERR_BUSY) break;
+    ucx_events = fds[1].revents != 0;
   }
   if (--muted_ == 0) mute(EPOLLIN);
   const bool kick = stopping_ || inflight_ > 0 || !closing_.empty();

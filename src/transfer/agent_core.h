@@ -161,9 +161,9 @@ class AgentCore : public CoreListener {
 
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
-  int wake_fd_ = -1;               // an eventfd: the waiter in the control channel's WaitHere
+  int wake_fd_ = -1;  // an eventfd: the waiter in the control channel's WaitHere
   std::atomic<bool> waiting_here_{false};  // a PollNotifications waits there (one at a time)
-  bool receive_here_ = true;  // EPLBX_RECEIVE_HERE=0: waits stay on cv_
+  bool receive_here_ = true;               // EPLBX_RECEIVE_HERE=0: waits stay on cv_
   uint64_t events_ = 0;       // transfers that became terminal, peers lost (guarded by mu_)
   uint64_t events_seen_ = 0;  // as of the last PollNotifications(or_completion)
   std::map<uint64_t, LocalRegion> regions_;  // by address

@@ -25,6 +25,8 @@ namespace eplbx::internal::ucx {
 namespace {
 
 constexpr size_t kMaxLocalName = 64;  // bytes after the leading NUL
+// Room for a message's header (its sender's name is at most 256 bytes) and a batch's framing.
+constexpr size_t kMaxHeaderBytes = 4096;
 
 // What an event of local_epoll_fd_ is about: [kind << 32 | fd].
 enum : uint64_t { kListening = 0, kIncoming = 1, kOutgoing = 2 };
@@ -79,6 +81,16 @@ void UcxWorker::ConnectLocal(PeerState& p, std::string_view name) {
   // A peer of another host has no inbox of that name here (the name is random); one whose
   // backlog is full (EAGAIN) is reached over UCX instead.
   if (connect(fd, reinterpret_cast<sockaddr*>(&addr), length) != 0) {
+    close(fd);
+    return;
+  }
+  // A message must fit the send buffer whole (else EMSGSIZE): ask for room for several of
+  // the largest, and keep UCX where the host's limit (net.core.wmem_max) allows less.
+  int want = 1 << 20, got = 0;
+  socklen_t got_length = sizeof(got);
+  (void)setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &want, sizeof(want));
+  if (getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &got, &got_length) != 0 ||
+      static_cast<size_t>(got) < 2 * (Agent::kMaxNotificationBytes + kMaxHeaderBytes)) {
     close(fd);
     return;
   }
@@ -203,7 +215,7 @@ void UcxWorker::Accept() {
 void UcxWorker::ReceiveLocal(int fd) {
   // A header and a batch of notifications of at most kMaxNotificationBytes; anything longer
   // is not ours (MSG_TRUNC gives its length) and is dropped whole.
-  const size_t capacity = Agent::kMaxNotificationBytes + 4096;
+  const size_t capacity = Agent::kMaxNotificationBytes + kMaxHeaderBytes;
   if (local_buffer_.size() < capacity) local_buffer_.resize(capacity);
   while (true) {
     const ssize_t n = recv(fd, local_buffer_.data(), capacity, MSG_DONTWAIT | MSG_TRUNC);

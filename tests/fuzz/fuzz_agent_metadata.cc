@@ -18,6 +18,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (m.ok()) {
     // What decodes must encode back to the same bytes.
     if (eplbx::internal::EncodeAgentMetadata(*m) != in) __builtin_trap();
+    // The UCX control channel's connection info (address, inbox), at connect.
+    auto info = eplbx::internal::DecodeUcxConnInfo(m->conn_info, "fuzz", m->name);
+    if (info.ok() && eplbx::internal::EncodeUcxConnInfo(info->address, info->inbox) != m->conn_info)
+      __builtin_trap();
     // Each path's section goes to that path's decoder at connect.
     const size_t regions = m->regions.size();
     if (const auto* s = m->Section("shm"))

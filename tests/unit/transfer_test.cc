@@ -229,6 +229,37 @@ TEST(PathSectionTest, EveryTruncationAndBadCountIsRejected) {
   EXPECT_FALSE(internal::DecodeCmaSection(c + "x", "p").ok());
 }
 
+TEST(UcxConnInfoTest, RoundTripsAndRefusesWhatCannotHoldItsParts) {
+  const std::string address("\x01\x00\x02ucx-address", 14);
+  for (std::string_view inbox : {std::string_view(), std::string_view("eplbx-0123abcd")}) {
+    const std::string info = internal::EncodeUcxConnInfo(address, inbox);
+    Result<internal::UcxConnInfo> d = internal::DecodeUcxConnInfo(info, "me", "rank1");
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    EXPECT_EQ(d->address, address);
+    EXPECT_EQ(d->inbox, inbox);
+  }
+  // Every prefix shorter than the address, an empty address, a length past the end, a name
+  // longer than 64 bytes: each refused by name.
+  const std::string info = internal::EncodeUcxConnInfo(address, "eplbx-x");
+  for (size_t n = 0; n < 4 + address.size(); ++n) {
+    Result<internal::UcxConnInfo> d = internal::DecodeUcxConnInfo(info.substr(0, n), "me", "rank1");
+    ASSERT_FALSE(d.ok()) << n;
+    EXPECT_EQ(d.status().message(),
+              internal::StrCat("agent 'me': the connection info of peer 'rank1' (", n,
+                               " bytes) does not hold a UCX address: a peer of another eplbx "
+                               "version?"));
+  }
+  EXPECT_FALSE(internal::DecodeUcxConnInfo(internal::EncodeUcxConnInfo("", "x"), "me", "r").ok());
+  Result<internal::UcxConnInfo> long_name = internal::DecodeUcxConnInfo(
+      internal::EncodeUcxConnInfo(address, std::string(65, 'n')), "me", "rank1");
+  EXPECT_EQ(long_name.status().message(),
+            "agent 'me': the connection info of peer 'rank1' names an inbox of 65 bytes (at most "
+            "64)");
+  EXPECT_TRUE(internal::DecodeUcxConnInfo(
+                  internal::EncodeUcxConnInfo(address, std::string(64, 'n')), "me", "rank1")
+                  .ok());
+}
+
 TEST(MessageHeaderTest, RoundTripsAndRejectsMalformed) {
   const std::string h = internal::EncodeMessageHeader({internal::MessageKind::kPing, "r1"});
   size_t used = 0;

@@ -19,9 +19,10 @@
 #include <cstring>
 #include <random>
 
+#include "transfer/ucx/ucx_path.h"
 #include "transfer/ucx/ucx_worker.h"
 
-namespace eplbx::internal::ucx {
+namespace eplbx::internal {
 namespace {
 
 constexpr size_t kMaxLocalName = 64;  // bytes after the leading NUL
@@ -42,6 +43,36 @@ sockaddr_un Abstract(std::string_view name, socklen_t* length) {
 }
 
 }  // namespace
+
+std::string EncodeUcxConnInfo(std::string_view address, std::string_view inbox) {
+  std::string out;
+  const auto bytes = static_cast<uint32_t>(address.size());
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((bytes >> (8 * i)) & 0xff));
+  out += address;
+  out += inbox;
+  return out;
+}
+
+Result<UcxConnInfo> DecodeUcxConnInfo(std::string_view info, std::string_view agent,
+                                      std::string_view peer) {
+  uint32_t bytes = 0;
+  for (size_t i = 0; i < 4 && i < info.size(); ++i)
+    bytes |= static_cast<uint32_t>(static_cast<uint8_t>(info[i])) << (8 * i);
+  if (info.size() < 4 || bytes == 0 || bytes > info.size() - 4) {
+    return Status::InvalidArgument(
+        StrCat("agent '", agent, "': the connection info of peer '", peer, "' (", info.size(),
+               " bytes) does not hold a UCX address: a peer of another eplbx version?"));
+  }
+  UcxConnInfo out{info.substr(4, bytes), info.substr(4 + bytes)};
+  if (out.inbox.size() > kMaxLocalName) {
+    return Status::InvalidArgument(StrCat("agent '", agent, "': the connection info of peer '",
+                                          peer, "' names an inbox of ", out.inbox.size(),
+                                          " bytes (at most ", kMaxLocalName, ")"));
+  }
+  return out;
+}
+
+namespace ucx {
 
 void UcxWorker::StartLocal() {
   if (!options_.local_notify) return;
@@ -235,4 +266,5 @@ void UcxWorker::ReceiveLocal(int fd) {
   }
 }
 
-}  // namespace eplbx::internal::ucx
+}  // namespace ucx
+}  // namespace eplbx::internal

@@ -25,6 +25,17 @@ std::unique_ptr<DataPath> CreateUcxRmaPath(ucx::UcxWorker* worker, std::string a
 Result<std::vector<std::string>> DecodeUcxSection(std::string_view section, size_t regions,
                                                   std::string_view peer);
 
+// The control channel's connection info (metadata field conn_info): [u32 address bytes]
+// [the UCX worker address][the name of its inbox, 0..64 bytes; none: no inbox].
+struct UcxConnInfo {
+  std::string_view address;
+  std::string_view inbox;
+};
+std::string EncodeUcxConnInfo(std::string_view address, std::string_view inbox);
+// Refuses, naming `peer`, an address length the info cannot hold and an inbox name too long.
+Result<UcxConnInfo> DecodeUcxConnInfo(std::string_view info, std::string_view agent,
+                                      std::string_view peer);
+
 }  // namespace eplbx::internal
 
 #endif  // EPLBX_SRC_TRANSFER_UCX_UCX_PATH_H_

@@ -107,10 +107,7 @@ Status UcxWorker::Start() {
   address_.assign(reinterpret_cast<const char*>(address), length);
   ucp_worker_release_address(worker_, address);
   StartLocal();
-  const auto bytes = static_cast<uint32_t>(address_.size());
-  for (int i = 0; i < 4; ++i) conn_info_.push_back(static_cast<char>((bytes >> (8 * i)) & 0xff));
-  conn_info_ += address_;
-  conn_info_ += local_name_;
+  conn_info_ = EncodeUcxConnInfo(address_, local_name_);
   ucp_am_handler_param_t am{};
   am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
                   UCP_AM_HANDLER_PARAM_FIELD_ARG;
@@ -190,17 +187,10 @@ Status UcxWorker::Connect(PeerId id, std::string_view peer_name, std::string_vie
   // done both ways, so the peer is known reachable and never sees a half-built endpoint.
   auto flushed = std::make_shared<std::promise<ucs_status_t>>();
   std::future<ucs_status_t> flush_done = flushed->get_future();
-  // [u32 address bytes][UCX address][the name of its inbox, if any] (ConnectionInfo).
-  uint32_t bytes = 0;
-  for (size_t i = 0; i < 4 && i < conn_info.size(); ++i)
-    bytes |= static_cast<uint32_t>(static_cast<uint8_t>(conn_info[i])) << (8 * i);
-  if (conn_info.size() < 4 || bytes == 0 || bytes > conn_info.size() - 4) {
-    return Status::InvalidArgument(StrCat(
-        "agent '", options_.agent_name, "': the connection info of peer '", peer_name, "' (",
-        conn_info.size(), " bytes) does not hold a UCX address: a peer of another eplbx version?"));
-  }
-  const std::string address(conn_info.substr(4, bytes));
-  const std::string local(conn_info.substr(4 + bytes));
+  Result<UcxConnInfo> info = DecodeUcxConnInfo(conn_info, options_.agent_name, peer_name);
+  if (!info.ok()) return info.status();
+  const std::string address(info->address);
+  const std::string local(info->inbox);
   Result<bool> created = RunSync<bool>([&]() -> Result<bool> {
     ucp_ep_params_t ep{};
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |

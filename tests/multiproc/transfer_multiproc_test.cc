@@ -537,6 +537,41 @@ TEST_P(TransferMultiProcTest, NotificationsGoOverUcxWhenTheInboxIsOutOfReach) {
   peer.child->Send("QUIT");
 }
 
+// What a peer sent just before it died is delivered before its loss is reported: once the
+// agent says the peer is unreachable, every notification it sent is already there to poll
+// (the rearrangement's CheckPeers relies on it: a peer whose DONE left does not fail the
+// layer by dying). Through the inbox or over UCX alike.
+TEST_P(TransferMultiProcTest, WhatAPeerSentBeforeItDiedArrivesBeforeItsLoss) {
+  RemotePeer peer = RemotePeer::Start("peer", 4096, 1, GetParam().memory);
+  auto agent = MakeAgent("receiver");
+  ASSERT_NE(agent, nullptr);
+  std::vector<uint8_t> mine(4096, 7);
+  auto region = agent->RegisterMemory(mine.data(), mine.size());
+  ASSERT_TRUE(region.ok()) << region.status().ToString();
+  auto pid = agent->Connect(peer.blob);
+  ASSERT_TRUE(pid.ok()) << pid.status().ToString();
+  peer.child->Send("CONNECT " + testing::ToHex(agent->Metadata()));
+  const std::string back = peer.child->Expect("PEER ");
+  // The peer's last notification rides on a READ it waits for: once it says SENT, every
+  // notification left its process (a message still queued in a process that dies is lost
+  // whatever the channel).
+  constexpr int kCount = 300;
+  peer.child->Send("NOTIFY " + back + " " + std::to_string(kCount) + " " +
+                   std::to_string(region->addr()));
+  ASSERT_EQ(peer.child->Expect("SENT "), "ok");
+  peer.child->Signal(SIGKILL);
+  const auto limit = std::chrono::steady_clock::now() + milliseconds(kPeerTimeoutMs + 5000);
+  while (agent->Peer(*pid)->reachable && std::chrono::steady_clock::now() < limit)
+    std::this_thread::sleep_for(milliseconds(1));
+  ASSERT_FALSE(agent->Peer(*pid)->reachable) << "the killed peer is never reported lost";
+  std::vector<Notification> got = agent->PollNotifications();
+  ASSERT_EQ(got.size(), static_cast<size_t>(kCount + 1));
+  for (int i = 0; i <= kCount; ++i) {
+    EXPECT_EQ(got[i].peer, "peer");
+    EXPECT_EQ(got[i].payload, "last" + std::to_string(i));
+  }
+}
+
 TEST_P(TransferMultiProcTest, MalformedAndDuplicateMetadataIsRejected) {
   RemotePeer peer = RemotePeer::Start("peer", 4096, 1, GetParam().memory);
   auto agent = MakeAgent("tester");

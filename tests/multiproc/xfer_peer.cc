@@ -8,6 +8,9 @@
 //                                  and prints NOTIFY <payload> OK|BAD for each (the bytes
 //                                  must be in place when the notification arrives), or
 //                                  TIMEOUT
+//   NOTIFY <peer id> <count> <address> -> sends <count> notifications "last<i>" to that
+//                                  peer, then READs 64 bytes at its <address> with the
+//                                  notification "last<count>" and waits: SENT ok | SENT failed
 //   SHRINK <bytes>              -> (--memory file) truncates its file to the region's first
 //                                  <bytes>, under the registered region: SHRUNK | ERR
 //   QUIT
@@ -174,6 +177,20 @@ int main(int argc, char** argv) {
       } else {
         std::cout << "ERR " << peer.status().ToString() << std::endl;
       }
+    } else if (cmd == "NOTIFY") {
+      // NOTIFY <peer id> <count> <address>: "last0" .. "last<count-1>", then a 64-byte READ
+      // of that peer's <address> with the notification "last<count>", waited for: once it
+      // completed, its notification and every one before it left this process.
+      uint64_t peer = 0, count = 0, addr = 0;
+      in >> peer >> count >> addr;
+      bool ok = true;
+      for (uint64_t i = 0; i < count && ok; ++i)
+        ok = (*agent)->Notify(peer, "last" + std::to_string(i)).ok();
+      const eplbx::Descriptor l = eplbx::Descriptor::Of(buf, 64), r{addr, 64};
+      auto id = (*agent)->Read(peer, {&l, 1}, {&r, 1}, "last" + std::to_string(count));
+      ok = ok && id.ok() &&
+           (*agent)->Wait(*id, std::chrono::seconds(30)).state == eplbx::TransferState::kDone;
+      std::cout << (ok ? "SENT ok" : "SENT failed") << std::endl;
     } else if (cmd == "HASH") {
       uint64_t off = 0, len = 0;
       in >> off >> len;

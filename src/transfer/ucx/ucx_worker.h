@@ -128,12 +128,13 @@ class UcxWorker final : public ControlChannel {
   Status Connect(PeerId id, std::string_view peer_name, std::string_view conn_info) override;
   void Disconnect(PeerId id) override;
   Status Notify(PeerId peer, std::string payload, std::function<void(Status)> sent) override;
-  // One command for the progress thread, and one active message per 64 KiB of payloads.
+  // One active message (or inbox message) per 64 KiB of payloads, sent as Notify's are.
   std::vector<Status> NotifyMany(PeerId peer, std::vector<std::string> payloads) override;
-  // While the progress thread sleeps: mutes its wait on the worker's fd and progresses the
-  // worker on the calling thread until a message was handed to the listener (the listener
-  // writes `wake_fd`), `timeout` passed, or the progress thread is needed (RMA, closing
-  // endpoints, commands); then arms the worker and unmutes.
+  // While the progress thread sleeps: mutes its wait on the worker's and the inbox's fds,
+  // polls them on the calling thread and receives what comes (the inbox drained, UCX
+  // progressed and armed again when its fd fired) until a message was handed to the
+  // listener (the listener writes `wake_fd`), `timeout` passed, or the progress thread is
+  // needed (RMA, closing endpoints); then unmutes.
   bool WaitHere(std::chrono::milliseconds timeout, int wake_fd) override;
 
   // For the "ucx" data path (ucx_path.cc), which reports to `rma_listener`.
@@ -266,7 +267,7 @@ class UcxWorker final : public ControlChannel {
   bool draining_ = false;
   // Peers whose inbox could not take a message yet, by socket (watched for EPOLLOUT).
   std::map<int, std::shared_ptr<PeerState>> local_blocked_;
-  int muted_ = 0;  // callers in WaitHere (worker_fd_ muted in epoll_fd_ while > 0)
+  int muted_ = 0;  // callers in WaitHere (worker_fd_, local_epoll_fd_ muted in epoll_fd_)
   std::thread thread_;
 
   // Held by whoever uses worker_: the progress thread but while it sleeps, SendNow, WaitHere.

@@ -741,10 +741,8 @@ std::vector<Notification> AgentCore::PollNotifications(std::chrono::milliseconds
     // message wakes it instead of the channel's thread, which would then wake it. Every
     // change a waiter looks for is made under mu_ and then Wake()s, which writes wake_fd_
     // while waiting_here_: set under mu_ before the last look, it cannot miss one.
-    bool here = false;
     while (wake_fd_ >= 0 && !waiting_here_.load() && receive_here_) {
       waiting_here_.store(true);
-      here = true;
       lock.unlock();
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
           deadline - std::chrono::steady_clock::now());
@@ -755,9 +753,8 @@ std::vector<Notification> AgentCore::PollNotifications(std::chrono::milliseconds
       waiting_here_.store(false);
       if (!waited || ready() || std::chrono::steady_clock::now() >= deadline) break;
     }
-    if (!ready() && (!here || std::chrono::steady_clock::now() < deadline)) {
-      cv_.wait_until(lock, deadline, ready);
-    }
+    // The rest of the time (none once WaitHere waited it out), or all of it.
+    cv_.wait_until(lock, deadline, ready);
   }
   if (or_completion) events_seen_ = events_;
   std::vector<Notification> out(std::make_move_iterator(notifications_.begin()),

@@ -23,6 +23,7 @@
 #include "multiproc/child.h"
 #include "multiproc/peer_util.h"
 #include "transfer/metadata.h"
+#include "transfer/ucx/ucx_path.h"
 
 namespace eplbx {
 namespace {
@@ -520,11 +521,9 @@ TEST_P(TransferMultiProcTest, NotificationsGoOverUcxWhenTheInboxIsOutOfReach) {
   ASSERT_NE(agent, nullptr);
   Result<internal::AgentMetadata> meta = internal::DecodeAgentMetadata(peer.blob);
   ASSERT_TRUE(meta.ok()) << meta.status().ToString();
-  uint32_t bytes = 0;
-  for (int i = 0; i < 4; ++i)
-    bytes |= static_cast<uint32_t>(static_cast<uint8_t>(meta->conn_info[i])) << (8 * i);
-  ASSERT_LE(bytes + 4, meta->conn_info.size());
-  meta->conn_info = meta->conn_info.substr(0, 4 + bytes) + "eplbx-no-such-inbox";
+  Result<internal::UcxConnInfo> info = internal::DecodeUcxConnInfo(meta->conn_info, "t", "peer");
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  meta->conn_info = internal::EncodeUcxConnInfo(info->address, "eplbx-no-such-inbox");
   auto pid = agent->Connect(internal::EncodeAgentMetadata(*meta));
   ASSERT_TRUE(pid.ok()) << pid.status().ToString();
   std::vector<std::string> batch = {"b1", "b2", "b3"};

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <random>
 
+#include "common/bytes.h"
 #include "transfer/ucx/ucx_path.h"
 #include "transfer/ucx/ucx_worker.h"
 
@@ -45,20 +46,18 @@ sockaddr_un Abstract(std::string_view name, socklen_t* length) {
 }  // namespace
 
 std::string EncodeUcxConnInfo(std::string_view address, std::string_view inbox) {
-  std::string out;
-  const auto bytes = static_cast<uint32_t>(address.size());
-  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((bytes >> (8 * i)) & 0xff));
-  out += address;
-  out += inbox;
-  return out;
+  ByteWriter w;
+  w.U32(static_cast<uint32_t>(address.size()));
+  w.Raw(address);
+  w.Raw(inbox);
+  return w.Take();
 }
 
 Result<UcxConnInfo> DecodeUcxConnInfo(std::string_view info, std::string_view agent,
                                       std::string_view peer) {
+  ByteReader r(info, "connection info");
   uint32_t bytes = 0;
-  for (size_t i = 0; i < 4 && i < info.size(); ++i)
-    bytes |= static_cast<uint32_t>(static_cast<uint8_t>(info[i])) << (8 * i);
-  if (info.size() < 4 || bytes == 0 || bytes > info.size() - 4) {
+  if (!r.U32("address bytes", &bytes) || bytes == 0 || bytes > r.remaining()) {
     return Status::InvalidArgument(
         StrCat("agent '", agent, "': the connection info of peer '", peer, "' (", info.size(),
                " bytes) does not hold a UCX address: a peer of another eplbx version?"));

@@ -5,10 +5,14 @@
 #ifndef EPLBX_SRC_COMMON_BYTES_H_
 #define EPLBX_SRC_COMMON_BYTES_H_
 
+#include <bit>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/strings.h"
 #include "eplbx/status.h"
@@ -31,6 +35,21 @@ class ByteWriter {
     U32(static_cast<uint32_t>(s.size()));
     Raw(s);
   }
+  // Each value as U32 would write it, in one piece (maps of thousands of entries).
+  void U32s(std::span<const int32_t> v) {
+    const size_t at = out_.size();
+    out_.resize(at + 4 * v.size());
+    char* p = out_.data() + at;
+    if constexpr (std::endian::native == std::endian::little) {
+      if (!v.empty()) std::memcpy(p, v.data(), 4 * v.size());
+    } else {
+      for (size_t i = 0; i < v.size(); ++i) {
+        const auto x = static_cast<uint32_t>(v[i]);
+        for (int b = 0; b < 4; ++b) p[4 * i + b] = static_cast<char>((x >> (8 * b)) & 0xff);
+      }
+    }
+  }
+  void Reserve(size_t n) { out_.reserve(n); }
   // Overwrites 4 bytes at `pos` (for a total-length field written up front).
   void PatchU32(size_t pos, uint32_t v) {
     for (int i = 0; i < 4; ++i) out_[pos + i] = static_cast<char>((v >> (8 * i)) & 0xff);
@@ -69,6 +88,26 @@ class ByteReader {
     return true;
   }
   bool U64(std::string_view field, uint64_t* v) { return Int(field, 8, v); }
+  // `n` values as U32 reads them one by one, into `v` (resized to `n`).
+  bool U32s(std::string_view field, size_t n, std::vector<int32_t>* v) {
+    if (n > remaining() / 4) {  // fails, naming the field (a count too large for size_t: all of it)
+      return Need(field, n > SIZE_MAX / 4 ? SIZE_MAX : 4 * n);
+    }
+    v->resize(n);
+    const char* p = in_.data() + pos_;
+    if constexpr (std::endian::native == std::endian::little) {
+      if (n != 0) std::memcpy(v->data(), p, 4 * n);
+    } else {
+      for (size_t i = 0; i < n; ++i) {
+        uint32_t x = 0;
+        for (int b = 0; b < 4; ++b)
+          x |= static_cast<uint32_t>(static_cast<uint8_t>(p[4 * i + b])) << (8 * b);
+        (*v)[i] = static_cast<int32_t>(x);
+      }
+    }
+    pos_ += 4 * n;
+    return true;
+  }
   bool Raw(std::string_view field, size_t n, std::string* v) {
     if (!Need(field, n)) return false;
     v->assign(in_.substr(pos_, n));

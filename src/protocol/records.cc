@@ -47,11 +47,11 @@ std::string EncodeRecord(const Record& r) {
   w.U32(r.source);
   w.U32(r.reader);
   if (r.kind == RecordKind::kMaps) {
-    internal::ByteWriter v;
-    v.U32(r.map_slots);
     const size_t n = std::min(r.maps.size(), kMaxMapEntries);
-    for (size_t i = 0; i < n; ++i) v.U32(static_cast<uint32_t>(r.maps[i]));
-    w.Str16(v.Take());
+    w.Reserve(kRecordFixedBytes + 4 + 4 * n);
+    w.U16(static_cast<uint16_t>(4 + 4 * n));
+    w.U32(r.map_slots);
+    w.U32s(std::span<const int32_t>(r.maps.data(), n));
   } else {
     w.Str16(r.reason.substr(0, kMaxReasonBytes));
   }
@@ -109,12 +109,7 @@ Result<Record> DecodeRecord(std::string_view bytes) {
       return Status::Corruption(
           StrCat("protocol record: MAPS of ", r.reader, " maps with ", n, " entries"));
     }
-    r.maps.resize(n);
-    for (size_t i = 0; i < n; ++i) {
-      uint32_t v = 0;
-      (void)in.U32("map entry", &v);
-      r.maps[i] = static_cast<int32_t>(v);
-    }
+    (void)in.U32s("map entries", n, &r.maps);
     return r;
   }
   if (r.kind != RecordKind::kAbort && r.kind != RecordKind::kVote && reason_len != 0) {

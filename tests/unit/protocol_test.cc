@@ -12,6 +12,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/bytes.h"
 #include "protocol/layer_protocol.h"
 #include "protocol/records.h"
 
@@ -81,6 +82,51 @@ TEST(RecordTest, MapsRoundTripAndMalformedMaps) {
   m.maps = {1, 2, 3};
   EXPECT_NE(DecodeRecord(EncodeRecord(m)).status().message().find("2 maps with 3 entries"),
             std::string::npos);
+}
+
+// Map entries leave as little-endian u32s, in slot order, after the slot count (written in
+// one piece, not entry by entry: the bytes must be the same on every host).
+TEST(RecordTest, MapEntriesAreLittleEndianOnTheWire) {
+  Record m;
+  m.kind = RecordKind::kMaps;
+  m.reader = 2;
+  m.map_slots = 1;
+  m.maps = {0x01020304, -1};
+  const std::string bytes = EncodeRecord(m);
+  ASSERT_EQ(bytes.size(), kRecordFixedBytes + 12);
+  EXPECT_EQ(bytes.substr(kRecordFixedBytes - 2),
+            std::string("\x0c\x00\x01\x00\x00\x00\x04\x03\x02\x01\xff\xff\xff\xff", 14));
+  // The largest chunk, every kind of entry (holes, large experts), round trips.
+  m.reader = 1;
+  m.map_slots = static_cast<uint32_t>(kMaxMapEntries);
+  m.maps.clear();
+  for (size_t i = 0; i < kMaxMapEntries; ++i)
+    m.maps.push_back(i % 7 == 0 ? -1 : static_cast<int32_t>(i * 40503u % 1000003u));
+  Result<Record> d = DecodeRecord(EncodeRecord(m));
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->maps, m.maps);
+}
+
+TEST(BytesTest, AnArrayOfU32sReadsWhatWasWrittenAndNamesItsFieldWhenShort) {
+  internal::ByteWriter w;
+  const std::vector<int32_t> v = {7, -2, 0x7fffffff, 0};
+  w.U32s(v);
+  w.U32s({});
+  const std::string bytes = w.Take();
+  ASSERT_EQ(bytes.size(), 16u);
+  std::vector<int32_t> back = {99};
+  internal::ByteReader r(bytes, "test record");
+  ASSERT_TRUE(r.U32s("entries", 4, &back));
+  EXPECT_EQ(back, v);
+  EXPECT_TRUE(r.U32s("none", 0, &back));
+  EXPECT_TRUE(back.empty());
+  internal::ByteReader shortr(std::string_view(bytes).substr(0, 15), "test record");
+  EXPECT_FALSE(shortr.U32s("entries", 4, &back));
+  EXPECT_EQ(shortr.status().message(),
+            "test record truncated at field 'entries' (offset 0): needs 16 bytes, 15 left");
+  internal::ByteReader huge(bytes, "test record");  // a count whose byte size overflows
+  EXPECT_FALSE(huge.U32s("entries", SIZE_MAX / 2, &back));
+  EXPECT_NE(huge.status().message().find("truncated at field 'entries'"), std::string::npos);
 }
 
 TEST(RecordTest, VotesRoundTripWithTheirReason) {

@@ -4,8 +4,15 @@
 # PyTorch and pybind11 there; no package registry, no UCX), where it builds from Debian
 # packages carried with the working tree:
 #
-#   here, once:  scripts/test-gpu.sh --fetch      # .cache/gpu-debs (ignored), ~6 MB
-#   there:       device run, carry [".cache/gpu-debs"], command "scripts/test-gpu.sh"
+#   here, once:  scripts/test-gpu.sh --fetch      # .cache/gpu-* (ignored), ~18 MB in all
+#   there:       device run, carry [".cache/gpu-debs", ".cache/gpu-vllm", ".cache/gpu-nixl.tar.xz"],
+#                command "scripts/test-gpu.sh"
+#
+# --fetch downloads (apt-get, pip; nothing installed here): the Debian packages below into
+# .cache/gpu-debs; vLLM 0.33.0's wheel, of which bench/python/gpu_carry.py keeps its EPLB files
+# (vllm/distributed/eplb/, nixl_utils.py) in .cache/gpu-vllm; NIXL 1.5.1's wheels for the
+# device's Python (3.12; EPLBX_GPU_PYTHON=3.13 for another), `nixl` with both CUDA backends,
+# trimmed by gpu_carry.py to what a UCX agent loads, as .cache/gpu-nixl.tar.xz.
 #
 # Steps: unpack the .deb files into .cache/gpu-prefix (dpkg -x, never into /); configure
 # build-gpu with -DEPLBX_WITH_CUDA=ON against that prefix and the machine's python3; build the
@@ -20,7 +27,11 @@
 #      copies; all in the same run) -> $OUT/bench-cuda.json;
 #   4. bench/python/bench_cuda_communicator.py: 4 ranks on the GPU, EplbxCommunicator beside
 #      vLLM's gloo-staged communicator (reimplemented), every row checked
-#      -> $OUT/bench-python-cuda.json.
+#      -> $OUT/bench-python-cuda.json;
+#   5. bench/python/bench_vllm_nixl.py: 4 ranks on the GPU, vLLM's own NixlEplbCommunicator
+#      (its files from the wheel, NIXL from PyPI) beside EplbxCommunicator, both driven by
+#      vLLM's own rearrange_expert_weights_inplace, every row checked
+#      -> $OUT/bench-vllm-nixl.json.
 # Without a device every step says "no CUDA device: ..." and device tests are skipped.
 # Must finish within 8 minutes on one H200 with 16 cores.
 set -uo pipefail
@@ -31,7 +42,17 @@ debs=.cache/gpu-debs
 if [[ "${1:-}" == "--fetch" ]]; then
   mkdir -p "$debs"
   (cd "$debs" && apt-get download "${DEBS[@]}") || { echo "test-gpu: apt-get download failed" >&2; exit 1; }
-  du -sh "$debs"
+  wheels=$(mktemp -d)
+  trap 'rm -rf "$wheels"' EXIT
+  pip=(python3 -m pip download -q --no-deps --only-binary=:all: -d "$wheels")
+  "${pip[@]}" vllm==0.33.0 || { echo "test-gpu: pip download vllm failed" >&2; exit 1; }
+  python3 bench/python/gpu_carry.py vllm-files "$wheels"/vllm-0.33.0-*.whl .cache/gpu-vllm || exit 1
+  rm -f "$wheels"/vllm-*.whl
+  py=${EPLBX_GPU_PYTHON:-3.12}
+  "${pip[@]}" --python-version "$py" --platform manylinux_2_28_x86_64 \
+      nixl==1.5.1 nixl-cu12==1.5.1 nixl-cu13==1.5.1 || { echo "test-gpu: pip download nixl failed" >&2; exit 1; }
+  python3 bench/python/gpu_carry.py trim-nixl .cache/gpu-nixl.tar.xz "$wheels"/nixl*.whl || exit 1
+  du -shc "$debs" .cache/gpu-vllm .cache/gpu-nixl.tar.xz
   exit 0
 fi
 out=${OUT:-$PWD/build-gpu/out}
@@ -162,6 +183,20 @@ if [[ -f build-gpu/python/eplbx/vllm.py ]] && PYTHONPATH=$PWD/build-gpu/python P
 else
   tail -5 "$out/bench-python-cuda.err" >&2
   summary+=("python bench: FAILED (see bench-python-cuda.err)")
+  status=1
+fi
+
+log "5. Python: vLLM's NIXL communicator beside EplbxCommunicator, in vLLM's own loop"
+if [[ -f .cache/gpu-nixl.tar.xz && -d .cache/gpu-vllm && -f build-gpu/python/eplbx/vllm.py ]] &&
+    "$python" bench/python/gpu_carry.py unpack .cache/gpu-nixl.tar.xz build-gpu/nixl >&2 &&
+    PYTHONPATH=$PWD/build-gpu/python PYTHONUNBUFFERED=1 timeout 300 "$python" \
+      bench/python/bench_vllm_nixl.py --vllm-files .cache/gpu-vllm --nixl build-gpu/nixl --json \
+      >"$out/bench-vllm-nixl.json" 2>"$out/bench-vllm-nixl.err"; then
+  "$python" -c 'import json, sys; j = json.load(open(sys.argv[1])); print(json.dumps({k: j.get(k) for k in ("skipped", "gpu", "torch_cuda", "seconds", "speed_vs_nixl", "device_copy_gbps", "copy_once_floor_s")}))' "$out/bench-vllm-nixl.json" >&2
+  summary+=("vllm nixl bench: bench-vllm-nixl.json")
+else
+  tail -5 "$out/bench-vllm-nixl.err" 2>/dev/null >&2
+  summary+=("vllm nixl bench: FAILED or not carried (see bench-vllm-nixl.err; scripts/test-gpu.sh --fetch)")
   status=1
 fi
 

@@ -1,0 +1,270 @@
+"""vLLM's NIXL EPLB communicator (vLLM 0.33's own NixlEplbCommunicator) against eplbx's
+EplbxCommunicator on CUDA tensors, both driven by vLLM's own rearrangement loop, every row
+checked, in the same run (issue 34, item 4: what a GPU user of vLLM runs, since vLLM picks its
+NIXL communicator whenever `nixl` is importable).
+
+    python3 bench/python/bench_vllm_nixl.py --vllm-files DIR --nixl DIR [--json]
+    python3 bench/python/bench_vllm_nixl.py --vllm-files DIR --nixl DIR --check --device cpu
+
+scripts/test-gpu.sh runs it on the lent GPU machine; `scripts/test-gpu.sh --fetch` prepares
+both directories here (bench/python/gpu_carry.py): DIR of --vllm-files holds vLLM's
+vllm/distributed/eplb/ files (eplb_communicator.py, rebalance_execute.py, eplb_utils.py,
+migration_scheduler.py) and vllm/distributed/nixl_utils.py, unchanged from the vLLM wheel on
+PyPI; bench/python/vllm_stub/ supplies the few names they import from the rest of vLLM (a
+logger, the platform, the pipeline group, type names); --nixl is NIXL 1.5.1 from PyPI (`nixl`
+and its CUDA backends), trimmed to what a UCX agent loads. Without either, or without a GPU
+(and no --device cpu), it prints why and exits 0.
+
+Ranks are processes (4), all on GPU 0 when the machine has one GPU (rank % GPUs otherwise),
+joined by a gloo group (vLLM's CPU group). Each holds `layers` MoE layers of three tensors
+per expert (8, 2 and 1 MiB rows) and vLLM's one-layer buffer; each rearrangement moves the
+weights from one random placement to the next; every row of every layer on every rank is
+checked after each (untimed). Configurations, interleaved, the first round a warm-up:
+- `nixl`: vLLM's NixlEplbCommunicator, built as vLLM's factory builds it for backend "nixl"
+  (cpu_group, every layer's weights, the buffer: it registers them with NIXL and exchanges
+  base addresses once), driven by vLLM's `rearrange_expert_weights_inplace`: per layer
+  `set_transfer_context`, one NIXL READ per received expert posted from `add_recv`, then
+  `execute` (poll every 0.5 ms until done, then an all-reduce so no rank overwrites rows a
+  peer still reads), then vLLM's copy from the buffer into the weights.
+- `eplbx_vllm_loop`: EplbxCommunicator through the same vLLM loop.
+- `eplbx`: EplbxCommunicator.rearrange (what `eplbx.vllm.install()` routes vLLM's call to:
+  reads straight into weight rows where safe, the rest through the buffer).
+Reported: the median of the slowest rank's time per configuration, each eplbx configuration's
+speed against `nixl` (nixl's time / its time; issue 34's target: 1.5x), and the copy-once
+floor (the bytes moved at the device-to-device copy rate measured by rank 0 in the same run).
+
+--device cpu runs the same code on host tensors (NIXL's memory type switched from VRAM to
+DRAM after vLLM's constructor, the only change), which checks the harness, the stubs and the
+trimmed NIXL on a machine without a GPU; its times are not a comparison anyone runs.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+from bench_util import init_gloo, placements, spawn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = {"world": 4, "layers": 8, "slots": 64, "experts": 48, "mib": [8, 2, 1], "repeats": 5}
+CHECK = {"world": 3, "layers": 2, "slots": 12, "experts": 8, "mib": [0.25, 0.0625, 0.03125],
+         "repeats": 1}
+NAMES = ["nixl", "eplbx_vllm_loop", "eplbx"]
+VLLM_NEEDS = ["vllm/distributed/eplb/eplb_communicator.py",
+              "vllm/distributed/eplb/rebalance_execute.py", "vllm/distributed/nixl_utils.py"]
+
+
+def value(layer, expert, tensor):
+    return float((layer * 37 + expert * 11 + tensor * 3) % 97 + 1)
+
+
+def shim(vllm_files, into):
+    """A `vllm` package in `into`: the stubs, then vLLM's real files over them (a real file
+    never shadows a stub: they name different modules)."""
+    dst = os.path.join(into, "vllm")
+    shutil.copytree(os.path.join(HERE, "vllm_stub", "vllm"), dst)
+    src = os.path.join(vllm_files, "vllm")
+    for root, _, files in os.walk(src):
+        for f in files:
+            rel = os.path.relpath(os.path.join(root, f), src)
+            if os.path.exists(os.path.join(dst, rel)):
+                raise RuntimeError(f"vLLM's {rel} would replace a stub of the same name")
+            os.makedirs(os.path.dirname(os.path.join(dst, rel)), exist_ok=True)
+            shutil.copy2(os.path.join(root, f), os.path.join(dst, rel))
+    return into
+
+
+def worker(rank, world, port, cfg, device_kind, paths, results):
+    try:
+        # What NIXL, UCX and torch print goes to stderr (the parent's stdout carries the JSON).
+        sys.stdout.flush()
+        os.dup2(2, 1)
+        sys.stdout = sys.stderr
+        sys.path[:0] = paths
+        import numpy as np
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)  # as vLLM's workers run
+        if device_kind == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            device = f"cuda:{torch.cuda.current_device()}"
+        else:
+            device = "cpu"
+        init_gloo(port, rank, world)
+        group = dist.new_group(backend="gloo")
+        # vLLM's own code (its import of nixl._api picks the backend by torch's CUDA version).
+        from vllm.distributed.eplb import rebalance_execute
+        from vllm.distributed.eplb.eplb_communicator import NixlEplbCommunicator
+
+        from eplbx.vllm import EplbxCommunicator
+
+        rows = cfg["slots"] // world
+        elems = [int(m * (1 << 20)) // 4 for m in cfg["mib"]]
+        rounds = cfg["repeats"] + 1  # the first is a warm-up
+        maps = [np.array(placements(200 + i, cfg["layers"], cfg["slots"], cfg["experts"]),
+                         dtype=np.int64) for i in range(rounds * len(NAMES) + 1)]
+        weights = [[torch.empty((rows, e), dtype=torch.float32, device=device) for e in elems]
+                   for _ in range(cfg["layers"])]
+        buffer = [torch.zeros((rows, e), dtype=torch.float32, device=device) for e in elems]
+        for layer, tensors in enumerate(weights):
+            for t, w in enumerate(tensors):
+                for r in range(rows):
+                    w[r].fill_(value(layer, int(maps[0][layer][rank * rows + r]), t))
+
+        def wrong(phy2log):
+            for layer, tensors in enumerate(weights):
+                for t, w in enumerate(tensors):
+                    want = torch.tensor([value(layer, int(phy2log[layer][rank * rows + r]), t)
+                                         for r in range(rows)], device=w.device)
+                    ok = (w == want[:, None]).all(dim=1).cpu()
+                    if not bool(ok.all()):
+                        r = int((~ok).nonzero()[0])
+                        return f"rank {rank} layer {layer} row {r} tensor {t}"
+            return None
+
+        # As vLLM's factory builds them (create_eplb_communicator, backend "nixl"; eplbx's
+        # factory hands EplbxCommunicator the same three arguments).
+        nixl = NixlEplbCommunicator(cpu_group=group, all_expert_weights=weights,
+                                    expert_buffer=buffer)
+        if device_kind == "cpu":
+            nixl._nixl_memory_type = "DRAM"  # the host check only (see the docstring)
+        eplbx_comm = EplbxCommunicator(group, weights, buffer, timeout_s=120.0)
+        comms = {"nixl": nixl, "eplbx_vllm_loop": eplbx_comm}
+
+        def sync():
+            if device_kind == "cuda":
+                torch.cuda.synchronize()
+
+        copy_gbps = None
+        if rank == 0 and device_kind == "cuda":
+            a = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+            b = torch.empty_like(a)
+            b.copy_(a)
+            sync()
+            rates = []
+            for _ in range(9):
+                t0 = time.perf_counter()
+                b.copy_(a)
+                sync()
+                rates.append(a.numel() / (time.perf_counter() - t0) / 1e9)
+            copy_gbps = statistics.median(rates)
+            del a, b
+        times = {n: [] for n in NAMES}
+        step = 0
+        for rnd in range(rounds):
+            for name in NAMES:  # interleaved
+                old, new = maps[step], maps[step + 1]
+                step += 1
+                sync()
+                dist.barrier(group=group)
+                t0 = time.perf_counter()
+                if name == "eplbx":
+                    eplbx_comm.rearrange(old, new, weights, buffer)
+                else:
+                    rebalance_execute.rearrange_expert_weights_inplace(
+                        torch.from_numpy(old), torch.from_numpy(new), weights, buffer, group,
+                        comms[name])
+                sync()
+                dist.barrier(group=group)
+                elapsed = time.perf_counter() - t0
+                bad = wrong(new)
+                if bad:
+                    results.put((rank, ("wrong", f"{name}, round {rnd}: {bad}")))
+                    return
+                if rnd > 0:
+                    times[name].append(elapsed)
+        moved = 0  # experts each rank receives from another rank, over every timed round
+        for i in range(len(NAMES), len(maps) - 1):
+            old, new = maps[i], maps[i + 1]
+            for layer in range(cfg["layers"]):
+                for r in range(world):
+                    held = set(old[layer][r * rows:(r + 1) * rows].tolist())
+                    moved += len({int(e) for e in new[layer][r * rows:(r + 1) * rows]
+                                  if int(e) not in held})
+        results.put((rank, ("ok", {"times": times, "copy_gbps": copy_gbps,
+                                   "experts_moved_per_rearrangement":
+                                   moved / (len(maps) - 1 - len(NAMES))})))
+    except Exception:  # noqa: BLE001 - reported to the parent
+        results.put((rank, ("crash", traceback.format_exc())))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--vllm-files", default=os.path.join(HERE, "..", "..", ".cache", "gpu-vllm"))
+    ap.add_argument("--nixl", default=os.path.join(HERE, "..", "..", ".cache", "gpu-nixl"))
+    ap.add_argument("--check", action="store_true", help="small sizes, one round, rows checked")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    def skip(why):
+        print(json.dumps({"skipped": why}) if args.json else f"bench_vllm_nixl: {why}; nothing measured")
+        return 0
+
+    missing = [f for f in VLLM_NEEDS if not os.path.exists(os.path.join(args.vllm_files, f))]
+    if missing:
+        return skip(f"no vLLM files in {args.vllm_files} ({', '.join(missing)} missing; "
+                    "scripts/test-gpu.sh --fetch makes them)")
+    if not os.path.isdir(os.path.join(args.nixl, "nixl")):
+        return skip(f"no NIXL in {args.nixl} (scripts/test-gpu.sh --fetch makes it)")
+    try:
+        import torch
+        available = args.device == "cpu" or torch.cuda.is_available()
+        why = "torch.cuda.is_available() is False"
+    except Exception as e:  # noqa: BLE001 - the reason is printed
+        available, why = False, repr(e)
+    if not available:
+        return skip(f"no CUDA device ({why})")
+    with open(os.path.join(args.vllm_files, "VERSION")) as f:
+        vllm_version = f.read().strip()
+    cfg = dict(CHECK if args.check else BENCH)
+    with tempfile.TemporaryDirectory(prefix="eplbx-vllm-shim-") as tmp:
+        paths = [shim(args.vllm_files, tmp), os.path.abspath(args.nixl)]
+        out = spawn(worker, cfg["world"], cfg, args.device, paths, timeout=420)
+    bad = {r: v for r, v in out.items() if v[0] != "ok"}
+    if len(out) < cfg["world"] or bad:
+        print(f"bench_vllm_nixl: FAILED: {bad or 'ranks missing: ' + str(sorted(out))}",
+              file=sys.stderr)
+        return 1
+    row_bytes = sum(int(m * (1 << 20)) // 4 * 4 for m in cfg["mib"])
+    moved = out[0][1]["experts_moved_per_rearrangement"] * row_bytes
+    result = {"device": args.device, "vllm": vllm_version, "world": cfg["world"],
+              "layers": cfg["layers"], "slots": cfg["slots"], "experts": cfg["experts"],
+              "row_mib": cfg["mib"], "repeats": cfg["repeats"],
+              "bytes_moved_per_rearrangement": moved,
+              "baseline": "nixl: vLLM's own NixlEplbCommunicator (vllm/distributed/eplb, from "
+                          f"the vLLM {vllm_version} wheel) on NIXL 1.5.1 from PyPI, driven by "
+                          "vLLM's own rearrange_expert_weights_inplace",
+              "seconds": {}}
+    if args.device == "cuda":
+        import torch
+        result["gpu"] = torch.cuda.get_device_name(0)
+        result["gpus"] = torch.cuda.device_count()
+        result["torch_cuda"] = torch.version.cuda
+        gbps = out[0][1]["copy_gbps"]
+        result["device_copy_gbps"] = gbps
+        result["copy_once_floor_s"] = moved / (gbps * 1e9) if gbps else None
+    for name in NAMES:
+        # A rearrangement ends when the slowest rank ends: per round, the max over ranks.
+        per = [max(out[r][1]["times"][name][i] for r in out) for i in range(cfg["repeats"])]
+        result["seconds"][name] = {"median": statistics.median(per), "all": per}
+    base = result["seconds"]["nixl"]["median"]
+    result["speed_vs_nixl"] = {n: base / result["seconds"][n]["median"] for n in NAMES[1:]}
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        for n in NAMES:
+            s = result["seconds"][n]
+            print(f"{n:16} median {s['median']:.4f} s  all {[round(x, 4) for x in s['all']]}")
+        print("speed against vLLM's NIXL communicator:",
+              {n: round(v, 2) for n, v in result["speed_vs_nixl"].items()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

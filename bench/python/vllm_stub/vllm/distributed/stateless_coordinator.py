@@ -1,0 +1,5 @@
+"""vllm.distributed.stateless_coordinator: elastic EP is not used here."""
+
+
+class StatelessGroupCoordinator:
+    pass

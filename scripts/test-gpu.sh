@@ -24,7 +24,9 @@
 #      (set_stream, transfers from another thread);
 #   3. eplbx bench xfer --memory cuda (cuda_ipc READ/WRITE of 1-64 MiB rows, batch 1 and 16,
 #      beside device-to-device copies; cuda_staged READ/WRITE beside pinned host <-> device
-#      copies; all in the same run) -> $OUT/bench-cuda.json;
+#      copies; all in the same run) -> $OUT/bench-cuda.json; then single rows again with
+#      --inline-copy 0 (every transfer through the path's poller thread, as before the
+#      caller's thread waited for a transfer posted alone) -> $OUT/bench-cuda-poller.json;
 #   4. bench/python/bench_cuda_communicator.py: 4 ranks on the GPU, EplbxCommunicator beside
 #      vLLM's gloo-staged communicator (reimplemented), every row checked
 #      -> $OUT/bench-python-cuda.json;
@@ -168,6 +170,20 @@ for r in j.get("staged", []):
           f'  host rows over {r["link_path"]} {r["link_host_rows_gbps"]:6.1f}  ratio to slower {r["ratio_to_bound"]:.2f}')
 EOF
   summary+=("bench: bench-cuda.json")
+  if timeout 60 build-gpu/bin/eplbx bench xfer --memory cuda --json --sizes 1M,16M --batches 1 \
+      --seconds 0.3 --inline-copy 0 >"$out/bench-cuda-poller.json" 2>>"$out/bench-cuda.err"; then
+    "$python" - "$out/bench-cuda.json" "$out/bench-cuda-poller.json" <<'EOF' >&2 || true
+import json, sys
+rows = {}
+for label, f in (("caller waits", sys.argv[1]), ("poller", sys.argv[2])):
+    for r in json.load(open(f)).get("results", []):
+        if r["batch"] == 1 and r["path"] == "cuda_ipc" and r["block_bytes"] in (1 << 20, 16 << 20):
+            rows.setdefault((r["op"], r["block_bytes"] >> 20), {})[label] = r["ratio_to_device_copy"]
+for (op, mib), v in sorted(rows.items()):
+    print(f"single row {op:5} {mib:2} MiB: ratio to the device copy, caller waits "
+          f"{v.get('caller waits', float('nan')):.2f}, poller {v.get('poller', float('nan')):.2f}")
+EOF
+  fi
 else
   tail -5 "$out/bench-cuda.err" >&2
   summary+=("bench: FAILED (see bench-cuda.err)")

@@ -98,7 +98,8 @@ Result<AgentParts> CreateParts(std::string_view control, const std::vector<std::
       parts.paths.push_back(CreateUcxRmaPath(worker, options.agent_name, l));
 #ifdef EPLBX_WITH_CUDA
     } else if (p == "cuda_ipc") {
-      parts.paths.push_back(CreateCudaIpcPath(options.agent_name, l));
+      parts.paths.push_back(
+          CreateCudaIpcPath(options.agent_name, l, options.inline_copy_bytes > 0));
     } else if (p == "cuda_staged") {
       parts.paths.push_back(CreateCudaStagedPath(worker, options.agent_name, l));
 #endif

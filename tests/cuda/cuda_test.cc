@@ -494,6 +494,43 @@ TEST_P(CudaIpcMultiProcTest, ReadsAndWritesDeviceRowsEveryByteChecked) {
   EXPECT_GT(agent->PathBytes().size(), 0u);
 }
 
+// A transfer posted alone (nothing else of the agent outstanding) is finished by the calling
+// thread (cuda_ipc): it is done when Read() returns, every byte there; one posted while
+// another is outstanding goes to the poller as before. (cuda_staged: the same transfers,
+// waited for: its rows come from the peer.)
+TEST_P(CudaIpcMultiProcTest, ATransferPostedAloneIsDoneWhenReadReturns) {
+  constexpr uint64_t kBytes = 16ull << 20, kRow = 1 << 20, kSeed = 7;
+  Rig rig;
+  ASSERT_NO_FATAL_FAILURE(Connect(rig, "gpu-peer", "tester", kBytes, kSeed, true));
+  auto& [peer, agent, local, region, pid] = rig;
+  for (uint64_t i = 0; i < 3; ++i) {
+    const uint64_t from = (i + 2) * kRow + 5;
+    const Descriptor l{rig.local_addr(i * kRow), kRow};
+    const Descriptor r{peer.base + from, kRow};
+    auto x = agent->Read(pid, {&l, 1}, {&r, 1});
+    ASSERT_TRUE(x.ok()) << x.status().ToString();
+    const TransferStatus st = other_host() ? agent->Wait(*x, std::chrono::seconds(30))
+                                           : agent->GetStatus(*x);  // cuda_ipc: no Wait
+    EXPECT_EQ(st.state, TransferState::kDone) << "READ " << i << ": " << st.error.ToString();
+    ASSERT_TRUE(agent->Release(*x).ok());
+    auto got = local->Download(i * kRow, kRow);
+    ASSERT_TRUE(got.ok());
+    ASSERT_TRUE(MatchesPattern(*got, kSeed, from)) << "row " << i;
+  }
+  // Two outstanding: the second is not alone.
+  const Descriptor l1{rig.local_addr(4 * kRow), kRow}, r1{peer.base + 9 * kRow, kRow};
+  const Descriptor l2{rig.local_addr(5 * kRow), kRow}, r2{peer.base + 11 * kRow + 3, kRow};
+  auto a = agent->Read(pid, {&l1, 1}, {&r1, 1});
+  auto b = agent->Read(pid, {&l2, 1}, {&r2, 1});
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(agent->Wait(*a, std::chrono::seconds(30)).state, TransferState::kDone);
+  EXPECT_EQ(agent->Wait(*b, std::chrono::seconds(30)).state, TransferState::kDone);
+  auto g1 = local->Download(4 * kRow, kRow), g2 = local->Download(5 * kRow, kRow);
+  ASSERT_TRUE(g1.ok() && g2.ok());
+  EXPECT_TRUE(MatchesPattern(*g1, kSeed, 9 * kRow));
+  EXPECT_TRUE(MatchesPattern(*g2, kSeed, 11 * kRow + 3));
+}
+
 TEST_P(CudaIpcMultiProcTest, APeerKilledMidTransferEndsItAndIsReportedWithoutAHang) {
   constexpr uint64_t kBytes = 512ull << 20, kRow = 16ull << 20;
   Rig rig;

@@ -72,8 +72,8 @@ std::string Errno(std::string_view call) { return StrCat(call, ": ", std::strerr
 
 class CudaIpcPath final : public DataPath {
  public:
-  CudaIpcPath(std::string agent, CoreListener* listener)
-      : agent_(std::move(agent)), listener_(listener) {}
+  CudaIpcPath(std::string agent, CoreListener* listener, bool wait_here)
+      : agent_(std::move(agent)), listener_(listener), wait_here_(wait_here) {}
 
   ~CudaIpcPath() override {
     {
@@ -286,6 +286,24 @@ class CudaIpcPath final : public DataPath {
         continue;
       }
       op->events.push_back(e);
+    }
+    if (wait_here_ && req.alone) {
+      // The caller posted this transfer alone and waits for it: wait here for its copies
+      // and report it now, instead of handing it to the poller (a condition variable, a
+      // paced event query, another wake-up: tens of microseconds on a copy of a few). The
+      // peer's mapping stays open meanwhile (`op->keep`); a disconnect does not see this op
+      // and needs not: its copies end here either way.
+      Status status = op->error;
+      for (CUevent e : op->events) {
+        const CUresult r = d.cuEventSynchronize(e);
+        if (r != CUDA_SUCCESS && status.ok()) {
+          status = Status::Internal(StrCat("agent '", agent_, "': ", d.Error("copy", r)));
+        }
+      }
+      const TransferId id = op->id;
+      Finish(std::move(op));
+      listener_->OnDataDone(id, std::move(status));
+      return Status::OK();
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -598,6 +616,7 @@ class CudaIpcPath final : public DataPath {
 
   const std::string agent_;
   CoreListener* const listener_;
+  const bool wait_here_;  // a transfer posted alone ends on the caller's thread
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;
@@ -613,8 +632,9 @@ class CudaIpcPath final : public DataPath {
 
 }  // namespace
 
-std::unique_ptr<DataPath> CreateCudaIpcPath(std::string agent, CoreListener* listener) {
-  return std::make_unique<CudaIpcPath>(std::move(agent), listener);
+std::unique_ptr<DataPath> CreateCudaIpcPath(std::string agent, CoreListener* listener,
+                                            bool wait_here) {
+  return std::make_unique<CudaIpcPath>(std::move(agent), listener, wait_here);
 }
 
 }  // namespace eplbx::internal

@@ -33,13 +33,16 @@
 #   5. bench/python/bench_vllm_nixl.py: 4 ranks on the GPU, vLLM's own NixlEplbCommunicator
 #      (its files from the wheel, NIXL from PyPI) beside EplbxCommunicator, both driven by
 #      vLLM's own rearrange_expert_weights_inplace, every row checked
-#      -> $OUT/bench-vllm-nixl.json.
+#      -> $OUT/bench-vllm-nixl.json;
+#   6. (no device needed, but many cores) eplbx_plan_bench at EP256 and the DeepSeek-V3
+#      shape: balanced and incremental (layers over every core, and on one thread) against
+#      deepseek in the same run (issue 34, item 3) -> $OUT/bench-plan.json.
 # Without a device every step says "no CUDA device: ..." and device tests are skipped.
 # Must finish within 8 minutes on one H200 with 16 cores.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEBS=(libucx0 libucx-dev libnuma1 libibverbs1 librdmacm1 libgtest-dev nlohmann-json3-dev
-      libcli11-dev)
+      libcli11-dev libbenchmark-dev libbenchmark1debian)
 debs=.cache/gpu-debs
 if [[ "${1:-}" == "--fetch" ]]; then
   mkdir -p "$debs"
@@ -94,7 +97,7 @@ pybind=$("$python" -m pybind11 --cmakedir 2>/dev/null || true)
 jobs=$(nproc)
 log "configure (CUDA on, python $("$python" -c 'import sys; print(sys.version.split()[0])'))"
 if ! cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPLBX_WITH_CUDA=ON \
-    -DEPLBX_BUILD_BENCH=OFF -DCMAKE_PREFIX_PATH="$prefixes" -DPython_EXECUTABLE="$python" \
+    -DEPLBX_BUILD_BENCH=ON -DCMAKE_PREFIX_PATH="$prefixes" -DPython_EXECUTABLE="$python" \
     ${pybind:+-Dpybind11_DIR="$pybind"} >"$out/configure.log" 2>&1; then
   tail -30 "$out/configure.log"
   log "FAILED: configure"
@@ -102,7 +105,7 @@ if ! cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DEPLBX_WITH_CU
 fi
 grep -E "eplbx: (CUDA|Python)" "$out/configure.log" >&2
 log "build ($jobs jobs)"
-if ! cmake --build build-gpu -j "$jobs" --target eplbx_cuda_tests eplbx_xfer_peer eplbx_cli \
+if ! cmake --build build-gpu -j "$jobs" --target eplbx_cuda_tests eplbx_xfer_peer eplbx_cli eplbx_plan_bench \
     $(grep -q "Python module NOT built" "$out/configure.log" || echo _eplbx) -- -k 0 >"$out/build.log" 2>&1; then
   grep -E "error|Error" "$out/build.log" | head -30
   log "FAILED: build"
@@ -213,6 +216,28 @@ if [[ -f .cache/gpu-nixl.tar.xz && -d .cache/gpu-vllm && -f build-gpu/python/epl
 else
   tail -5 "$out/bench-vllm-nixl.err" 2>/dev/null >&2
   summary+=("vllm nixl bench: FAILED or not carried (see bench-vllm-nixl.err; scripts/test-gpu.sh --fetch)")
+  status=1
+fi
+
+log "6. planning at scale on $(nproc) cores: balanced and incremental against deepseek"
+if timeout 150 build-gpu/bin/eplbx_plan_bench \
+    --benchmark_filter='PlanPolicy/(ep256|dsv3)_(deepseek|balanced|incremental)(_1thread)?$' \
+    --benchmark_min_time=0.3 --benchmark_format=json >"$out/bench-plan.json" 2>"$out/bench-plan.err"; then
+  "$python" - "$out/bench-plan.json" <<'EOF' >&2 || true
+import json, sys
+j = json.load(open(sys.argv[1]))
+t = {b["name"]: b["real_time"] for b in j["benchmarks"]}
+print("cores:", j["context"].get("num_cpus"))
+for shape in ("ep256", "dsv3"):
+    base = t[f"PlanPolicy/{shape}_deepseek"]
+    print(f"{shape}: deepseek {base:.2f} ms; " + "; ".join(
+        f"{p}{s} {t[f'PlanPolicy/{shape}_{p}{s}']:.2f} ms = {t[f'PlanPolicy/{shape}_{p}{s}'] / base:.1f}x"
+        for p in ("balanced", "incremental") for s in ("", "_1thread")))
+EOF
+  summary+=("plan bench: bench-plan.json")
+else
+  tail -5 "$out/bench-plan.err" >&2
+  summary+=("plan bench: FAILED (see bench-plan.err)")
   status=1
 fi
 

@@ -38,16 +38,12 @@ import sys
 import time
 import traceback
 
-from bench_util import init_gloo, placements, spawn
+from bench_util import ExpertRows, device_rank, placements, spawn
 
 BENCH = {"world": 4, "layers": 8, "slots": 64, "experts": 48, "mib": [8, 2, 1], "repeats": 3}
 CHECK = {"world": 3, "layers": 2, "slots": 12, "experts": 8, "mib": [0.25, 0.0625, 0.03125],
          "repeats": 1}
 NAMES = ["torch_gloo_staged", "eplbx_loop", "eplbx"]
-
-
-def value(layer, expert, tensor):
-    return float((layer * 37 + expert * 11 + tensor * 3) % 97 + 1)
 
 
 class GlooStaged:
@@ -156,38 +152,13 @@ def worker(rank, world, port, cfg, device_kind, results):
         import eplbx
         from eplbx.vllm import EplbxCommunicator
 
-        torch.set_num_threads(1)  # as vLLM's workers run
-        if device_kind == "cuda":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-            device = f"cuda:{torch.cuda.current_device()}"
-        else:
-            device = "cpu"
-        init_gloo(port, rank, world)
-        group = dist.new_group(backend="gloo")
+        device, group = device_rank(rank, world, port, device_kind)
         rows = cfg["slots"] // world
         elems = [int(m * (1 << 20)) // 4 for m in cfg["mib"]]
         maps = [np.array(placements(100 + i, cfg["layers"], cfg["slots"], cfg["experts"]),
                          dtype=np.int32) for i in range(cfg["repeats"] * len(NAMES) + 1)]
-
-        def fill(weights, phy2log):
-            for layer, tensors in enumerate(weights):
-                for t, w in enumerate(tensors):
-                    for r in range(rows):
-                        w[r].fill_(value(layer, int(phy2log[layer][rank * rows + r]), t))
-
-        def wrong(weights, phy2log):
-            for layer, tensors in enumerate(weights):
-                for t, w in enumerate(tensors):
-                    for r in range(rows):
-                        want = value(layer, int(phy2log[layer][rank * rows + r]), t)
-                        if not bool((w[r] == want).all()):
-                            return f"rank {rank} layer {layer} row {r} tensor {t}"
-            return None
-
-        weights = [[torch.empty((rows, e), dtype=torch.float32, device=device) for e in elems]
-                   for _ in range(cfg["layers"])]
-        buffer = [torch.zeros((rows, e), dtype=torch.float32, device=device) for e in elems]
-        fill(weights, maps[0])
+        rig = ExpertRows(rank, rows, cfg["layers"], elems, device, maps[0])
+        weights, buffer = rig.weights, rig.buffer
         # vLLM's synchronous mode (its default): the communicators get no stream, so every
         # copy runs on the current stream, ordered with the loop's own copies.
         comms = {"torch_gloo_staged": GlooStaged(group, None, device)}
@@ -215,7 +186,7 @@ def worker(rank, world, port, cfg, device_kind, results):
                     torch.cuda.synchronize()
                 dist.barrier(group=group)
                 times[name].append(time.perf_counter() - t0)
-                bad = wrong(weights, new)
+                bad = rig.wrong(new)
                 if bad:
                     results.put((rank, ("wrong", f"{name}: {bad}")))
                     return

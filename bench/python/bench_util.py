@@ -62,3 +62,57 @@ def spawn(target, world, *args, timeout=900):
             p.kill()
     del store
     return out
+
+
+def device_rank(rank, world, port, device_kind):
+    """In a worker: one torch thread (as vLLM's workers run), GPU rank % GPUs ("cuda") or the
+    host ("cpu"), joined to the gloo group of every rank. Returns (device, group)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if device_kind == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = f"cuda:{torch.cuda.current_device()}"
+    else:
+        device = "cpu"
+    init_gloo(port, rank, world)
+    return device, dist.new_group(backend="gloo")
+
+
+def row_value(layer, expert, tensor):
+    """What every element of an expert's row of one tensor holds in the communicator benches."""
+    return float((layer * 37 + expert * 11 + tensor * 3) % 97 + 1)
+
+
+class ExpertRows:
+    """A rank's expert weights as vLLM holds them: per layer one tensor of `rows` x elems per
+    entry of `elems` (float32 on `device`), each row filled with row_value of the expert the
+    map puts in that slot, and vLLM's one-layer buffer (zeros)."""
+
+    def __init__(self, rank, rows, layers, elems, device, phy2log):
+        import torch
+
+        self.rank, self.rows = rank, rows
+        self.weights = [[torch.empty((rows, e), dtype=torch.float32, device=device) for e in elems]
+                        for _ in range(layers)]
+        self.buffer = [torch.zeros((rows, e), dtype=torch.float32, device=device) for e in elems]
+        for layer, tensors in enumerate(self.weights):
+            for t, w in enumerate(tensors):
+                for r in range(rows):
+                    w[r].fill_(row_value(layer, int(phy2log[layer][rank * rows + r]), t))
+
+    def wrong(self, phy2log):
+        """The first row (of every element of every row of every layer) that does not hold what
+        `phy2log` puts there, named; None when all do."""
+        import torch
+
+        for layer, tensors in enumerate(self.weights):
+            for t, w in enumerate(tensors):
+                want = torch.tensor([row_value(layer, int(phy2log[layer][self.rank * self.rows + r]), t)
+                                     for r in range(self.rows)], device=w.device)
+                ok = (w == want[:, None]).all(dim=1).cpu()
+                if not bool(ok.all()):
+                    r = int((~ok).nonzero()[0])
+                    return f"rank {self.rank} layer {layer} row {r} tensor {t}"
+        return None

@@ -47,7 +47,7 @@ import tempfile
 import time
 import traceback
 
-from bench_util import init_gloo, placements, spawn
+from bench_util import ExpertRows, device_rank, placements, spawn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH = {"world": 4, "layers": 8, "slots": 64, "experts": 48, "mib": [8, 2, 1], "repeats": 5}
@@ -56,10 +56,6 @@ CHECK = {"world": 3, "layers": 2, "slots": 12, "experts": 8, "mib": [0.25, 0.062
 NAMES = ["nixl", "eplbx_vllm_loop", "eplbx"]
 VLLM_NEEDS = ["vllm/distributed/eplb/eplb_communicator.py",
               "vllm/distributed/eplb/rebalance_execute.py", "vllm/distributed/nixl_utils.py"]
-
-
-def value(layer, expert, tensor):
-    return float((layer * 37 + expert * 11 + tensor * 3) % 97 + 1)
 
 
 def shim(vllm_files, into):
@@ -89,14 +85,7 @@ def worker(rank, world, port, cfg, device_kind, paths, results):
         import torch
         import torch.distributed as dist
 
-        torch.set_num_threads(1)  # as vLLM's workers run
-        if device_kind == "cuda":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-            device = f"cuda:{torch.cuda.current_device()}"
-        else:
-            device = "cpu"
-        init_gloo(port, rank, world)
-        group = dist.new_group(backend="gloo")
+        device, group = device_rank(rank, world, port, device_kind)
         # vLLM's own code (its import of nixl._api picks the backend by torch's CUDA version).
         from vllm.distributed.eplb import rebalance_execute
         from vllm.distributed.eplb.eplb_communicator import NixlEplbCommunicator
@@ -108,24 +97,8 @@ def worker(rank, world, port, cfg, device_kind, paths, results):
         rounds = cfg["repeats"] + 1  # the first is a warm-up
         maps = [np.array(placements(200 + i, cfg["layers"], cfg["slots"], cfg["experts"]),
                          dtype=np.int64) for i in range(rounds * len(NAMES) + 1)]
-        weights = [[torch.empty((rows, e), dtype=torch.float32, device=device) for e in elems]
-                   for _ in range(cfg["layers"])]
-        buffer = [torch.zeros((rows, e), dtype=torch.float32, device=device) for e in elems]
-        for layer, tensors in enumerate(weights):
-            for t, w in enumerate(tensors):
-                for r in range(rows):
-                    w[r].fill_(value(layer, int(maps[0][layer][rank * rows + r]), t))
-
-        def wrong(phy2log):
-            for layer, tensors in enumerate(weights):
-                for t, w in enumerate(tensors):
-                    want = torch.tensor([value(layer, int(phy2log[layer][rank * rows + r]), t)
-                                         for r in range(rows)], device=w.device)
-                    ok = (w == want[:, None]).all(dim=1).cpu()
-                    if not bool(ok.all()):
-                        r = int((~ok).nonzero()[0])
-                        return f"rank {rank} layer {layer} row {r} tensor {t}"
-            return None
+        rig = ExpertRows(rank, rows, cfg["layers"], elems, device, maps[0])
+        weights, buffer, wrong = rig.weights, rig.buffer, rig.wrong
 
         # As vLLM's factory builds them (create_eplb_communicator, backend "nixl"; eplbx's
         # factory hands EplbxCommunicator the same three arguments).

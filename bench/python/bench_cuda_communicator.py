@@ -33,12 +33,12 @@ row per expert), so the communicators, not the planners, are compared.
 """
 import argparse
 import json
-import statistics
 import sys
 import time
 import traceback
 
-from bench_util import ExpertRows, device_rank, placements, spawn
+from bench_util import (ExpertRows, device_rank, failed_ranks, no_device_reason, placements,
+                        report_seconds, spawn)
 
 BENCH = {"world": 4, "layers": 8, "slots": 64, "experts": 48, "mib": [8, 2, 1], "repeats": 3}
 CHECK = {"world": 3, "layers": 2, "slots": 12, "experts": 8, "mib": [0.25, 0.0625, 0.03125],
@@ -201,24 +201,16 @@ def main():
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    try:
-        import torch
-        available = args.device == "cpu" or torch.cuda.is_available()
-        why = "torch.cuda.is_available() is False"
-    except Exception as e:  # noqa: BLE001 - the reason is printed
-        available, why = False, repr(e)
-    if not available:
-        if args.json:
-            print(json.dumps({"skipped": f"no CUDA device ({why})"}))
-        else:
-            print(f"bench_cuda_communicator: no CUDA device ({why}); nothing measured")
+    why = no_device_reason(args.device)
+    if why:
+        print(json.dumps({"skipped": why}) if args.json
+              else f"bench_cuda_communicator: {why}; nothing measured")
         return 0
     cfg = dict(CHECK if args.check else BENCH)
     out = spawn(worker, cfg["world"], cfg, args.device, timeout=600)
-    bad = {r: v for r, v in out.items() if v[0] != "ok"}
-    if len(out) < cfg["world"] or bad:
-        print(f"bench_cuda_communicator: FAILED: {bad or 'ranks missing: ' + str(sorted(out))}",
-              file=sys.stderr)
+    failed = failed_ranks(out, cfg["world"])
+    if failed:
+        print(f"bench_cuda_communicator: FAILED: {failed}", file=sys.stderr)
         return 1
     row_bytes = sum(int(m * (1 << 20)) // 4 * 4 for m in cfg["mib"])
     result = {"device": args.device, "world": cfg["world"], "layers": cfg["layers"],
@@ -226,27 +218,13 @@ def main():
               "bytes_per_expert": row_bytes, "repeats": cfg["repeats"],
               "bytes_moved_last": out[0][1]["transfers"] * row_bytes,
               "baseline": "torch_gloo_staged: vLLM 0.33 TorchDistGlooStagedEplbCommunicator, "
-                          "reimplemented (host staging, gloo batch_isend_irecv)",
-              "seconds": {}}
+                          "reimplemented (host staging, gloo batch_isend_irecv)"}
     if args.device == "cuda":
         import torch
         result["gpu"] = torch.cuda.get_device_name(0)
         result["gpus"] = torch.cuda.device_count()
-    for name in NAMES:
-        # A rearrangement ends when the slowest rank ends: per repeat, the max over ranks.
-        per = [max(out[r][1]["times"][name][i] for r in out) for i in range(cfg["repeats"])]
-        result["seconds"][name] = {"median": statistics.median(per), "all": per}
-    base = result["seconds"]["torch_gloo_staged"]["median"]
-    result["speedup_vs_torch_gloo_staged"] = {
-        n: base / result["seconds"][n]["median"] for n in NAMES if n != "torch_gloo_staged"}
-    if args.json:
-        print(json.dumps(result, indent=1))
-    else:
-        for n in NAMES:
-            s = result["seconds"][n]
-            print(f"{n:18} median {s['median']:.4f} s  all {[round(x, 4) for x in s['all']]}")
-        print("speedup vs torch_gloo_staged:",
-              {n: round(v, 2) for n, v in result["speedup_vs_torch_gloo_staged"].items()})
+    report_seconds(result, out, NAMES, cfg["repeats"], "torch_gloo_staged",
+                   "speedup_vs_torch_gloo_staged", args.json)
     return 0
 
 

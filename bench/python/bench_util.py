@@ -116,3 +116,46 @@ class ExpertRows:
                     r = int((~ok).nonzero()[0])
                     return f"rank {self.rank} layer {layer} row {r} tensor {t}"
         return None
+
+
+def report_seconds(result, out, names, repeats, baseline, key, as_json):
+    """Fills result["seconds"] (a rearrangement ends when its slowest rank ends: per round the
+    max over ranks, then the median of the rounds) and result[key] (the baseline's median
+    over each other's), then prints the result as JSON or as lines."""
+    import json
+    import statistics
+
+    result["seconds"] = {}
+    for name in names:
+        per = [max(out[r][1]["times"][name][i] for r in out) for i in range(repeats)]
+        result["seconds"][name] = {"median": statistics.median(per), "all": per}
+    base = result["seconds"][baseline]["median"]
+    result[key] = {n: base / result["seconds"][n]["median"] for n in names if n != baseline}
+    if as_json:
+        print(json.dumps(result, indent=1))
+        return
+    for n in names:
+        s = result["seconds"][n]
+        print(f"{n:18} median {s['median']:.4f} s  all {[round(x, 4) for x in s['all']]}")
+    print(f"{key}:", {n: round(v, 2) for n, v in result[key].items()})
+
+
+def no_device_reason(device_kind):
+    """Why a bench on `device_kind` cannot run here ("" when it can: the host always can)."""
+    if device_kind == "cpu":
+        return ""
+    try:
+        import torch
+
+        return "" if torch.cuda.is_available() else "no CUDA device (torch.cuda.is_available() is False)"
+    except Exception as e:  # noqa: BLE001 - the reason is printed
+        return f"no CUDA device ({e!r})"
+
+
+def failed_ranks(out, world):
+    """What went wrong across the ranks spawn() reported on, each ("ok", item) or (what,
+    detail); None when all `world` reported ok."""
+    bad = {r: v for r, v in out.items() if v[0] != "ok"}
+    if len(out) < world or bad:
+        return str(bad or "ranks missing: " + str(sorted(out)))
+    return None

@@ -47,7 +47,8 @@ import tempfile
 import time
 import traceback
 
-from bench_util import ExpertRows, device_rank, placements, spawn
+from bench_util import (ExpertRows, device_rank, failed_ranks, no_device_reason, placements,
+                        report_seconds, spawn)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH = {"world": 4, "layers": 8, "slots": 64, "experts": 48, "mib": [8, 2, 1], "repeats": 5}
@@ -185,24 +186,18 @@ def main():
                     "scripts/test-gpu.sh --fetch makes them)")
     if not os.path.isdir(os.path.join(args.nixl, "nixl")):
         return skip(f"no NIXL in {args.nixl} (scripts/test-gpu.sh --fetch makes it)")
-    try:
-        import torch
-        available = args.device == "cpu" or torch.cuda.is_available()
-        why = "torch.cuda.is_available() is False"
-    except Exception as e:  # noqa: BLE001 - the reason is printed
-        available, why = False, repr(e)
-    if not available:
-        return skip(f"no CUDA device ({why})")
+    why = no_device_reason(args.device)
+    if why:
+        return skip(why)
     with open(os.path.join(args.vllm_files, "VERSION")) as f:
         vllm_version = f.read().strip()
     cfg = dict(CHECK if args.check else BENCH)
     with tempfile.TemporaryDirectory(prefix="eplbx-vllm-shim-") as tmp:
         paths = [shim(args.vllm_files, tmp), os.path.abspath(args.nixl)]
         out = spawn(worker, cfg["world"], cfg, args.device, paths, timeout=420)
-    bad = {r: v for r, v in out.items() if v[0] != "ok"}
-    if len(out) < cfg["world"] or bad:
-        print(f"bench_vllm_nixl: FAILED: {bad or 'ranks missing: ' + str(sorted(out))}",
-              file=sys.stderr)
+    failed = failed_ranks(out, cfg["world"])
+    if failed:
+        print(f"bench_vllm_nixl: FAILED: {failed}", file=sys.stderr)
         return 1
     row_bytes = sum(int(m * (1 << 20)) // 4 * 4 for m in cfg["mib"])
     moved = out[0][1]["experts_moved_per_rearrangement"] * row_bytes
@@ -212,8 +207,7 @@ def main():
               "bytes_moved_per_rearrangement": moved,
               "baseline": "nixl: vLLM's own NixlEplbCommunicator (vllm/distributed/eplb, from "
                           f"the vLLM {vllm_version} wheel) on NIXL 1.5.1 from PyPI, driven by "
-                          "vLLM's own rearrange_expert_weights_inplace",
-              "seconds": {}}
+                          "vLLM's own rearrange_expert_weights_inplace"}
     if args.device == "cuda":
         import torch
         result["gpu"] = torch.cuda.get_device_name(0)
@@ -222,20 +216,7 @@ def main():
         gbps = out[0][1]["copy_gbps"]
         result["device_copy_gbps"] = gbps
         result["copy_once_floor_s"] = moved / (gbps * 1e9) if gbps else None
-    for name in NAMES:
-        # A rearrangement ends when the slowest rank ends: per round, the max over ranks.
-        per = [max(out[r][1]["times"][name][i] for r in out) for i in range(cfg["repeats"])]
-        result["seconds"][name] = {"median": statistics.median(per), "all": per}
-    base = result["seconds"]["nixl"]["median"]
-    result["speed_vs_nixl"] = {n: base / result["seconds"][n]["median"] for n in NAMES[1:]}
-    if args.json:
-        print(json.dumps(result, indent=1))
-    else:
-        for n in NAMES:
-            s = result["seconds"][n]
-            print(f"{n:16} median {s['median']:.4f} s  all {[round(x, 4) for x in s['all']]}")
-        print("speed against vLLM's NIXL communicator:",
-              {n: round(v, 2) for n, v in result["speed_vs_nixl"].items()})
+    report_seconds(result, out, NAMES, cfg["repeats"], "nixl", "speed_vs_nixl", args.json)
     return 0
 
 

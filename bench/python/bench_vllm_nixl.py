@@ -170,7 +170,8 @@ def worker(rank, world, port, cfg, device_kind, paths, results):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vllm-files", default=os.path.join(HERE, "..", "..", ".cache", "gpu-vllm"))
-    ap.add_argument("--nixl", default=os.path.join(HERE, "..", "..", ".cache", "gpu-nixl"))
+    ap.add_argument("--nixl", default=os.path.join(HERE, "..", "..", "build-gpu", "nixl"),
+                    help="NIXL's packages, unpacked (scripts/test-gpu.sh puts them here)")
     ap.add_argument("--check", action="store_true", help="small sizes, one round, rows checked")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--json", action="store_true")
@@ -185,7 +186,8 @@ def main():
         return skip(f"no vLLM files in {args.vllm_files} ({', '.join(missing)} missing; "
                     "scripts/test-gpu.sh --fetch makes them)")
     if not os.path.isdir(os.path.join(args.nixl, "nixl")):
-        return skip(f"no NIXL in {args.nixl} (scripts/test-gpu.sh --fetch makes it)")
+        return skip(f"no NIXL in {args.nixl} (bench/python/gpu_carry.py unpack "
+                    ".cache/gpu-nixl.tar.xz DIR; scripts/test-gpu.sh --fetch makes the archive)")
     why = no_device_reason(args.device)
     if why:
         return skip(why)

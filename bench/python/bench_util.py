@@ -97,10 +97,14 @@ class ExpertRows:
         self.weights = [[torch.empty((rows, e), dtype=torch.float32, device=device) for e in elems]
                         for _ in range(layers)]
         self.buffer = [torch.zeros((rows, e), dtype=torch.float32, device=device) for e in elems]
+        self.fill(phy2log)
+
+    def fill(self, phy2log):
+        """Every row as `phy2log` says it should be."""
         for layer, tensors in enumerate(self.weights):
             for t, w in enumerate(tensors):
-                for r in range(rows):
-                    w[r].fill_(row_value(layer, int(phy2log[layer][rank * rows + r]), t))
+                for r in range(self.rows):
+                    w[r].fill_(row_value(layer, int(phy2log[layer][self.rank * self.rows + r]), t))
 
     def wrong(self, phy2log):
         """The first row (of every element of every row of every layer) that does not hold what

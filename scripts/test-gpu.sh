@@ -208,7 +208,7 @@ fi
 log "5. Python: vLLM's NIXL communicator beside EplbxCommunicator, in vLLM's own loop"
 if [[ -f .cache/gpu-nixl.tar.xz && -d .cache/gpu-vllm && -f build-gpu/python/eplbx/vllm.py ]] &&
     "$python" bench/python/gpu_carry.py unpack .cache/gpu-nixl.tar.xz build-gpu/nixl >&2 &&
-    PYTHONPATH=$PWD/build-gpu/python PYTHONUNBUFFERED=1 timeout 300 "$python" \
+    PYTHONPATH=$PWD/build-gpu/python PYTHONUNBUFFERED=1 timeout 200 "$python" \
       bench/python/bench_vllm_nixl.py --vllm-files .cache/gpu-vllm --nixl build-gpu/nixl --json \
       >"$out/bench-vllm-nixl.json" 2>"$out/bench-vllm-nixl.err"; then
   "$python" -c 'import json, sys; j = json.load(open(sys.argv[1])); print(json.dumps({k: j.get(k) for k in ("skipped", "gpu", "torch_cuda", "seconds", "speed_vs_nixl", "device_copy_gbps", "copy_once_floor_s")}))' "$out/bench-vllm-nixl.json" >&2

@@ -206,7 +206,7 @@ def main():
     cfg = dict(CHECK if args.check else BENCH)
     with tempfile.TemporaryDirectory(prefix="eplbx-vllm-shim-") as tmp:
         paths = [shim(args.vllm_files, tmp), os.path.abspath(args.nixl)]
-        out = spawn(worker, cfg["world"], cfg, args.device, paths, timeout=420)
+        out = spawn(worker, cfg["world"], cfg, args.device, paths, timeout=180)
     failed = failed_ranks(out, cfg["world"])
     if failed:
         print(f"bench_vllm_nixl: FAILED: {failed}", file=sys.stderr)

@@ -211,7 +211,7 @@ if [[ -f .cache/gpu-nixl.tar.xz && -d .cache/gpu-vllm && -f build-gpu/python/epl
     PYTHONPATH=$PWD/build-gpu/python PYTHONUNBUFFERED=1 timeout 200 "$python" \
       bench/python/bench_vllm_nixl.py --vllm-files .cache/gpu-vllm --nixl build-gpu/nixl --json \
       >"$out/bench-vllm-nixl.json" 2>"$out/bench-vllm-nixl.err"; then
-  "$python" -c 'import json, sys; j = json.load(open(sys.argv[1])); print(json.dumps({k: j.get(k) for k in ("skipped", "gpu", "torch_cuda", "seconds", "speed_vs_nixl", "device_copy_gbps", "copy_once_floor_s")}))' "$out/bench-vllm-nixl.json" >&2
+  "$python" -c 'import json, sys; j = json.load(open(sys.argv[1])); print(json.dumps({k: j.get(k) for k in ("skipped", "gpu", "torch_cuda", "seconds", "speed_vs_nixl", "nixl_wrong_rows", "device_copy_gbps", "copy_once_floor_s")}))' "$out/bench-vllm-nixl.json" >&2
   summary+=("vllm nixl bench: bench-vllm-nixl.json")
 else
   tail -5 "$out/bench-vllm-nixl.err" 2>/dev/null >&2

@@ -35,6 +35,14 @@ VLLM_FILES = ["vllm/distributed/nixl_utils.py"] + [
 UCX_MODULES = ("libuct_cma.", "libuct_cuda.", "libucm_cuda.")
 
 
+def fresh_dir(out):
+    """`out` emptied and made again, private; a link planted there is refused, not followed."""
+    if os.path.islink(out):
+        sys.exit(f"gpu_carry: {out} is a symbolic link; refused (remove it)")
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out, mode=0o700)
+
+
 def vllm_files(wheel, out):
     with zipfile.ZipFile(wheel) as z:
         names = [n for n in z.namelist() if n in VLLM_FILES]
@@ -43,7 +51,7 @@ def vllm_files(wheel, out):
         missing = sorted(set(VLLM_FILES) - set(names))
         if missing:
             sys.exit(f"gpu_carry: {wheel} lacks {', '.join(missing)} (another vLLM layout?)")
-        shutil.rmtree(out, ignore_errors=True)
+        fresh_dir(out)
         for n in names:
             z.extract(n, out)
     with open(os.path.join(out, "VERSION"), "w") as f:
@@ -127,10 +135,15 @@ def trim_nixl(out, wheels):
         size = sum(os.path.getsize(f) for f in keep)
         total = sum(os.path.getsize(f) for f in files)
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with tarfile.open(out + ".part", "w:xz") as tar:
-            for f in sorted(keep):
-                tar.add(f, arcname=os.path.relpath(f, tmp), recursive=False)
-        os.replace(out + ".part", out)
+        part = out + ".part"
+        if os.path.lexists(part):
+            os.unlink(part)
+        # Created here, private, never through a link planted at its name.
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f, tarfile.open(fileobj=f, mode="w:xz") as tar:
+            for name in sorted(keep):
+                tar.add(name, arcname=os.path.relpath(name, tmp), recursive=False)
+        os.replace(part, out)
         print(f"gpu_carry: NIXL trimmed to {len(keep)} of {len(files)} files, "
               f"{size / 2**20:.1f} of {total / 2**20:.1f} MiB, {os.path.getsize(out) / 2**20:.1f} MiB "
               f"as {out}")
@@ -142,8 +155,7 @@ def unpack(archive, out):
             if m.name.startswith("/") or ".." in m.name.split("/") or not (
                     m.isfile() or m.isdir()):
                 sys.exit(f"gpu_carry: {archive} holds {m.name!r}, refused")
-        shutil.rmtree(out, ignore_errors=True)
-        os.makedirs(out)
+        fresh_dir(out)
         tar.extractall(out)
     print(f"gpu_carry: {archive} unpacked into {out}")
 

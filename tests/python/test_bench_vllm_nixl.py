@@ -113,6 +113,20 @@ class GpuCarryTest(unittest.TestCase):
                 self.assertIn(f"holds '{name}', refused", r.stdout + r.stderr)
                 self.assertFalse(os.path.exists(os.path.join(tmp, "escaped")))
                 self.assertFalse(os.path.exists(os.path.join(out, "ok.txt")))
+            # A link planted where the folder goes is refused, not followed.
+            good = os.path.join(tmp, "good.tar.xz")
+            with tarfile.open(good, "w:xz") as t:
+                info = tarfile.TarInfo("ok.txt")
+                info.size = 2
+                t.addfile(info, io.BytesIO(b"ok"))
+            elsewhere = os.path.join(tmp, "elsewhere")
+            os.makedirs(elsewhere)
+            planted = os.path.join(tmp, "planted")
+            os.symlink(elsewhere, planted)
+            r = carry("unpack", good, planted)
+            self.assertNotEqual(r.returncode, 0)
+            self.assertIn("is a symbolic link; refused", r.stdout + r.stderr)
+            self.assertEqual(os.listdir(elsewhere), [])
 
     def test_vllm_files_takes_the_eplb_files_and_names_what_a_wheel_lacks(self):
         with tempfile.TemporaryDirectory() as tmp:

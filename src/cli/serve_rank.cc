@@ -22,6 +22,7 @@
 #include <cctype>
 #include <chrono>
 #include <cstring>
+#include <iostream>
 
 #include <nlohmann/json.hpp>
 
@@ -175,6 +176,14 @@ int RunServeRank(const DemoOptions& o, int rank, Bootstrap& boot, bool joining,
         ModeOptions(o, rank, mode.name, *policy, all_live ? std::vector<bool>{} : live, modes);
     std::vector<const BackupSource*> backups;
     if (backup != nullptr) backups.push_back(backup.get());
+    if (joiner && !o.joining) {
+      // A worker the store (or etcd) took in as a joiner, a standby or one restarted for a
+      // lost rank: ready now, it waits to be taken in (an operator, or a test, knows when).
+      std::cerr << "eplbx: rank " << rank
+                << ": ready to join (its agent and weights set up); waiting for the "
+                   "members to take it in\n"
+                << std::flush;
+    }
     const int64_t t0 = MonotonicNs();
     Result<std::unique_ptr<ServingGroup>> g =
         joiner

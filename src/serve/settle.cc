@@ -38,7 +38,12 @@ SettleAction Settle::OnGathered(const Result<SettleRound>& round, uint64_t epoch
     return Fail(round.status().WithPrefix("gathering the members' maps"));
   }
   gathers_in_a_row_ = 0;
-  if (round->step < 0) return Fail(Status::Internal("no member said which step it is at"));
+  if (round->step < 0) {
+    // Only joiners contributed: the members ended serving (or were lost) before taking them in.
+    return Fail(Status::Unavailable(
+        "no member said which step it is at: every rank in the round is joining (the members "
+        "ended serving, or were lost, before taking this rank in)"));
+  }
   if (round->all_placed && round->placed_at == epoch) {
     finished_ = true;
     SettleAction a;

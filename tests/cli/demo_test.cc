@@ -681,11 +681,18 @@ bool ZeroReached(const std::string& err_file, int step) {
   return false;
 }
 
-// `env_of` adds variables to one rank's environment ("VAR=value ", by rank).
+// `env_of` adds variables to one rank's environment ("VAR=value ", by rank). A `standby` rank
+// (`--resize add:RANK@STEP`; -1: none) starts with rank 0, before the others, and they start
+// once it says it is ready to join: a pre-warmed standby, as an operator would start one (the
+// members do not wait for it; started with them, it may still be setting up when they end).
 Workers RunWorkers(int world, int port, const std::string& flags,
-                   const std::map<int, std::string>& env_of = {}) {
+                   const std::map<int, std::string>& env_of = {}, int standby = -1) {
   std::string dir = testing::TempDir() + "/workers-XXXXXX";
   EXPECT_NE(mkdtemp(dir.data()), nullptr);
+  std::string standby_err = testing::TempDir() + "/standby-err-XXXXXX";
+  const int standby_fd = mkstemp(standby_err.data());
+  EXPECT_GE(standby_fd, 0);
+  close(standby_fd);
   auto env = [&](int rank) {
     return WorkerEnv(port, world, rank, dir) +
            (env_of.count(rank) ? env_of.at(rank) : std::string());
@@ -693,17 +700,38 @@ Workers RunWorkers(int world, int port, const std::string& flags,
   Workers w;
   w.codes.assign(world, -1);
   w.err.assign(world, "");
-  std::vector<std::thread> others;
-  for (int r = 1; r < world; ++r) {
-    others.emplace_back([&, r] {
-      const Shell s = RunShell(env(r) + EPLBX_CLI + " worker" + flags + " 2>&1 >/dev/null");
+  std::vector<std::thread> running;
+  auto start = [&](int r) {
+    running.emplace_back([&, r] {
+      if (r == 0) {
+        w.zero = RunShell(env(0) + EPLBX_CLI + " worker" + flags + " 2>/dev/null");
+        return;
+      }
+      const std::string out =
+          r == standby ? " 2>" + standby_err + " >/dev/null" : std::string(" 2>&1 >/dev/null");
+      const Shell s = RunShell(env(r) + EPLBX_CLI + " worker" + flags + out);
       w.codes[r] = s.exit_code;
-      w.err[r] = s.out;
+      w.err[r] = r == standby ? RunShell("cat " + standby_err).out : s.out;
     });
+  };
+  if (standby > 0) {
+    start(0);
+    start(standby);
+    const std::string ready = "eplbx: rank " + std::to_string(standby) + ": ready to join";
+    bool said = false;
+    for (int i = 0; i < 1200 && !said; ++i) {  // up to 60 s
+      said = RunShell("cat " + standby_err).out.find(ready) != std::string::npos;
+      if (!said) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    EXPECT_TRUE(said) << "the standby rank " << standby << " never said it was ready";
   }
-  w.zero = RunShell(env(0) + EPLBX_CLI + " worker" + flags + " 2>/dev/null");
-  for (std::thread& t : others) t.join();
+  for (int r = 1; r < world; ++r) {
+    if (r != standby) start(r);
+  }
+  if (standby <= 0) start(0);
+  for (std::thread& t : running) t.join();
   w.codes[0] = w.zero.exit_code;
+  std::filesystem::remove(standby_err);
   for (const auto& entry : std::filesystem::directory_iterator(dir))
     w.left.push_back(entry.path().filename().string());
   std::filesystem::remove_all(dir);
@@ -989,7 +1017,8 @@ TEST(DemoTest, WorkersServingTakeInAStandbyWorker) {
   Workers w = RunWorkers(4, eplbx::Port(),
                          " --serve --modes async --layers 3 --experts 16 --slots-per-rank 6 "
                          "--expert-bytes 64K --steps 200 --interval 10 --tokens 64 --top-k 4 "
-                         "--work-bytes 1K --deadline 3 --resize add:3@20 --json");
+                         "--work-bytes 1K --deadline 10 --resize add:3@20 --json",
+                         {}, /*standby=*/3);
   const Shell& zero = w.zero;
   EXPECT_EQ(w.codes, (std::vector<int>{0, 0, 0, 0})) << zero.out;
   const nlohmann::json report = nlohmann::json::parse(zero.out, nullptr, false);

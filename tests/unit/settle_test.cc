@@ -303,5 +303,18 @@ TEST(SettleTest, GathersRefusedByAMovingMemberSetAreBounded) {
   EXPECT_EQ(a.status.message(), "gathering the members' maps: rank 3 did not contribute");
 }
 
+// A round with no member's step (only joiners contributed: the members ended serving or were
+// lost before taking them in) fails at once, saying so.
+TEST(SettleTest, ARoundOfJoinersOnlyFailsSayingTheMembersAreGone) {
+  Settle s;
+  s.Start();
+  const SettleAction a = s.OnGathered(SettleRound{.step = -1, .all_placed = false}, 5, 5);
+  ASSERT_EQ(a.kind, SettleActionKind::kFailed);
+  EXPECT_EQ(a.status.code(), Code::kUnavailable);
+  EXPECT_EQ(a.status.message(),
+            "no member said which step it is at: every rank in the round is joining (the "
+            "members ended serving, or were lost, before taking this rank in)");
+}
+
 }  // namespace
 }  // namespace eplbx::internal

@@ -132,16 +132,21 @@ void ReplicateExperts(std::span<const float> weight, int physical, std::vector<i
   }
 }
 
-void DeepSeekLayer(std::span<const float> weight, int slots, int groups, int nodes, int ranks,
-                   std::span<int32_t> phy2log, std::span<int32_t> logcnt) {
+DeepSeekNodes::DeepSeekNodes(std::span<const float> weight, int slots, int groups, int nodes,
+                             int ranks, std::span<int32_t> phy2log, std::span<int32_t> logcnt)
+    : weight_(weight),
+      phy2log_(phy2log),
+      logcnt_(logcnt),
+      experts_per_node_(static_cast<int>(weight.size()) / nodes),
+      slots_per_node_(slots / nodes),
+      ranks_per_node_(ranks / nodes),
+      slots_per_rank_(slots / ranks),
+      node_load_(static_cast<size_t>(nodes), 0.0f),
+      node_weight_(static_cast<size_t>(experts_per_node_)),
+      replica_weight_(static_cast<size_t>(slots_per_node_)) {
   const int experts = static_cast<int>(weight.size());
   const int group_size = experts / groups;
   const int groups_per_node = groups / nodes;
-  const int experts_per_node = experts / nodes;
-  const int slots_per_node = slots / nodes;
-  const int ranks_per_node = ranks / nodes;
-  const int slots_per_rank = slots / ranks;
-
   // Step 1: pack groups onto nodes. Group sums are taken in double and rounded once, which
   // is what torch's pairwise float32 sum gives for every realistic load.
   std::vector<float> group_load(static_cast<size_t>(groups));
@@ -152,35 +157,38 @@ void DeepSeekLayer(std::span<const float> weight, int slots, int groups, int nod
   }
   std::vector<int32_t> group_pack, group_rank;
   BalancedPacking(group_load, nodes, group_pack, group_rank);
-  // log2mlog: logical expert -> position in node-major order ("mlog").
-  std::vector<int32_t> log2mlog(static_cast<size_t>(experts)), mlog2log(log2mlog.size());
+  for (int g = 0; g < groups; ++g) node_load_[group_pack[g]] += group_load[g];
+  // mlog2log: position in node-major order ("mlog") -> logical expert.
+  mlog2log_.resize(static_cast<size_t>(experts));
   for (int e = 0; e < experts; ++e) {
     const int g = e / group_size;
     const int m = (group_pack[g] * groups_per_node + group_rank[g]) * group_size + e % group_size;
-    log2mlog[e] = m;
-    mlog2log[m] = e;
+    mlog2log_[m] = e;
   }
+}
 
-  std::vector<float> node_weight(static_cast<size_t>(experts_per_node));
-  std::vector<float> replica_weight(static_cast<size_t>(slots_per_node));
-  std::vector<int32_t> phy2mlog, replica_rank, mlogcnt, pack, rank_in_pack;
-  for (int node = 0; node < nodes; ++node) {
-    const int mlog_base = node * experts_per_node;
-    // Step 2: replicate the node's experts into the node's slots.
-    for (int j = 0; j < experts_per_node; ++j) node_weight[j] = weight[mlog2log[mlog_base + j]];
-    ReplicateExperts(node_weight, slots_per_node, phy2mlog, replica_rank, mlogcnt);
-    // Step 3: pack the replicas onto the node's ranks.
-    for (int i = 0; i < slots_per_node; ++i) {
-      const int32_t m = phy2mlog[i];
-      replica_weight[i] = node_weight[m] / static_cast<float>(mlogcnt[m]);
-    }
-    BalancedPacking(replica_weight, ranks_per_node, pack, rank_in_pack);
-    for (int i = 0; i < slots_per_node; ++i) {
-      const int slot = node * slots_per_node + pack[i] * slots_per_rank + rank_in_pack[i];
-      phy2log[slot] = mlog2log[mlog_base + phy2mlog[i]];
-    }
-    for (int j = 0; j < experts_per_node; ++j) logcnt[mlog2log[mlog_base + j]] = mlogcnt[j];
+void DeepSeekNodes::Plan(int node) {
+  const int mlog_base = node * experts_per_node_;
+  // Step 2: replicate the node's experts into the node's slots.
+  for (int j = 0; j < experts_per_node_; ++j) node_weight_[j] = weight_[mlog2log_[mlog_base + j]];
+  ReplicateExperts(node_weight_, slots_per_node_, phy2mlog_, replica_rank_, mlogcnt_);
+  // Step 3: pack the replicas onto the node's ranks.
+  for (int i = 0; i < slots_per_node_; ++i) {
+    const int32_t m = phy2mlog_[i];
+    replica_weight_[i] = node_weight_[m] / static_cast<float>(mlogcnt_[m]);
   }
+  BalancedPacking(replica_weight_, ranks_per_node_, pack_, rank_in_pack_);
+  for (int i = 0; i < slots_per_node_; ++i) {
+    const int slot = node * slots_per_node_ + pack_[i] * slots_per_rank_ + rank_in_pack_[i];
+    phy2log_[slot] = mlog2log_[mlog_base + phy2mlog_[i]];
+  }
+  for (int j = 0; j < experts_per_node_; ++j) logcnt_[mlog2log_[mlog_base + j]] = mlogcnt_[j];
+}
+
+void DeepSeekLayer(std::span<const float> weight, int slots, int groups, int nodes, int ranks,
+                   std::span<int32_t> phy2log, std::span<int32_t> logcnt) {
+  DeepSeekNodes planner(weight, slots, groups, nodes, ranks, phy2log, logcnt);
+  for (int node = 0; node < nodes; ++node) planner.Plan(node);
 }
 
 }  // namespace eplbx::internal

@@ -29,6 +29,29 @@ void BalancedPacking(std::span<const float> weight, int packs, std::vector<int32
 void ReplicateExperts(std::span<const float> weight, int physical, std::vector<int32_t>& phy2log,
                       std::vector<int32_t>& replica_rank, std::vector<int32_t>& count);
 
+// DeepSeekLayer one node at a time: the constructor packs the groups onto nodes (step 1);
+// Plan(node) replicates the node's experts within it and packs the replicas onto its ranks
+// (steps 2-3), writing the node's part of phy2log and its experts' logcnt. Nodes are
+// independent after step 1: every node planned, in any order, is DeepSeekLayer's result.
+class DeepSeekNodes {
+ public:
+  DeepSeekNodes(std::span<const float> weight, int slots, int groups, int nodes, int ranks,
+                std::span<int32_t> phy2log, std::span<int32_t> logcnt);
+  void Plan(int node);
+  // The weight of the groups step 1 put on `node` (float32, summed in group order).
+  float node_load(int node) const { return node_load_[node]; }
+
+ private:
+  std::span<const float> weight_;
+  std::span<int32_t> phy2log_, logcnt_;
+  int experts_per_node_, slots_per_node_, ranks_per_node_, slots_per_rank_;
+  std::vector<float> node_load_;
+  std::vector<int32_t> mlog2log_;
+  // Scratch of Plan.
+  std::vector<float> node_weight_, replica_weight_;
+  std::vector<int32_t> phy2mlog_, replica_rank_, mlogcnt_, pack_, rank_in_pack_;
+};
+
 // One layer of DeepSeek's hierarchical policy: pack groups onto nodes, replicate within each
 // node, pack replicas onto the node's ranks. Global mode is groups = nodes = 1.
 // Writes phy2log[slots] and logcnt[experts].

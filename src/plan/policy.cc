@@ -53,6 +53,44 @@ void DeepSeekSlots(const LayerContext& c, std::span<int32_t> out) {
                           c.hierarchical ? c.topology.nodes : 1, c.topology.ranks, out, logcnt);
 }
 
+// Never worse than deepseek on any layer: deepseek's placement replaces `out` when it is
+// more balanced. Its nodes are planned one at a time, heaviest first (by the weight of the
+// groups on them; ties: lowest node); once a planned node has a rank heavier than `out`'s
+// heaviest by more than rounding could make up (a factor 1 + 1e-9; the two layers' mean
+// loads differ by rounding only), deepseek's placement is the less balanced and the other
+// nodes are not planned: the outcome of planning them all and comparing.
+void NeverWorseThanDeepSeek(const LayerContext& c, std::span<int32_t> out) {
+  const Topology& t = c.topology;
+  const std::vector<double> ours = internal::RankLoads(c.weight, out, t.ranks);
+  const double heaviest = *std::max_element(ours.begin(), ours.end()) * (1 + 1e-9);
+  const int groups = c.hierarchical ? t.groups : 1, nodes = c.hierarchical ? t.nodes : 1;
+  const std::vector<float> weight(c.weight.begin(), c.weight.end());
+  std::vector<int32_t> deepseek(out.size()), logcnt(weight.size());
+  internal::DeepSeekNodes planner(weight, t.slots, groups, nodes, t.ranks, deepseek, logcnt);
+  std::vector<int> order(static_cast<size_t>(nodes));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return planner.node_load(a) > planner.node_load(b); });
+  const size_t slots_per_node = static_cast<size_t>(t.slots / nodes);
+  const size_t per_rank = static_cast<size_t>(t.slots / t.ranks);
+  std::vector<int32_t> count(weight.size(), 0);
+  for (int node : order) {
+    planner.Plan(node);
+    const std::span<const int32_t> part =
+        std::span<const int32_t>(deepseek).subspan(node * slots_per_node, slots_per_node);
+    for (int32_t e : part) ++count[e];  // (an expert's replicas are all on its node)
+    for (size_t first = 0; first < part.size(); first += per_rank) {
+      double load = 0;
+      for (size_t k = first; k < first + per_rank; ++k) load += c.weight[part[k]] / count[part[k]];
+      if (load > heaviest) return;
+    }
+  }
+  if (internal::SlotsBalancedness(c.weight, deepseek, t.ranks) >
+      internal::SlotsBalancedness(c.weight, out, t.ranks)) {
+    std::copy(deepseek.begin(), deepseek.end(), out.begin());
+  }
+}
+
 void BalancedSlotsForLayer(const LayerContext& c, std::span<int32_t> out) {
   const Topology& t = c.topology;
   // The layer's balancedness is its largest rank load: the search stops once a packing
@@ -90,13 +128,7 @@ void BalancedSlotsForLayer(const LayerContext& c, std::span<int32_t> out) {
       for (int32_t& e : node_out) e = ids[node][e];
     }
   }
-  // Never worse than deepseek on any layer.
-  std::vector<int32_t> deepseek(out.size());
-  DeepSeekSlots(c, deepseek);
-  if (internal::SlotsBalancedness(c.weight, deepseek, t.ranks) >
-      internal::SlotsBalancedness(c.weight, out, t.ranks)) {
-    std::copy(deepseek.begin(), deepseek.end(), out.begin());
-  }
+  NeverWorseThanDeepSeek(c, out);
 }
 
 // Candidates in order; the first within `tolerance` of balanced wins: (1) local search from

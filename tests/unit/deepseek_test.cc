@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <random>
 #include <set>
 
@@ -187,6 +188,41 @@ TEST(DeepSeekPropertyTest, InvariantsHoldOnRandomInputs) {
 }
 
 // DeepSeek-V3 shape: 58 layers x 256 experts -> 288 slots on 32 ranks / 4 nodes / 8 groups.
+// DeepSeekNodes planned node by node, in any order, is DeepSeekLayer's result (the balanced
+// policy's never-worse check plans deepseek's nodes heaviest first and may stop early), and
+// node_load is the weight of the experts the layer puts on each node.
+TEST(DeepSeekInternalTest, NodesPlannedInAnyOrderGiveTheLayer) {
+  std::mt19937_64 rng(21);
+  for (int iter = 0; iter < 300; ++iter) {
+    const int nodes = 1 + static_cast<int>(rng() % 4);
+    const int groups = nodes * (1 + static_cast<int>(rng() % 3));
+    const int experts = groups * (1 + static_cast<int>(rng() % 6));
+    const int ranks = nodes * (1 + static_cast<int>(rng() % 4));
+    const int slots = ranks * ((experts + ranks - 1) / ranks + static_cast<int>(rng() % 3));
+    std::vector<float> weight(static_cast<size_t>(experts));
+    for (float& w : weight) w = static_cast<float>(rng() % 4 == 0 ? 0 : rng() % 1000);
+    std::vector<int32_t> want(static_cast<size_t>(slots)), want_cnt(weight.size());
+    internal::DeepSeekLayer(weight, slots, groups, nodes, ranks, want, want_cnt);
+    std::vector<int32_t> got(want.size(), -1), got_cnt(weight.size(), -1);
+    internal::DeepSeekNodes planner(weight, slots, groups, nodes, ranks, got, got_cnt);
+    std::vector<int> order(static_cast<size_t>(nodes));
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    for (int node : order) planner.Plan(node);
+    ASSERT_EQ(got, want) << "iteration " << iter;
+    ASSERT_EQ(got_cnt, want_cnt) << "iteration " << iter;
+    std::vector<double> on_node(static_cast<size_t>(nodes), 0.0);
+    std::vector<bool> seen(weight.size(), false);
+    for (int s = 0; s < slots; ++s) {
+      const int32_t e = want[s];
+      if (!seen[e]) on_node[s / (slots / nodes)] += weight[e];
+      seen[e] = true;
+    }
+    for (int n = 0; n < nodes; ++n)
+      EXPECT_NEAR(planner.node_load(n), on_node[n], 1e-6 * (1 + on_node[n])) << "node " << n;
+  }
+}
+
 TEST(DeepSeekTest, DeepSeekV3Shape) {
   std::mt19937_64 rng(7);
   std::vector<double> v(58 * 256);

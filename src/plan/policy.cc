@@ -85,10 +85,8 @@ void NeverWorseThanDeepSeek(const LayerContext& c, std::span<int32_t> out) {
       if (load > heaviest) return;
     }
   }
-  if (internal::SlotsBalancedness(c.weight, deepseek, t.ranks) >
-      internal::SlotsBalancedness(c.weight, out, t.ranks)) {
+  if (internal::SlotsBalancedness(c.weight, deepseek, t.ranks) > internal::LoadsBalancedness(ours))
     std::copy(deepseek.begin(), deepseek.end(), out.begin());
-  }
 }
 
 void BalancedSlotsForLayer(const LayerContext& c, std::span<int32_t> out) {

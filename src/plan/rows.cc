@@ -22,9 +22,14 @@ std::vector<double> RankLoads(std::span<const double> weight, std::span<const in
 
 double SlotsBalancedness(std::span<const double> weight, std::span<const int32_t> slots,
                          int ranks) {
-  const std::vector<double> load = RankLoads(weight, slots, ranks);
+  return LoadsBalancedness(RankLoads(weight, slots, ranks));
+}
+
+double LoadsBalancedness(std::span<const double> load) {
   const double max = *std::max_element(load.begin(), load.end());
-  return max > 0 ? std::accumulate(load.begin(), load.end(), 0.0) / ranks / max : 1.0;
+  return max > 0 ? std::accumulate(load.begin(), load.end(), 0.0) /
+                       static_cast<double>(load.size()) / max
+                 : 1.0;
 }
 
 std::vector<int32_t> CompleteSlots(std::span<const double> weight,

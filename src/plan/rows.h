@@ -16,6 +16,8 @@ std::vector<double> RankLoads(std::span<const double> weight, std::span<const in
 
 // mean / max rank load, rank load = sum of weight / replicas over its slots (1.0 if zero).
 double SlotsBalancedness(std::span<const double> weight, std::span<const int32_t> slots, int ranks);
+// The same from the rank loads RankLoads gave.
+double LoadsBalancedness(std::span<const double> load);
 
 // `previous` made a valid placement for these experts: every expert present and every slot
 // filled. A missing expert takes an empty slot, else the redundant replica with the

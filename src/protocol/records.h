@@ -32,6 +32,8 @@ inline constexpr size_t kRecordFixedBytes = 42;
 inline constexpr size_t kMaxReasonBytes = 1024;
 // Map entries one MAPS record carries (old and new entries together): 16 KiB.
 inline constexpr size_t kMaxMapEntries = 4096;
+// (A MAPS record's entries and slot count go in one 16-bit length.)
+static_assert(4 + 4 * kMaxMapEntries <= 0xffff);
 
 struct Record {
   RecordKind kind = RecordKind::kReady;

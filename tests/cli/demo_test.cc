@@ -670,15 +670,19 @@ std::string WorkerEnv(int port, int world, int rank, const std::string& dir) {
          " EPLBX_TOKEN=t EPLBX_NODE=n" + std::to_string(rank) + " EPLBX_BACKUP_DIR=" + dir + " ";
 }
 
-// Waits (up to 30 s) until rank 0's stderr, in `err_file`, says it served step `step`
-// (rank 0 prints progress every 100 steps in text mode).
-bool ZeroReached(const std::string& err_file, int step) {
-  const std::string want = "step " + std::to_string(step) + "/";
-  for (int i = 0; i < 600; ++i) {
-    if (RunShell("cat " + err_file).out.find(want) != std::string::npos) return true;
+// Waits (up to `seconds`) until `file` holds `text`.
+bool FileSays(const std::string& file, const std::string& text, int seconds) {
+  for (int i = 0; i < seconds * 20; ++i) {
+    if (RunShell("cat " + file).out.find(text) != std::string::npos) return true;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   return false;
+}
+
+// Waits (up to 30 s) until rank 0's stderr, in `err_file`, says it served step `step`
+// (rank 0 prints progress every 100 steps in text mode).
+bool ZeroReached(const std::string& err_file, int step) {
+  return FileSays(err_file, "step " + std::to_string(step) + "/", 30);
 }
 
 // `env_of` adds variables to one rank's environment ("VAR=value ", by rank). A `standby` rank
@@ -717,13 +721,9 @@ Workers RunWorkers(int world, int port, const std::string& flags,
   if (standby > 0) {
     start(0);
     start(standby);
-    const std::string ready = "eplbx: rank " + std::to_string(standby) + ": ready to join";
-    bool said = false;
-    for (int i = 0; i < 1200 && !said; ++i) {  // up to 60 s
-      said = RunShell("cat " + standby_err).out.find(ready) != std::string::npos;
-      if (!said) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    EXPECT_TRUE(said) << "the standby rank " << standby << " never said it was ready";
+    EXPECT_TRUE(
+        FileSays(standby_err, "eplbx: rank " + std::to_string(standby) + ": ready to join", 60))
+        << "the standby rank " << standby << " never said it was ready";
   }
   for (int r = 1; r < world; ++r) {
     if (r != standby) start(r);

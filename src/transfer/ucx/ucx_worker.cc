@@ -67,7 +67,20 @@ UcxWorker::~UcxWorker() {
     thread_.join();
   }
   for (auto& [id, memh] : memh_) ucp_mem_unmap(context_, memh);
-  if (worker_ != nullptr) ucp_worker_destroy(worker_);
+  if (worker_ != nullptr) {
+    // Endpoints UCX made for peers that connected here may still hold a wireup reply;
+    // ucp_worker_destroy purges it, and Debian's UCX asserts on a purged reply
+    // (docs/reliability.md, "Known issues"). A flush sends what is pending first, bounded.
+    ucp_request_param_t param{};
+    void* req = ucp_worker_flush_nbx(worker_, &param);
+    if (UCS_PTR_IS_PTR(req)) {
+      const Clock::time_point until = Clock::now() + std::chrono::milliseconds(100);
+      while (ucp_request_check_status(req) == UCS_INPROGRESS && Clock::now() < until)
+        ucp_worker_progress(worker_);
+      ucp_request_free(req);  // (released by UCX when it ends, if it has not)
+    }
+    ucp_worker_destroy(worker_);
+  }
   if (context_ != nullptr) ucp_cleanup(context_);
   if (wake_fd_ >= 0) close(wake_fd_);
   if (epoll_fd_ >= 0) close(epoll_fd_);

@@ -3,13 +3,14 @@
 // Each layer runs the same protocol as the synchronous loop (MAPS, READY, READ, DONE),
 // into its own staging buffer; up to max_layers_in_flight layers run at once. A layer whose
 // protocol reaches its commit point (every rank's reads done) is *ready*; it is applied only
-// when every rank voted it ready. Votes: at each Commit() call (step s) a rank sends VOTE(s,
-// how many leading layers are ready here, failed?) to every rank, then applies the layers
-// that every rank's VOTE(s - 1) says are ready. The vote of the previous step was sent a
-// whole step earlier, so it is normally there already; the commit of a layer lags its
-// readiness by one step, and every rank applies the same layers at the same step. A failure
-// on any rank reaches every rank in the next VOTE: all of them end the rearrangement at the
-// same step with the same layers committed.
+// when every rank voted it ready. Votes (the rule: src/protocol/votes.h): at each Commit()
+// call (step s) a rank sends VOTE(s, how many leading layers are ready here, failed?) to
+// every rank, then applies the layers that every rank's VOTE(s - 1) says are ready. The vote
+// of the previous step was sent a whole step earlier, so it is normally there already; the
+// commit of a layer lags its readiness by one step, and every rank applies the same layers
+// at the same step. A failure on any rank reaches every rank in the next VOTE: all of them
+// end the rearrangement at the same step with the same layers committed. A rank's final vote
+// (every layer ready here) stands for every later step: it votes no more.
 //
 // Who drives: the engine's thread, in Poll() and Commit() (non-blocking but for the vote
 // wait). The bytes move on the data paths' threads (shm and cma copy threads, UCX's progress
@@ -40,12 +41,10 @@ struct RearrangerImpl::Pipeline {
   std::vector<std::unique_ptr<Run>> runs;  // started layers; runs[i] is layer i
   uint32_t layers = 0, applied = 0;
   int64_t step = 0, last_commit_step = 0;
-  int64_t vote_sent = 0;     // the last step this rank sent its VOTE of
-  uint32_t voted_ready = 0;  // the leading layers ready that vote said
   uint64_t posted_this_step = 0;
-  // Votes by (pipeline, step), per rank; kept for a later pipeline too (a faster peer may
-  // vote in the next one before this rank began it).
-  std::map<std::pair<uint64_t, int64_t>, std::vector<std::optional<Record>>> votes;
+  // The votes (src/protocol/votes.h); those of a later pipeline are kept for it (a faster
+  // peer may vote in the next one before this rank began it).
+  protocol::Votes votes{0, 0, 1, 0};
   std::string refused_note;  // the first VOTE of another epoch, for the deadline error
   bool active = false;
   Status failure;  // this rank failed: its next vote says so
@@ -80,32 +79,15 @@ struct RearrangerImpl::Pipeline {
     }
     return out;
   }
-  void TakeVote(uint32_t from, const Record& r, uint32_t world, uint64_t epoch) {
-    if (r.generation < id || from >= world) return;
-    if (r.epoch != epoch) {  // another member set's vote counts for nothing here
+  void TakeVote(uint32_t from, const Record& r, uint64_t epoch) {
+    if (r.epoch != epoch && r.generation >= id) {  // another member set's counts for nothing
       if (refused_note.empty()) {
         refused_note = StrCat("a VOTE from rank ", from, " at epoch ", r.epoch,
                               " was refused (this rank is at epoch ", epoch, ")");
       }
       return;
     }
-    auto& v = votes[{r.generation, static_cast<int64_t>(r.layer)}];
-    v.resize(world);
-    if (!v[from]) v[from] = r;  // a duplicate changes nothing
-  }
-  // Every member's VOTE of `step` is here, and they end the rearrangement: each says every
-  // layer is ready, or one says its rank failed.
-  bool VotesEnd(int64_t step, const std::vector<bool>& members) const {
-    auto it = votes.find({id, step});
-    if (step < 1 || it == votes.end()) return false;
-    bool all_ready = true, failed = false;
-    for (uint32_t r = 0; r < members.size() || r < it->second.size(); ++r) {
-      if (!IsMember(members, r)) continue;
-      if (r >= it->second.size() || !it->second[r]) return false;
-      all_ready = all_ready && it->second[r]->expert >= layers;
-      failed = failed || it->second[r]->reader != 0;
-    }
-    return all_ready || failed;
+    votes.Take(from, r);
   }
   // The run with the smallest generation >= g.
   Run* Route(uint64_t g) const {
@@ -145,16 +127,13 @@ Status RearrangerImpl::Begin(const Placement& from, const Placement& to, const M
   p->id = std::max(pipeline_id, pipe ? pipe->id : 0) + 1;
   pipeline_id = p->id;
   p->epoch = boot->epoch();
-  if (pipe) {
-    for (auto& [key, v] : pipe->votes) {
-      if (key.first >= p->id) p->votes[key] = std::move(v);
-    }
-  }
   p->from = from;
   p->to = to;
   p->plan = plan;
   p->opt = opt;
   p->layers = static_cast<uint32_t>(layout.layers.size());
+  p->votes = protocol::Votes(p->id, p->layers, world(), self());
+  if (pipe) p->votes.TakeLater(pipe->votes);
   unsent_vote.clear();
   p->first_generation = generation + 1;
   generation += p->layers;
@@ -216,24 +195,15 @@ void StopRuns(RearrangerImpl& d, RearrangerImpl::Pipeline& p, const std::string&
 }
 
 // Queues this rank's VOTE of `step` (how many leading layers are ready here, failed?) for
-// every other member, to leave with the turn's records (Flush), and keeps it as its own.
+// every other member, to leave with the turn's records (Flush), unless none is to be sent
+// (Votes::Cast: the votes of the step before end the rearrangement, or this rank's final
+// vote stands).
 void QueueVote(RearrangerImpl& d, RearrangerImpl::Pipeline& p, int64_t step,
                const std::vector<bool>& members) {
-  Record mine;
-  mine.kind = RecordKind::kVote;
-  mine.generation = p.id;
-  mine.epoch = d.boot->epoch();
-  mine.layer = static_cast<uint32_t>(step);
-  mine.expert = p.ReadyPrefix();
-  mine.source = d.self();
-  mine.reader = p.failure.ok() ? 0 : 1;
-  mine.reason = p.failure.ok() ? "" : p.failure.message().substr(0, protocol::kMaxReasonBytes);
-  auto& v = p.votes[{p.id, step}];
-  v.resize(d.world());
-  v[d.self()] = mine;
-  p.vote_sent = step;
-  p.voted_ready = mine.expert;
-  const std::string wire = protocol::EncodeRecord(mine);
+  const std::optional<Record> mine = p.votes.Cast(
+      step, p.ReadyPrefix(), p.failure.ok() ? "" : p.failure.message(), d.boot->epoch(), members);
+  if (!mine) return;
+  const std::string wire = protocol::EncodeRecord(*mine);
   // Votes go to and come from the members at this epoch only.
   if (d.outbox.size() < d.world()) d.outbox.resize(d.world());
   for (uint32_t r = 0; r < d.world(); ++r) {
@@ -244,7 +214,10 @@ void QueueVote(RearrangerImpl& d, RearrangerImpl::Pipeline& p, int64_t step,
 
 // This rank failed if a layer of it aborted or the rearrangement's deadline passed: its
 // next vote says so, and its running layers stop.
+// After its final vote a rank has nothing left to fail but the wait for the others' votes
+// (Commit's own deadline), and that vote stands: nothing is noted.
 void NoteFailure(RearrangerImpl& d, RearrangerImpl::Pipeline& p, protocol::Clock::time_point now) {
+  if (p.votes.final_sent()) return;
   if (p.failure.ok()) {
     for (const auto& run : p.runs) {
       if (run->protocol->state() == LayerState::kAborted) {
@@ -282,9 +255,7 @@ Status RearrangerImpl::Poll() {
 void RearrangerImpl::PollTurn() {
   Pipeline& p = *pipe;
   auto route = [&p](uint64_t g) { return p.Route(g); };
-  auto vote = [&p, this](uint32_t from, const Record& r) {
-    p.TakeVote(from, r, world(), boot->epoch());
-  };
+  auto vote = [&p, this](uint32_t from, const Record& r) { p.TakeVote(from, r, boot->epoch()); };
   // Start layers, in order, while fewer than max_layers_in_flight are started and not
   // committed, and a layer that lands in staging has a buffer.
   while (p.failure.ok() && p.runs.size() < p.layers &&
@@ -348,9 +319,6 @@ CommitResult RearrangerImpl::Commit() {
     p.report = PipelineReport();
     p.report.status = status;
     p.active = false;
-    // Old votes are of no use now.
-    for (auto it = p.votes.begin(); it != p.votes.end();)
-      it = it->first.first <= p.id ? p.votes.erase(it) : std::next(it);
   };
   // The member set changed under it (a rank was lost, docs/deploy.md "After a lost rank"):
   // no vote of this pipeline can complete any more, so it ends here at once, the layers
@@ -368,11 +336,13 @@ CommitResult RearrangerImpl::Commit() {
     --hold_sends;
     return out;
   }
-  // No vote is needed when the votes of the step before are all here and end the
+  // No vote is sent when the votes of the step before are all here and end the
   // rearrangement (every layer ready everywhere, or a rank failed): every rank ends at this
-  // step on those same votes, and no rank waits for one of this step.
+  // step on those same votes, and no rank waits for one of this step. Nor after this rank's
+  // final vote (every layer ready here): it stands for every later step, so the last rank
+  // to be ready applies at its next Commit() without a round of the others' votes back.
   const std::vector<bool> members = boot->members();
-  if (!p.VotesEnd(p.step - 1, members)) QueueVote(*this, p, p.step, members);
+  QueueVote(*this, p, p.step, members);
   Flush();
   --hold_sends;
   p.posted_this_step = 0;             // the turn's READs count against the step before
@@ -382,26 +352,18 @@ CommitResult RearrangerImpl::Commit() {
     return out;
   }
   // The votes of the previous step, from every rank.
-  const auto key = std::make_pair(p.id, p.step - 1);
   const auto t0 = env->Now();
   const auto wait_until = t0 + options.deadline;  // a failure by deadline comes in a vote
   auto route = [&p](uint64_t g) { return p.Route(g); };
-  auto vote = [&p, this](uint32_t from, const Record& r) {
-    p.TakeVote(from, r, world(), boot->epoch());
-  };
+  auto vote = [&p, this](uint32_t from, const Record& r) { p.TakeVote(from, r, boot->epoch()); };
   Status lost;
   for (;;) {
-    auto& v = p.votes[key];
-    v.resize(world());
-    int missing = -1;
-    for (uint32_t r = 0; r < world() && missing < 0; ++r) {
-      if (!v[r] && IsMember(members, r)) missing = static_cast<int>(r);
-    }
+    const int missing = p.votes.Missing(p.step - 1, members);
     if (missing < 0) break;
     Result<PeerInfo> info = agent->Peer(peer_of[missing]);
     if (info.ok() && !info->reachable) {
       Handle(agent->PollNotifications(), route, vote);
-      if (v[missing]) continue;
+      if (p.votes.Of(p.step - 1, static_cast<uint32_t>(missing)) != nullptr) continue;
       lost = Status::Unavailable(StrCat("rank ", self(), ": rank ", missing,
                                         " unreachable before its vote of step ", p.step - 1, ": ",
                                         info->failure));
@@ -432,15 +394,9 @@ CommitResult RearrangerImpl::Commit() {
     finish(lost.code() == Code::kTimeout ? Status::Timeout(why) : Status::Unavailable(why), false);
     return out;
   }
-  const auto& v = p.votes[key];
-  uint32_t agreed = p.layers;
-  const Record* failed_vote = nullptr;
-  for (uint32_t r = 0; r < world(); ++r) {
-    if (!v[r]) continue;  // not a member: no vote
-    agreed = std::min(agreed, v[r]->expert);
-    if (v[r]->reader != 0 && failed_vote == nullptr) failed_vote = &*v[r];
-  }
-  for (uint32_t l = p.applied; l < agreed && l < p.runs.size(); ++l) {
+  const protocol::Votes::Outcome agreed = p.votes.Agreed(p.step, members);
+  const Record* failed_vote = agreed.failed;
+  for (uint32_t l = p.applied; l < agreed.ready && l < p.runs.size(); ++l) {
     Run& run = *p.runs[l];
     const uint64_t copied = run.job.commit();
     run.outcome.bytes_copied += copied;
@@ -486,30 +442,11 @@ bool RearrangerImpl::CommitDue() const {
       ready == started && (started == p.layers ||
                            started - p.applied >= static_cast<size_t>(p.opt.max_layers_in_flight) ||
                            (p.staged[started] && p.free_slots.empty()));
-  if (blocked && ready > p.voted_ready) return true;
+  if (blocked && ready > p.votes.voted_ready()) return true;
   for (const auto& run : p.runs) {
     if (!run->held.empty()) return true;  // the budget of this step is spent
   }
-  // The latest vote known of every member (votes are kept by step, in order).
-  std::vector<const Record*> latest(world(), nullptr);
-  for (auto it = p.votes.lower_bound({p.id, 0}); it != p.votes.end() && it->first.first == p.id;
-       ++it) {
-    for (uint32_t r = 0; r < it->second.size() && r < world(); ++r) {
-      if (!it->second[r]) continue;
-      if (it->second[r]->reader != 0) return true;  // a rank failed: every rank ends
-      latest[r] = &*it->second[r];
-      // A rank that voted step t waits in its Commit for every vote of step t - 1: this
-      // rank's, when it has not sent it yet.
-      if (it->first.second >= p.vote_sent + 2) return true;
-    }
-  }
-  const std::vector<bool> members = boot->members();
-  uint32_t low = p.layers;
-  for (uint32_t r = 0; r < world(); ++r) {
-    if (!IsMember(members, r)) continue;
-    low = latest[r] == nullptr ? 0 : std::min(low, latest[r]->expert);
-  }
-  return low > p.applied;  // a vote round applies another layer
+  return p.votes.Due(p.applied, boot->members());
 }
 
 bool RearrangerImpl::AwaitCommit(std::chrono::milliseconds timeout) {
@@ -517,9 +454,7 @@ bool RearrangerImpl::AwaitCommit(std::chrono::milliseconds timeout) {
   Pipeline& p = *pipe;
   const auto until = env->Now() + timeout;
   auto route = [&p](uint64_t g) { return p.Route(g); };
-  auto vote = [&p, this](uint32_t from, const Record& r) {
-    p.TakeVote(from, r, world(), boot->epoch());
-  };
+  auto vote = [&p, this](uint32_t from, const Record& r) { p.TakeVote(from, r, boot->epoch()); };
   for (;;) {
     (void)Poll();
     if (CommitDue()) return true;

@@ -14,6 +14,7 @@
 #include "eplbx/rearrange.h"
 #include "protocol/layer_protocol.h"
 #include "protocol/records.h"
+#include "protocol/votes.h"
 
 namespace eplbx::internal {
 
@@ -21,11 +22,7 @@ namespace eplbx::internal {
 // checks (deadlines are seconds).
 constexpr int kTickMs = 10;
 
-// Whether rank r is a member in a bootstrap's members() (ranks past its end are: a bootstrap
-// without membership says nothing of them).
-inline bool IsMember(const std::vector<bool>& members, uint32_t r) {
-  return r >= members.size() || members[r];
-}
+using protocol::IsMember;  // (src/protocol/votes.h)
 
 class RearrangerImpl {
  public:

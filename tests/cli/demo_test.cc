@@ -1081,7 +1081,7 @@ TEST(DemoTest, WorkerServingRefusesWhatItCannotDo) {
 // issue 17, item 9). Now every field from a peer is type-checked: rank 0 ends with a
 // one-line error naming rank 1 and the field, exit 1.
 TEST(DemoTest, AMalformedReportFromAMemberIsANamedError) {
-  const int port = 32000 + getpid() % 1000;
+  const int port = eplbx::Port();  // (below the ephemeral range: 32000 + pid % 1000 was in it)
   const std::string env = "EPLBX_MASTER_ADDR=127.0.0.1 EPLBX_MASTER_PORT=" + std::to_string(port) +
                           " EPLBX_RANK=0 EPLBX_WORLD_SIZE=2 EPLBX_TOKEN=t ";
   const std::string cmd = env + EPLBX_CLI +

@@ -21,7 +21,8 @@ std::vector<int32_t> ImproveFrom(std::span<const double> weight, std::span<const
     if (previous[s] >= 0) before[static_cast<size_t>(layout.rank_of(s)) * n + previous[s]] = 1;
   }
   auto over = [&] { return *std::max_element(layout.load.begin(), layout.load.end()) > goal; };
-  SwapCache cache(ranks);
+  thread_local SwapCache cache(ranks);
+  cache.Reset(ranks);
   for (int step = 0; step < max_steps && over(); ++step) {
     const Move move = BestMove(layout, layout.Heaviest(), &before, &cache);
     if (move.a < 0) break;

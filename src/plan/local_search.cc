@@ -497,10 +497,21 @@ void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* befo
 
 }  // namespace
 
-SwapCache::SwapCache(int ranks)
-    : ranks_(ranks),
-      row_(static_cast<size_t>(ranks), -1),
-      changed_(static_cast<size_t>(ranks), 0) {}
+SwapCache::SwapCache(int ranks) { Reset(ranks); }
+
+void SwapCache::Reset(int ranks) {
+  ranks_ = ranks;
+  row_.assign(static_cast<size_t>(ranks), -1);
+  best_.clear();
+  computed_.clear();
+  changed_.assign(static_cast<size_t>(ranks), 0);
+  log_.clear();
+  row_best_.clear();
+  row_seen_.clear();
+  row_known_.clear();
+  clock_ = 0;
+  all_changed_ = 0;
+}
 
 int SwapCache::Row(int t) {
   if (row_[t] < 0) {
@@ -616,10 +627,19 @@ void Apply(Layout& layout, const Move& move) {
     layout.RecomputeRanks(changed);
     return;
   }
-  --layout.count[layout.expert[move.a]];
-  ++layout.count[move.to];
-  layout.expert[move.a] = move.to;
-  layout.Recompute();
+  // A re-point changes the shares of its two experts only: the ranks holding either (slot
+  // a's among them) are summed again, in slot order as Recompute does (the same values).
+  const int32_t x = layout.expert[move.a], y = move.to;
+  std::vector<int> changed;
+  for (int r = 0; r < layout.ranks; ++r) {
+    if (layout.holds(r, x) || layout.holds(r, y)) changed.push_back(r);
+  }
+  --layout.count[x];
+  ++layout.count[y];
+  layout.expert[move.a] = y;
+  for (const int32_t e : {x, y})
+    layout.shares[e] = layout.count[e] ? layout.weight[e] / layout.count[e] : 0.0;
+  layout.RecomputeRanks(changed);
 }
 
 }  // namespace eplbx::internal

@@ -91,6 +91,9 @@ Move BestMove(const Layout& layout, int top, const std::vector<uint8_t>* before,
 class SwapCache {
  public:
   explicit SwapCache(int ranks);
+  // Empty again, for a layout of `ranks` ranks; the memory stays (a thread plans layer after
+  // layer with one cache: no fresh pages to fault in for each).
+  void Reset(int ranks);
   // The best swap from rank `from` to rank `to` (a < 0: none).
   Move Get(const Layout& layout, int from, int to, const std::vector<uint8_t>* before);
   // The best swap from rank `from` to any rank below the goal (a < 0: none).

@@ -432,6 +432,11 @@ CommitResult RearrangerImpl::Commit() {
 bool RearrangerImpl::CommitDue() const {
   const Pipeline& p = *pipe;
   if (boot->epoch() != p.epoch || !p.failure.ok() || !unsent_vote.empty()) return true;
+  // After its final vote nothing of this rank's own ends the rearrangement (NoteFailure), so
+  // past its deadline a Commit() is due: it waits for the votes still missing until the layer
+  // deadline, or finds their rank unreachable, and ends there (a caller that commits only
+  // when one is due would otherwise wait forever for a vote that never comes).
+  if (p.votes.final_sent() && env->Now() > p.deadline) return true;
   // News of this rank (its next vote would say more than its last), once every layer
   // started is ready here and no other can start before a commit: without forward passes in
   // between, committing the first layers a round earlier gains nothing, and each vote round

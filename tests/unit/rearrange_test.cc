@@ -1252,6 +1252,61 @@ TEST(PipelineTest, EveryPhaseEndsEveryRankAtomically) {
   }
 }
 
+// A final vote lost on the way (rank 2's, its only vote: every layer in flight, no budget):
+// ranks 0 and 1, final too, have nothing of their own left to fail and commit only when one
+// is due (AwaitCommit). Past the rearrangement's deadline a Commit() is due; it waits for
+// rank 2's vote until the layer deadline and ends by name, not agreed (the vote window,
+// docs/protocol.md). Rank 2 has every vote and commits every layer. (Before, ranks 0 and 1
+// waited in AwaitCommit forever.)
+TEST(PipelineTest, RanksWhoseFinalVoteIsInStillEndWhenAVoteNeverComes) {
+  using internal::Fault;
+  std::mt19937 rng(89);
+  const RandomMoves m(rng);
+  Result<MigrationPlan> plan = PlanMoves(m);
+  ASSERT_TRUE(plan.ok());
+  auto drop = std::make_shared<internal::FaultPlan>();
+  Fault f = Fault::Of(Fault::Action::kDrop);
+  f.match = [](std::string_view p) { return IsRecord(p, protocol::RecordKind::kVote); };
+  drop->OnNotifications(f);
+  std::vector<RearrangeReport> reports;
+  const auto start = std::chrono::steady_clock::now();
+  auto ranks = RearrangeOnThreads(
+      m.before,
+      [&](Rearranger& re) {
+        AsyncOptions ao;
+        ao.step_budget_bytes = UINT64_MAX / 4;
+        ao.max_bytes_in_flight = UINT64_MAX / 4;
+        ao.max_layers_in_flight = kLayers;
+        ao.deadline = std::chrono::milliseconds(300);
+        Status b = re.Begin(*m.from, *m.to, *plan, ao);
+        EXPECT_TRUE(b.ok()) << b.ToString();
+        RearrangeReport out;
+        out.status = Status::Internal("still running after 10 s");
+        const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (b.ok() && re.busy() && std::chrono::steady_clock::now() < give_up) {
+          if (!re.AwaitCommit(std::chrono::milliseconds(50))) continue;
+          CommitResult cr = re.Commit();
+          if (cr.finished) {
+            out = re.async_report();
+            out.status = cr.status;
+          }
+        }
+        return out;
+      },
+      &reports, {nullptr, nullptr, drop}, std::chrono::milliseconds(400));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_GE(drop->injected(), 1u);
+  for (uint32_t r = 0; r < 2; ++r) {
+    EXPECT_EQ(reports[r].status.code(), Code::kTimeout) << "rank " << r;
+    EXPECT_NE(reports[r].status.message().find("deadline passed waiting for the vote of step 1 "
+                                               "from rank 2"),
+              std::string::npos)
+        << reports[r].status.ToString();
+  }
+  EXPECT_TRUE(reports[2].status.ok()) << reports[2].status.ToString();
+  ExpectLayerAtomic(ranks, reports, m, "final vote lost");
+}
+
 // AwaitCommit (a caller with no forward steps of its own): with every layer in flight and no
 // budget (the demo's pipeline), each rank votes once, when every layer is ready here, and the next
 // Commit applies them all on every rank at the same step and ends without a vote; with two layers

@@ -139,6 +139,10 @@ bool LayerProtocol::PartOver() const {
   return std::all_of(read_done_.begin(), read_done_.end(), [](bool b) { return b; });
 }
 
+bool LayerProtocol::maps_agreed() const {
+  return std::all_of(maps_ok_.begin(), maps_ok_.end(), [](bool b) { return b; });
+}
+
 bool LayerProtocol::held_and_ready() const {
   return held_ && state_ == LayerState::kRunning && started_ && !done_sent() && PartOver();
 }

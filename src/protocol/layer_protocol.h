@@ -117,6 +117,8 @@ class LayerProtocol {
   bool held_and_ready() const;
   // This rank sent its DONE of the layer.
   bool done_sent() const { return step_.self < done_from_.size() && done_from_[step_.self]; }
+  // Every rank's maps of the layer arrived and matched this rank's.
+  bool maps_agreed() const;
 
   LayerState state() const { return state_; }
   const std::string& error() const { return error_; }

@@ -4,12 +4,13 @@
 // so the rule is tested over thousands of random worlds (tests/unit/votes_test.cc).
 //
 // The rule. At Commit() number s a rank sends VOTE(s, n, failed?) — n leading layers ready
-// here (a layer is ready at its commit point: DONE from every rank) — to every member, then
-// applies the layers that every member's VOTE(s - 1) says are ready. Two exceptions send no
-// vote: when the votes of s - 1 already end the rearrangement (every one says every layer
-// is ready, or one says its rank failed), and after this rank's *final* vote (every layer
-// ready, not failed). A ready layer never goes back, so a final vote stands as that rank's
-// vote of every later step: the last rank to be ready applies at its next Commit() without
+// here (the rearranger's meaning: this rank vouches for the layer, its DONE sent and every
+// rank's maps matched; src/rearrange/pipeline.cc) — to every member, then applies the layers
+// that every member's VOTE(s - 1) says are ready. Two exceptions send no vote: when the
+// votes of s - 1 already end the rearrangement (every one says every layer is ready, or one
+// says its rank failed), and after this rank's *final* vote (every layer ready, not failed).
+// Readiness never goes back, so a final vote stands as that rank's vote of every later
+// step: the last rank to be ready applies at its next Commit() without
 // waiting for a round of the others' votes back.
 #ifndef EPLBX_SRC_PROTOCOL_VOTES_H_
 #define EPLBX_SRC_PROTOCOL_VOTES_H_

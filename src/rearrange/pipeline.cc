@@ -1,9 +1,10 @@
 // The asynchronous, pipelined rearrangement (docs/protocol.md, "Asynchronous commits").
 //
 // Each layer runs the same protocol as the synchronous loop (MAPS, READY, READ, DONE),
-// into its own staging buffer; up to max_layers_in_flight layers run at once. A layer whose
-// protocol reaches its commit point (every rank's reads done) is *ready*; it is applied only
-// when every rank voted it ready. Votes (the rule: src/protocol/votes.h): at each Commit()
+// into its own staging buffer; up to max_layers_in_flight layers run at once. A layer this
+// rank vouches for (its DONE sent: its reads landed; every rank's maps matched) is *ready*
+// here; it is applied only when every rank voted it ready (every rank vouches for it: every
+// read of it landed). Votes (the rule: src/protocol/votes.h): at each Commit()
 // call (step s) a rank sends VOTE(s, how many leading layers are ready here, failed?) to
 // every rank, then applies the layers that every rank's VOTE(s - 1) says are ready. The vote
 // of the previous step was sent a whole step earlier, so it is normally there already; the
@@ -67,15 +68,29 @@ struct RearrangerImpl::Pipeline {
     return (posted_this_step == 0 || posted_this_step + bytes <= budget) &&
            (flight == 0 || flight + bytes <= cap);
   }
+  // The leading layers at their commit point here (DONE from every rank): reported only.
   uint32_t ReadyPrefix() const {
     uint32_t n = applied;
     while (n < runs.size() && runs[n]->protocol->state() == LayerState::kCommitted) ++n;
     return n;
   }
+  // What this rank's vote says: the leading layers it vouches for — it sent its DONE (its
+  // READs of the layer landed) and every rank's maps matched its own. Both are facts that
+  // never go back, and a layer every rank vouches for is safe to apply everywhere: every
+  // READ of it has landed, so no rank still reads a row that a commit overwrites, and every
+  // rank has the same maps (docs/protocol.md, "Asynchronous commits").
+  uint32_t VouchedPrefix() const {
+    uint32_t n = applied;
+    while (n < runs.size() && runs[n]->protocol->done_sent() && runs[n]->protocol->maps_agreed())
+      ++n;
+    return n;
+  }
+  // The layers not applied whose protocol runs (an applied layer may still wait for a DONE
+  // the votes made unnecessary: it is left alone).
   std::vector<Run*> Running() const {
     std::vector<Run*> out;
-    for (const auto& r : runs) {
-      if (r->protocol->state() == LayerState::kRunning) out.push_back(r.get());
+    for (size_t l = applied; l < runs.size(); ++l) {
+      if (runs[l]->protocol->state() == LayerState::kRunning) out.push_back(runs[l].get());
     }
     return out;
   }
@@ -201,7 +216,7 @@ void StopRuns(RearrangerImpl& d, RearrangerImpl::Pipeline& p, const std::string&
 void QueueVote(RearrangerImpl& d, RearrangerImpl::Pipeline& p, int64_t step,
                const std::vector<bool>& members) {
   const std::optional<Record> mine = p.votes.Cast(
-      step, p.ReadyPrefix(), p.failure.ok() ? "" : p.failure.message(), d.boot->epoch(), members);
+      step, p.VouchedPrefix(), p.failure.ok() ? "" : p.failure.message(), d.boot->epoch(), members);
   if (!mine) return;
   const std::string wire = protocol::EncodeRecord(*mine);
   // Votes go to and come from the members at this epoch only.
@@ -438,10 +453,10 @@ bool RearrangerImpl::CommitDue() const {
   // when one is due would otherwise wait forever for a vote that never comes).
   if (p.votes.final_sent() && env->Now() > p.deadline) return true;
   // News of this rank (its next vote would say more than its last), once every layer
-  // started is ready here and no other can start before a commit: without forward passes in
+  // started is vouched for here and no other can start before a commit: without forward passes in
   // between, committing the first layers a round earlier gains nothing, and each vote round
   // costs every rank a wake-up per message.
-  const uint32_t ready = p.ReadyPrefix();
+  const uint32_t ready = p.VouchedPrefix();
   const size_t started = p.runs.size();
   const bool blocked =
       ready == started && (started == p.layers ||

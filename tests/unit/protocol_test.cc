@@ -422,7 +422,23 @@ struct LayersWorld {
     Apply(m.to, l, p[m.to][l]->OnRecord(m.from, m.r, now, &deferred));
     EXPECT_FALSE(deferred);
     Settle(m.to);
+    CheckVouched();
     return true;
+  }
+  // What the pipeline's votes rest on (src/rearrange/pipeline.cc, VouchedPrefix): once every
+  // rank vouches for a layer (its DONE sent, every rank's maps matched its own), every READ
+  // of the layer has completed, whatever has arrived where.
+  void CheckVouched() {
+    for (uint32_t l = 0; l < layers; ++l) {
+      bool all = true;
+      for (uint32_t r = 0; r < world; ++r)
+        all = all && p[r][l]->done_sent() && p[r][l]->maps_agreed();
+      if (!all) continue;
+      for (const Read& rd : reads) {
+        EXPECT_NE(rd.layer, l) << "every rank vouches for layer " << l << " while rank " << rd.rank
+                               << " still READs from rank " << rd.task.source;
+      }
+    }
   }
   int drop_done = -1, dones_delivered = 0;
   std::optional<Msg> lost;
@@ -607,6 +623,8 @@ TEST(LayerProtocolTest, AStaleMapOnOneRankFailsTheLayerOnEveryRank) {
     for (uint32_t r = 0; r < world; ++r) {
       ASSERT_EQ(w.commits[r], 0) << "trial " << trial << " rank " << r;
       ASSERT_EQ(w.ranks[r].state(), LayerState::kAborted);
+      // No rank vouches for the layer (the pipeline's vote: src/rearrange/pipeline.cc).
+      EXPECT_FALSE(w.ranks[r].maps_agreed()) << "trial " << trial << " rank " << r;
     }
     for (const auto& [reader, task] : w.posted) {
       EXPECT_TRUE(reader != stale && task.source != stale)

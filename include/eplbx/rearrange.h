@@ -180,9 +180,11 @@ class Rearranger {
   // starts layers as staging frees up, checks deadlines.
   Status Poll();
   // At a safe point between forward passes, on every rank at the same steps: votes which
-  // leading layers are ready here, and applies the layers every rank voted ready one step
-  // earlier (the vote of the previous step is normally there already; else it waits, up
-  // to the layer deadline). Every rank commits the same layers at the same step. With no
+  // leading layers are ready here (this rank's READs of them landed and every rank's maps
+  // matched), and applies the layers every rank voted ready one step earlier (the vote of
+  // the previous step is normally there already; else it waits, up to the layer deadline).
+  // Every rank commits the same layers at the same step. Once its vote says every layer is
+  // ready, a rank votes no more: that vote stands for the later steps. With no
   // rearrangement running it returns at once with nothing.
   CommitResult Commit();
   // For a caller with no forward steps of its own (the demo; an engine draining a
@@ -191,9 +193,10 @@ class Rearranger {
   // none can start before a commit (and this rank's last vote says fewer); the latest vote
   // known of every rank lets another layer be applied, or says a rank failed; a rank waits
   // for this rank's vote of a step; this rank failed; READs wait for the next step's
-  // budget; the member set changed. Commit() back to back instead sends a vote round per
-  // call while nothing changes (each a message to every rank). False at once when no
-  // rearrangement is running.
+  // budget; the member set changed; the rearrangement's deadline passed after this rank's
+  // final vote (the Commit() then waits for the missing votes and ends). Commit() back to
+  // back instead sends a vote round per call while nothing changes (each a message to every
+  // rank). False at once when no rearrangement is running.
   bool AwaitCommit(std::chrono::milliseconds timeout);
   AsyncProgress progress() const;
   bool busy() const;  // an asynchronous rearrangement is running

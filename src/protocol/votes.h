@@ -10,8 +10,8 @@
 // votes of s - 1 already end the rearrangement (every one says every layer is ready, or one
 // says its rank failed), and after this rank's *final* vote (every layer ready, not failed).
 // Readiness never goes back, so a final vote stands as that rank's vote of every later
-// step: the last rank to be ready applies at its next Commit() without
-// waiting for a round of the others' votes back.
+// step: the last rank to be ready applies at its next Commit() without waiting for a round
+// of the others' votes back.
 #ifndef EPLBX_SRC_PROTOCOL_VOTES_H_
 #define EPLBX_SRC_PROTOCOL_VOTES_H_
 

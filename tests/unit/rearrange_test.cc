@@ -1166,6 +1166,17 @@ RearrangeReport RunToTheEnd(Rearranger& re, const RandomMoves& m, const Migratio
   return out;
 }
 
+// Every rank runs RunToTheEnd on a thread of its own, rank r's agent driven by `faults[r]`
+// where given, layer deadline 400 ms.
+std::vector<std::unique_ptr<Rank>> RunToTheEndOnThreads(
+    const RandomMoves& m, const MigrationPlan& plan, const AsyncOptions& ao, bool await,
+    const std::vector<std::shared_ptr<internal::FaultPlan>>& faults,
+    std::vector<RearrangeReport>* reports) {
+  return RearrangeOnThreads(
+      m.before, [&](Rearranger& re) { return RunToTheEnd(re, m, plan, ao, await); }, reports,
+      faults, std::chrono::milliseconds(400));
+}
+
 // Rollback, deadline and abort at every phase of an asynchronous rebalance (one fault on
 // rank 1, through the fault-injecting path and channel): every rank ends with an error by
 // name within the deadline, every layer of every rank is all-old or all-new, and where the
@@ -1233,17 +1244,12 @@ TEST(PipelineTest, EveryPhaseEndsEveryRankAtomically) {
       ASSERT_TRUE(plan.ok());
       auto faulty = std::make_shared<internal::FaultPlan>();
       c.arm(*faulty);
+      AsyncOptions ao;
+      ao.step_budget_bytes = kBytes[0] + kBytes[1];  // several steps
+      ao.max_layers_in_flight = 2;
       std::vector<RearrangeReport> reports;
       const auto start = std::chrono::steady_clock::now();
-      auto ranks = RearrangeOnThreads(
-          m.before,
-          [&](Rearranger& re) {
-            AsyncOptions ao;
-            ao.step_budget_bytes = kBytes[0] + kBytes[1];  // several steps
-            ao.max_layers_in_flight = 2;
-            return RunToTheEnd(re, m, *plan, ao, await);
-          },
-          &reports, {nullptr, faulty, nullptr}, std::chrono::milliseconds(400));
+      auto ranks = RunToTheEndOnThreads(m, *plan, ao, await, {nullptr, faulty, nullptr}, &reports);
       const auto took = std::chrono::steady_clock::now() - start;
       EXPECT_GE(faulty->injected(), 1u) << "the fault never applied";
       EXPECT_LT(took, std::chrono::seconds(5));
@@ -1287,19 +1293,15 @@ TEST(PipelineTest, RanksWhoseFinalVoteIsInStillEndWhenAVoteNeverComes) {
   drop_vote.times = kRanks - 1;
   auto drop = std::make_shared<internal::FaultPlan>();
   drop->OnNotifications(drop_vote);
+  AsyncOptions ao;
+  ao.step_budget_bytes = UINT64_MAX / 4;
+  ao.max_bytes_in_flight = UINT64_MAX / 4;
+  ao.max_layers_in_flight = kLayers;
+  ao.deadline = std::chrono::milliseconds(300);
   std::vector<RearrangeReport> reports;
   const auto start = std::chrono::steady_clock::now();
-  auto ranks = RearrangeOnThreads(
-      m.before,
-      [&](Rearranger& re) {
-        AsyncOptions ao;
-        ao.step_budget_bytes = UINT64_MAX / 4;
-        ao.max_bytes_in_flight = UINT64_MAX / 4;
-        ao.max_layers_in_flight = kLayers;
-        ao.deadline = std::chrono::milliseconds(300);
-        return RunToTheEnd(re, m, *plan, ao, /*await=*/true);
-      },
-      &reports, {nullptr, nullptr, drop}, std::chrono::milliseconds(400));
+  auto ranks =
+      RunToTheEndOnThreads(m, *plan, ao, /*await=*/true, {nullptr, nullptr, drop}, &reports);
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
   EXPECT_GE(drop->injected(), 1u);
   for (uint32_t r = 0; r < 2; ++r) {

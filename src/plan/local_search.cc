@@ -269,6 +269,31 @@ class RepointEvaluator {
     return std::span<const int>(ranks_).subspan(first_[e], first_[e + 1] - first_[e]);
   }
 
+  // With a goal: the relief of re-pointing slot `a` to y, the same value Worst sums. When
+  // every rank holding x (slot a's among them) is at or below the goal before and after x's
+  // share rises, Worst adds exact zeros for them ahead of y's other ranks, so the sum is y's
+  // part alone (Part): a rank holding both adds zero there too (y's drop only lowers it,
+  // and rounding is monotonic). A hot expert's ranks are many, and re-points of cold
+  // replicas to it, or of its replicas to anything, keep asking about them.
+  double Relief(int a, int32_t y) {
+    const int32_t x = l_.expert[a];
+    const int ra = l_.rank_of(static_cast<size_t>(a));
+    const double sx_new = l_.weight[x] / (l_.count[x] - 1);
+    const Part& px = Of(x, sx_new - l_.share(x));
+    // ra's change as Worst adds it up: x's rise for each replica on ra, then y in, x out.
+    double d = 0;
+    for (int i = 0; i < l_.held[static_cast<size_t>(ra) * l_.count.size() + x]; ++i) d += px.step;
+    d += l_.weight[y] / (l_.count[y] + 1) - sx_new;
+    const bool plain = (px.bad == 0 || (px.bad == 1 && px.bad_rank == ra)) &&
+                       Excess(l_, l_.load[ra]) == 0 && Excess(l_, l_.load[ra] + d) == 0;
+    if (!plain) {
+      double relief;
+      Worst(a, y, &relief);
+      return relief;
+    }
+    return Of(y, l_.weight[y] / (l_.count[y] + 1) - l_.share(y)).sum;
+  }
+
   // The largest rank load after the change (without a goal; 0 with one); *relief: the
   // total excess (Excess) it removes from the ranks it changes.
   double Worst(int a, int32_t y, double* relief) {
@@ -314,6 +339,42 @@ class RepointEvaluator {
   std::vector<double> delta_;
   std::vector<uint8_t> touched_flag_;
   std::vector<int> touched_;
+  // An expert's ranks when its share changes by `step` a replica (one fewer replica for x,
+  // one more for y): the excess they lose in all, summed in Worst's order (for y), and how
+  // many of them are above the goal before or after (for x), the first such rank.
+  struct Part {
+    double step = 0, sum = 0;
+    int bad = 0, bad_rank = -1;
+  };
+  // Expert e's Part for this step (each expert is asked with one step in a search: one
+  // replica fewer as an x, one more as a y, and the two are kept apart by their step).
+  const Part& Of(int32_t e, double step) {
+    const bool as_x = step > 0;
+    std::vector<Part>& parts = as_x ? x_part_ : y_part_;
+    std::vector<uint8_t>& known = as_x ? x_known_ : y_known_;
+    if (known.empty()) {
+      known.assign(l_.count.size(), 0);
+      parts.resize(l_.count.size());
+    }
+    Part& p = parts[static_cast<size_t>(e)];
+    if (known[static_cast<size_t>(e)]) return p;
+    known[static_cast<size_t>(e)] = 1;
+    p = Part{.step = step};
+    for (int k = first_[e]; k < first_[e + 1];) {
+      const int r = ranks_[k];
+      double d = 0;
+      for (; k < first_[e + 1] && ranks_[k] == r; ++k) d += step;
+      const double before = Excess(l_, l_.load[r]), after = Excess(l_, l_.load[r] + d);
+      p.sum += before - after;
+      if (before != 0 || after != 0) {
+        if (p.bad++ == 0) p.bad_rank = r;
+      }
+    }
+    return p;
+  }
+
+  std::vector<Part> x_part_, y_part_;
+  std::vector<uint8_t> x_known_, y_known_;
 };
 
 // Re-pointing a redundant replica: one on `top` to an expert `top` lacks (top sheds load),
@@ -391,12 +452,15 @@ void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* befo
     if (l.goal > 0 && l.repoint_bounds) {
       const double sy_new = sy_new_of[y];
       // x's ranks but ra and those holding y (each once; rises are never negative).
+      // Both lists are in rank order, so walking the shorter one subtracts the same rises in
+      // the same order.
       double penalty = t.penalty;
-      const std::span<const int> y_ranks = eval->Holders(y);
-      for (size_t i = 0; i < y_ranks.size(); ++i) {
-        const int r = y_ranks[i];
-        if (r != ra && l.holds(r, x) &&
-            std::find(y_ranks.begin(), y_ranks.begin() + i, r) == y_ranks.begin() + i)
+      const std::span<const int> x_ranks = eval->Holders(x), y_ranks = eval->Holders(y);
+      const bool by_x = x_ranks.size() < y_ranks.size();
+      const std::span<const int> walk = by_x ? x_ranks : y_ranks;
+      for (size_t i = 0; i < walk.size(); ++i) {
+        const int r = walk[i];
+        if (r != ra && (i == 0 || walk[i - 1] != r) && l.holds(r, by_x ? y : x))
           penalty -= rise(r, x);
       }
       // (plus a hair for rounding in the evaluation's sums)
@@ -406,9 +470,15 @@ void ConsiderRepoints(const Layout& l, int top, const std::vector<uint8_t>* befo
     }
     if (!eval) eval.emplace(l);
     double relief;
-    const double worst = eval->Worst(a, y, &relief);
-    if (l.goal <= 0 && worst >= top_load * (1 - 1e-12)) return;
-    if (l.goal <= 0) relief = top_load - worst;
+    if (l.goal > 0 && l.repoint_bounds) {
+      relief = eval->Relief(a, y);
+    } else if (l.goal > 0) {
+      eval->Worst(a, y, &relief);
+    } else {
+      const double worst = eval->Worst(a, y, &relief);
+      if (worst >= top_load * (1 - 1e-12)) return;
+      relief = top_load - worst;
+    }
     Consider(l, best, relief, copies, {a, -1, -1, -1, y, x});
   };
   // Only replicas of experts with several can be re-pointed (the same candidates in the
@@ -590,21 +660,26 @@ void SwapCache::Invalidate(const Layout& l, const Move& applied) {
 Move BestMove(const Layout& layout, int top, const std::vector<uint8_t>* before, SwapCache* cache) {
   Move best;
   if (cache != nullptr && layout.goal > 0) {
-    // The same search as below, from the cached best swap of each rank: ranks in order
-    // (top first), a later one only with more gain (its row best is the one a scan of its
-    // entries in rank order keeps).
-    auto consider_rank = [&](int t) {
-      const Move m = cache->RowBest(layout, t, before);
-      if (m.a >= 0 && m.gain > best.gain) best = m;
-    };
-    consider_rank(top);
+    // The same move as the search below, in another order: the best swap from the cached
+    // row of each rank (top first, then in rank order, a later one only with more gain: its
+    // row best is the one a scan of its entries in rank order keeps), and a re-point only
+    // with more gain than every swap. Re-points are sought right after top's swaps, so that
+    // a rank whose swaps cannot beat the better of the two (SwapCap, four-fold as gain) is
+    // not brought up to date: a re-point that wins relieves many ranks at once, and brought
+    // every row it touched out of date.
+    Move swap = cache->RowBest(layout, top, before);
+    if (swap.a < 0) swap = Move{};
+    Move repoint = swap;  // a re-point with more gain than top's swaps, if any
+    if (layout.repoints) ConsiderRepoints(layout, top, before, repoint);
+    const bool repointed = repoint.a >= 0 && repoint.b < 0;
     for (int r = 0; r < layout.ranks; ++r) {
       if (r == top || layout.load[r] <= layout.goal) continue;
-      // A rank whose swaps cannot beat the best so far (SwapCap, four-fold as gain) is not
-      // brought up to date now.
-      if (best.a >= 0 && CannotBeat(4 * SwapCap(layout, r), best)) continue;
-      consider_rank(r);
+      const Move& bar = repointed && repoint.gain > swap.gain ? repoint : swap;
+      if (bar.a >= 0 && CannotBeat(4 * SwapCap(layout, r), bar)) continue;
+      const Move m = cache->RowBest(layout, r, before);
+      if (m.a >= 0 && m.gain > swap.gain) swap = m;
     }
+    best = repointed && repoint.gain > swap.gain ? repoint : swap;
   } else {
     ConsiderSwaps(layout, top, before, best);
     if (layout.goal > 0) {  // with a goal, swaps on every rank above it compete too
@@ -612,8 +687,8 @@ Move BestMove(const Layout& layout, int top, const std::vector<uint8_t>* before,
         if (r != top && layout.load[r] > layout.goal) ConsiderSwaps(layout, r, before, best);
       }
     }
+    if (layout.repoints) ConsiderRepoints(layout, top, before, best);
   }
-  if (layout.repoints) ConsiderRepoints(layout, top, before, best);
   if (best.a < 0) ConsiderPairSwaps(layout, top, before, best);
   return best;
 }

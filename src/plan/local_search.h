@@ -25,8 +25,8 @@ struct Layout {
   std::vector<double> load;        // rank -> sum of weight / count over its slots
   double goal = 0;                 // a rank load that is good enough (moves gain nothing below it)
   bool repoints = true;            // consider re-pointing redundant replicas (changes counts)
-  bool repoint_bounds = true;      // tests: false evaluates every re-point (bounds never change
-                                   // the move, only how many are evaluated)
+  bool repoint_bounds = true;      // tests: false evaluates every re-point in full (bounds and
+                                   // shortcuts never change the move, only how fast)
   std::vector<uint8_t> held;       // ranks x experts: replicas of the expert on the rank
   std::vector<double> shares;      // expert -> weight / count (0 without replicas)
 

@@ -249,7 +249,13 @@ class Agent {
   // copies on the calling thread beside the copy threads (it expects the caller to wait for
   // it), so the next READs would be posted only after it; these are all handed over (same-
   // host copies of at most inline_copy_bytes are still copied here) and run in this order.
-  std::vector<Result<TransferId>> ReadMany(std::span<const ReadRequest> requests);
+  // `caller_waits`: the caller will wait for these READs with nothing else to do meanwhile
+  // (a synchronous rearrangement). Then, on a busy host (at least as many agents on it as
+  // cores), same-host copies of up to 1 MiB each are made here too, in order: every core
+  // already has an agent copying, and a hand-off to a copy thread would add a wake-up per
+  // READ, not parallelism (docs/transfer.md, "Copy threads").
+  std::vector<Result<TransferId>> ReadMany(std::span<const ReadRequest> requests,
+                                           bool caller_waits = false);
 
   // kInProgress, kDone, or kError with the reason. Terminal states never change.
   // An unknown (or released) id gives kError with kNotFound.

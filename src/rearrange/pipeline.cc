@@ -475,6 +475,11 @@ bool RearrangerImpl::AwaitCommit(std::chrono::milliseconds timeout) {
   const auto until = env->Now() + timeout;
   auto route = [&p](uint64_t g) { return p.Route(g); };
   auto vote = [&p, this](uint32_t from, const Record& r) { p.TakeVote(from, r, boot->epoch()); };
+  caller_idle = true;  // (until this returns)
+  struct Idle {
+    bool& flag;
+    ~Idle() { flag = false; }
+  } idle{caller_idle};
   for (;;) {
     (void)Poll();
     if (CommitDue()) return true;

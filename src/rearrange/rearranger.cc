@@ -291,8 +291,13 @@ void RearrangerImpl::Flush() {
           // The peer is there and waits for this record, so the layer commits nowhere: fail
           // it now. (As a lost peer, a peer whose DONE arrived while the record waited in
           // the outbox would let this rank commit while the peer waits for its deadline.)
-          Execute(run, run.protocol->Fail(StrCat(protocol::KindName(batch[i].kind), " to rank ",
-                                                 peer, " could not leave: ", sent[i].message())));
+          // (A peer whose loss the agent has not registered yet is named as unreachable,
+          // as the ranks that register it first name it.)
+          const std::string lost =
+              sent[i].code() == Code::kUnavailable ? StrCat(" (rank ", peer, " unreachable)") : "";
+          Execute(run,
+                  run.protocol->Fail(StrCat(protocol::KindName(batch[i].kind), " to rank ", peer,
+                                            " could not leave", lost, ": ", sent[i].message())));
         } else {
           Execute(run, run.protocol->OnPeerFailed(peer, sent[i]));
         }
@@ -323,9 +328,10 @@ void RearrangerImpl::Flush() {
           continue;
         }
         std::vector<Agent::ReadRequest> one = {PrepareRead(*run, a)};
-        Posted(*run, a, std::move(agent->ReadMany(one).front()));
+        Posted(*run, a, std::move(agent->ReadMany(one, caller_idle).front()));
       }
-      std::vector<Result<TransferId>> ids = agent->ReadMany(requests);
+      // (the synchronous loop's: it waits for them and has nothing else to do)
+      std::vector<Result<TransferId>> ids = agent->ReadMany(requests, /*caller_waits=*/true);
       for (size_t i = 0; i < batch.size(); ++i) Posted(*batch[i].first, batch[i].second, ids[i]);
       more = true;  // a READ that could not be posted may have queued records
     }

@@ -195,6 +195,9 @@ class RearrangerImpl {
   // it returns, so a turn's records to a peer travel together).
   int hold_sends = 0;
   bool flushing = false;
+  // The caller waits in AwaitCommit with nothing else to do: the pipeline's READs posted
+  // meanwhile are posted as the synchronous loop's are (Agent::ReadMany's caller_waits).
+  bool caller_idle = false;
   // The first VOTE that could not leave (Flush), for the pipeline to fail on: its reason.
   std::string unsent_vote;
   // Handles the records in `notes`: route(g) is the run with the smallest generation >= g

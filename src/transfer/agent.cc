@@ -161,12 +161,13 @@ Result<TransferId> Agent::Read(PeerId peer, std::span<const Descriptor> local,
   return core_->Post(internal::XferOp::kRead, peer, local, remote, std::move(notify));
 }
 
-std::vector<Result<TransferId>> Agent::ReadMany(std::span<const ReadRequest> requests) {
+std::vector<Result<TransferId>> Agent::ReadMany(std::span<const ReadRequest> requests,
+                                                bool caller_waits) {
   std::vector<Result<TransferId>> out;
   out.reserve(requests.size());
   for (const ReadRequest& r : requests) {
     out.push_back(core_->Post(internal::XferOp::kRead, r.peer, r.local, r.remote, r.notify,
-                              /*may_help=*/false));
+                              /*may_help=*/false, caller_waits));
   }
   return out;
 }

@@ -154,6 +154,7 @@ Result<std::shared_ptr<AgentCore>> AgentCore::Create(std::string name, AgentConf
   // Switches for measuring (docs/transfer.md, "Notifications on one host"): 0 or 1.
   for (auto [var, flag] :
        {std::pair<const char*, bool*>{"EPLBX_LOCAL_NOTIFY", &options.local_notify},
+        {"EPLBX_INLINE_WHEN_BUSY", &options.inline_when_busy},
         {"EPLBX_RECEIVE_HERE", &core->receive_here_}}) {
     if (std::string v = env->GetVar(var).value_or(""); !v.empty()) {
       Result<int> n = ParseInteger<int>(v, var, 0, 1);
@@ -535,7 +536,8 @@ Status AgentCore::CheckRemote(XferOp op, const PeerRecord& p, size_t i, const De
 
 Result<TransferId> AgentCore::Post(XferOp op, PeerId peer, std::span<const Descriptor> local,
                                    std::span<const Descriptor> remote,
-                                   std::optional<std::string> notify, bool may_help) {
+                                   std::optional<std::string> notify, bool may_help,
+                                   bool caller_waits) {
   std::array<PathRequest, kMaxPaths> parts;
   TransferId id = 0;
   uint32_t mask = 0;
@@ -602,6 +604,7 @@ Result<TransferId> AgentCore::Post(XferOp op, PeerId peer, std::span<const Descr
       parts[i].peer_name = p.meta.name;
       parts[i].op = op;
       parts[i].alone = alone && std::popcount(mask) == 1;
+      parts[i].caller_waits = caller_waits;
       for (const Segment& s : parts[i].segments) x.part_bytes[i] += s.bytes;
     }
   }

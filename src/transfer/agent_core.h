@@ -55,10 +55,10 @@ class AgentCore : public CoreListener {
   Result<PeerInfo> Peer(PeerId peer) const;
 
   // `may_help`: a transfer posted while nothing else is in flight may be copied by the
-  // calling thread too (PathRequest::alone).
+  // calling thread too (PathRequest::alone). `caller_waits`: PathRequest::caller_waits.
   Result<TransferId> Post(XferOp op, PeerId peer, std::span<const Descriptor> local,
                           std::span<const Descriptor> remote, std::optional<std::string> notify,
-                          bool may_help = true);
+                          bool may_help = true, bool caller_waits = false);
   TransferStatus GetStatus(TransferId id) const;
   TransferStatus Wait(TransferId id, std::chrono::milliseconds timeout) const;
   Status Cancel(TransferId id);

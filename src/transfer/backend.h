@@ -46,6 +46,9 @@ struct PathRequest {
   // caller posts one at a time and waits, so a path may finish this one on the caller's
   // thread without holding up others.
   bool alone = false;
+  // The caller waits for this transfer with nothing else to do meanwhile (Agent::ReadMany):
+  // on a busy host a path may copy it on the caller's thread (ShmCopier).
+  bool caller_waits = false;
 };
 
 // Implemented by the agent core. Calls may come from any thread of a part, never while
@@ -99,6 +102,9 @@ struct PartOptions {
   // Notifications to a peer of this host through its inbox, not the network (UCX:
   // ucx_local.cc); EPLBX_LOCAL_NOTIFY=0 turns it off.
   bool local_notify = true;
+  // shm / cma: copy a job posted among others on the posting thread when the host is busy
+  // (ShmCopier; EPLBX_INLINE_WHEN_BUSY=0 turns it off, for measuring).
+  bool inline_when_busy = true;
 };
 
 // A registered region as a data path sees it.

@@ -88,7 +88,8 @@ Result<AgentParts> CreateParts(std::string_view control, const std::vector<std::
     const std::string& p = paths[i];
     CoreListener* l = path_listeners.at(i);
     if ((p == "shm" || p == "cma") && copier == nullptr) {
-      copier = std::make_shared<ShmCopier>(options.copy_threads, options.inline_copy_bytes);
+      copier = std::make_shared<ShmCopier>(options.copy_threads, options.inline_copy_bytes,
+                                           options.inline_when_busy);
     }
     if (p == "shm") {
       parts.paths.push_back(CreateShmPath(copier, options.agent_name, l, options.prefault_bytes));

@@ -202,6 +202,34 @@ TEST(DemoTest, PipelineRearrangesAndVerifiesEveryByte) {
   }
 }
 
+// Rows above the 256 KiB copied inline anyway and up to 1 MiB: with as many ranks as cores
+// (3 ranks here; CI has 2 cores) the waiting loop copies the READs it posts itself
+// (ShmCopier, "busy host"), over shm and over cma, synchronous and pipelined, in place and
+// swapped; every byte verifies, and with the rule off (EPLBX_INLINE_WHEN_BUSY=0) the same
+// bytes move.
+TEST(DemoTest, RowsTheWaitingLoopCopiesOnABusyHostVerify) {
+  const std::string base =
+      "--ranks 3 --layers 3 --experts 16 --slots-per-rank 7 --expert-bytes 700K --steps 2";
+  for (const char* extra :
+       {" --paths shm", " --paths cma", " --pipeline --spare-rows 7", " --paths cma --pipeline"}) {
+    DemoRun on = Demo(base + extra);
+    DemoRun off = Demo(base + extra, "EPLBX_INLINE_WHEN_BUSY=0 ");
+    for (const DemoRun* r : {&on, &off}) {
+      ASSERT_FALSE(r->report.is_discarded()) << extra;
+      EXPECT_EQ(r->exit_code, 0) << extra << ": " << r->report.dump();
+      EXPECT_TRUE(r->report.value("verified", false)) << extra << ": " << r->report.dump();
+      EXPECT_TRUE(r->report.value("weights_intact", false)) << extra;
+    }
+    ASSERT_EQ(on.report["steps"].size(), 2u) << extra;
+    ASSERT_EQ(off.report["steps"].size(), 2u) << extra;
+    for (size_t i = 0; i < 2; ++i) {
+      EXPECT_GT(on.report["steps"][i]["bytes_moved"].get<uint64_t>(), 0u) << extra;
+      EXPECT_EQ(on.report["steps"][i]["bytes_moved"], off.report["steps"][i]["bytes_moved"])
+          << extra;
+    }
+  }
+}
+
 // Swap commit mode (issue 18, item 4): with spare rows the READs land in rows no slot uses and
 // the commit swaps row tables; the same bytes move, every slot verifies through its row
 // table, and far fewer bytes are copied within the ranks than in place.

@@ -10,6 +10,7 @@
 #include <future>
 #include <memory>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -215,7 +216,8 @@ Status SubmitAndWait(internal::ShmCopier& copier, internal::CopyJob job, std::at
 }
 
 // Jobs alone (their agent waits for nothing else) are copied by the submitting thread and
-// the copy threads together; queued jobs by the copy threads; small ones inline. Whatever
+// the copy threads together; queued jobs by the copy threads; small ones inline (and, on a
+// busy host, jobs among others of at most kBusyInlineBytes). Whatever
 // the route: every byte lands, `done` runs exactly once, a failure is named once. Random
 // jobs (CMA from this process itself), alone or not, one to five pieces of 1 KiB to 9 MiB.
 TEST(ShmCopierTest, JobsAloneAreHelpedByTheCallerAndEveryByteLandsOnce) {
@@ -223,8 +225,11 @@ TEST(ShmCopierTest, JobsAloneAreHelpedByTheCallerAndEveryByteLandsOnce) {
   const size_t kBytes = 24u << 20;
   std::vector<uint8_t> src(kBytes), dst(kBytes);
   for (size_t i = 0; i < kBytes; ++i) src[i] = static_cast<uint8_t>(rng());
-  for (uint64_t inline_max : {uint64_t{0}, uint64_t{256} << 10}) {
-    internal::ShmCopier copier(2, inline_max);
+  for (int config = 0; config < 3; ++config) {
+    const uint64_t inline_max = config == 0 ? 0 : uint64_t{256} << 10;
+    internal::ShmCopier copier(2, inline_max, /*when_busy=*/true, /*cores=*/2);
+    if (config == 2) copier.PeerJoined(1);  // a busy host: jobs among others inline too
+    ASSERT_EQ(copier.busy(), config == 2);
     for (int job_index = 0; job_index < 120; ++job_index) {
       std::fill(dst.begin(), dst.end(), 0);
       internal::CopyJob job;
@@ -232,6 +237,7 @@ TEST(ShmCopierTest, JobsAloneAreHelpedByTheCallerAndEveryByteLandsOnce) {
       job.pid = getpid();
       job.read = true;
       job.alone = rng() % 3 != 0;
+      job.caller_waits = rng() % 2 == 0;
       job.describe = "READ from 'self'";
       std::vector<std::pair<size_t, size_t>> ranges;  // (offset, bytes), disjoint
       size_t at = 0;
@@ -267,6 +273,62 @@ TEST(ShmCopierTest, JobsAloneAreHelpedByTheCallerAndEveryByteLandsOnce) {
     EXPECT_NE(s.message().find("READ from 'self': cross-process copy moved"), std::string::npos)
         << s.ToString();
     EXPECT_EQ(calls.load(), 1);
+  }
+}
+
+// On a busy host (as many agents, this one and its same-host peers, as cores) a job whose
+// caller waits for it with nothing else to do, posted among others and of at most
+// kBusyInlineBytes, is copied by the thread that posts it, before Submit returns; elsewhere,
+// or larger, or when the caller goes on with other work, or with the rule off, by a copy
+// thread. A peer connected through two paths counts once and leaves with its last path.
+TEST(ShmCopierTest, OnABusyHostAJobItsCallerWaitsForIsCopiedByTheCaller) {
+  std::vector<uint8_t> src((2u << 20) + 1, 7), dst(src.size(), 0);
+  // Whether `done` ran on this thread (before Submit returned) rather than a copy thread.
+  auto copied_here = [&](internal::ShmCopier& copier, uint64_t bytes, bool waits = true) {
+    internal::CopyJob job;
+    job.id = 1;
+    job.pid = getpid();
+    job.caller_waits = waits;
+    job.describe = "READ from 'self'";
+    job.pieces.push_back({dst.data(), reinterpret_cast<uint64_t>(src.data()), nullptr, bytes});
+    auto ran_on = std::make_shared<std::promise<std::thread::id>>();
+    job.done = [ran_on](Status s) {
+      EXPECT_TRUE(s.ok()) << s.ToString();
+      ran_on->set_value(std::this_thread::get_id());
+    };
+    std::fill(dst.begin(), dst.end(), 0);
+    copier.Submit(std::move(job));
+    const bool here = ran_on->get_future().get() == std::this_thread::get_id();
+    EXPECT_EQ(std::memcmp(dst.data(), src.data(), bytes), 0);
+    return here;
+  };
+  const uint64_t kMax = internal::ShmCopier::kBusyInlineBytes;
+  {
+    internal::ShmCopier copier(2, 256u << 10, /*when_busy=*/true, /*cores=*/3);
+    EXPECT_FALSE(copied_here(copier, 512u << 10));  // one agent on 3 cores
+    copier.PeerJoined(11);
+    EXPECT_FALSE(copier.busy());  // two agents on 3 cores
+    EXPECT_FALSE(copied_here(copier, 512u << 10));
+    copier.PeerJoined(12);
+    copier.PeerJoined(12);  // the same peer through a second path
+    EXPECT_TRUE(copier.busy());
+    EXPECT_TRUE(copied_here(copier, 512u << 10));
+    EXPECT_TRUE(copied_here(copier, kMax));
+    EXPECT_FALSE(copied_here(copier, kMax + 1));
+    EXPECT_FALSE(copied_here(copier, 512u << 10, /*waits=*/false));  // an engine's thread
+    EXPECT_TRUE(copied_here(copier, 100u << 10, false));             // small: inline anyway
+    copier.PeerLeft(12);
+    EXPECT_TRUE(copier.busy());  // still connected through the other path
+    copier.PeerLeft(12);
+    EXPECT_FALSE(copier.busy());
+    EXPECT_FALSE(copied_here(copier, 512u << 10));
+    copier.PeerLeft(99);  // never joined: nothing changes
+    EXPECT_FALSE(copier.busy());
+  }
+  for (const bool rule_on : {false, true}) {  // the rule off, or inline copies off altogether
+    internal::ShmCopier copier(2, rule_on ? 0 : 256u << 10, rule_on, 2);
+    copier.PeerJoined(11);
+    EXPECT_FALSE(copied_here(copier, 512u << 10)) << rule_on;
   }
 }
 

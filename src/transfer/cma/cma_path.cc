@@ -48,6 +48,7 @@ class CmaPath final : public DataPath {
     // Fails where ptrace is forbidden (EPERM) or the pid is another process.
     EPLBX_RETURN_IF_ERROR(ShmCopier::Probe(static_cast<pid_t>(peer.pid), *probe, kProbeValue));
     std::lock_guard<std::mutex> lock(mu_);
+    if (peers_.count(peer.id) == 0) copier_->PeerJoined(peer.id);
     peers_[peer.id] = CmaPeer{peer.name, static_cast<pid_t>(peer.pid)};
     return Status::OK();
   }
@@ -60,7 +61,7 @@ class CmaPath final : public DataPath {
 
   void Disconnect(PeerId id) override {
     std::lock_guard<std::mutex> lock(mu_);
-    peers_.erase(id);
+    if (peers_.erase(id) != 0) copier_->PeerLeft(id);
   }
 
   Status Post(PathRequest req) override {
@@ -78,6 +79,7 @@ class CmaPath final : public DataPath {
     job.pid = p.pid;
     job.read = req.op == XferOp::kRead;
     job.alone = req.alone;
+    job.caller_waits = req.caller_waits;
     job.describe = StrCat("agent '", agent_, "': ", OpName(req.op), " with '", p.name, "' (pid ",
                           p.pid, ", cma)");
     job.pieces.reserve(req.segments.size());

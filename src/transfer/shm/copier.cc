@@ -146,7 +146,21 @@ void TouchPagesForRead(const void* p, size_t n) {
   (void)sink;
 }
 
-ShmCopier::ShmCopier(int threads, uint64_t inline_max_bytes) : inline_max_bytes_(inline_max_bytes) {
+namespace {
+
+int CoresOfThisProcess() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+}  // namespace
+
+ShmCopier::ShmCopier(int threads, uint64_t inline_max_bytes, bool when_busy, int cores)
+    : inline_max_bytes_(inline_max_bytes),
+      when_busy_(when_busy && inline_max_bytes > 0),
+      cores_(cores > 0 ? cores : CoresOfThisProcess()) {
   for (int i = 0; i < std::max(threads, 1); ++i) {
     threads_.emplace_back([this] {
       // Bulk work: a copy thread that wakes does not preempt the thread that woke it (the
@@ -197,9 +211,25 @@ std::vector<ShmCopier::Chunk> ShmCopier::Split(const std::vector<CopyPiece>& pie
   return chunks;
 }
 
+void ShmCopier::PeerJoined(uint64_t peer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++peers_[peer];
+  busy_.store(static_cast<int>(peers_.size()) + 1 >= cores_, std::memory_order_relaxed);
+}
+
+void ShmCopier::PeerLeft(uint64_t peer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = peers_.find(peer);
+  if (it != peers_.end() && --it->second == 0) peers_.erase(it);
+  busy_.store(static_cast<int>(peers_.size()) + 1 >= cores_, std::memory_order_relaxed);
+}
+
 void ShmCopier::Submit(CopyJob job) {
   uint64_t total = 0;
   for (const CopyPiece& p : job.pieces) total += p.bytes;
+  // On a busy host a job posted among others is copied here (see the constructor's comment).
+  const bool busy_inline =
+      when_busy_ && job.caller_waits && !job.alone && total <= kBusyInlineBytes && busy();
   // A job alone (its agent waits for nothing else) is copied by the submitting thread and
   // the copy threads together, in chunks small enough for each to take one: the caller
   // waits for it anyway, and starts copying at once instead of after a hand-off.
@@ -214,7 +244,7 @@ void ShmCopier::Submit(CopyJob job) {
     r->job.done(Status::OK());
     return;
   }
-  if (total <= inline_max_bytes_ || (helped && r->chunks.size() == 1)) {
+  if (total <= inline_max_bytes_ || busy_inline || (helped && r->chunks.size() == 1)) {
     for (const Chunk& c : r->chunks) {
       RunChunk(*r, c);
       if (!r->error.ok()) break;

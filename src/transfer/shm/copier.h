@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -62,7 +63,8 @@ struct CopyJob {
   bool read = true;      // peer -> local
   std::string describe;  // "READ from 'b' (pid 123)" for messages
   std::vector<CopyPiece> pieces;
-  bool alone = false;  // PathRequest::alone
+  bool alone = false;         // PathRequest::alone
+  bool caller_waits = false;  // PathRequest::caller_waits
   // Called once when every chunk is done or the job failed/was cancelled: on a copy thread,
   // or on the submitting thread before Submit returns (inline, or a helped job it ended).
   std::function<void(Status)> done;
@@ -75,7 +77,19 @@ class ShmCopier {
   // over the `threads` copy threads. A job `alone` (its agent has nothing else outstanding)
   // is copied by the submitting thread and the copy threads together (the caller waits for
   // it anyway), unless `inline_max_bytes` is 0.
-  explicit ShmCopier(int threads, uint64_t inline_max_bytes = 0);
+  //
+  // On a busy host — at least as many agents as the cores this process may run on: this
+  // one and its same-host peers (shm and cma connect to no other), counted by PeerJoined /
+  // PeerLeft — every core already has an agent copying, so a copy thread adds a hand-off
+  // (and a wake-up of the waiting thread per job), not parallelism: there, with
+  // `when_busy`, a job whose caller waits for it with nothing else to do (caller_waits: a
+  // synchronous rearrangement; not an engine thread that posts and goes on serving), not
+  // alone, of at most kBusyInlineBytes, is copied on the submitting thread too
+  // (docs/transfer.md, "Copy threads"). Off while `inline_max_bytes` is 0 (copy threads
+  // only). `cores` 0: the CPUs of this process's affinity mask.
+  static constexpr uint64_t kBusyInlineBytes = 1u << 20;
+  explicit ShmCopier(int threads, uint64_t inline_max_bytes = 0, bool when_busy = true,
+                     int cores = 0);
   ~ShmCopier();  // finishes queued jobs as aborted
   ShmCopier(const ShmCopier&) = delete;
   ShmCopier& operator=(const ShmCopier&) = delete;
@@ -85,6 +99,12 @@ class ShmCopier {
   void Submit(CopyJob job);
   // The job ends with kAborted after the chunks already running; false if unknown.
   bool Cancel(uint64_t id);
+
+  // A same-host peer connected through a path of this copier (each path once a peer), or
+  // gone: the count that says whether the host is busy.
+  void PeerJoined(uint64_t peer);
+  void PeerLeft(uint64_t peer);
+  bool busy() const { return busy_.load(std::memory_order_relaxed); }
 
   // Reads 8 bytes at `addr` of process `pid` with CMA (same-host reachability probe).
   static Status Probe(pid_t pid, uint64_t addr, uint64_t expected);
@@ -118,6 +138,10 @@ class ShmCopier {
   std::vector<std::shared_ptr<Running>> active_;  // for Cancel
   bool stop_ = false;
   const uint64_t inline_max_bytes_;
+  const bool when_busy_;
+  const int cores_;
+  std::map<uint64_t, int> peers_;  // under mu_: same-host peer -> paths connected to it
+  std::atomic<bool> busy_{false};
   std::vector<std::thread> threads_;
 };
 

@@ -115,6 +115,7 @@ class ShmPath final : public DataPath {
       m.ptr = *ptr;
     }
     std::lock_guard<std::mutex> lock(mu_);
+    if (peers_.count(peer.id) == 0) copier_->PeerJoined(peer.id);
     peers_[peer.id] = std::move(p);
     return Status::OK();
   }
@@ -133,7 +134,7 @@ class ShmPath final : public DataPath {
 
   void Disconnect(PeerId id) override {
     std::lock_guard<std::mutex> lock(mu_);
-    peers_.erase(id);
+    if (peers_.erase(id) != 0) copier_->PeerLeft(id);
   }
 
   Status Post(PathRequest req) override {
@@ -151,6 +152,7 @@ class ShmPath final : public DataPath {
     job.pid = p->pid;
     job.read = req.op == XferOp::kRead;
     job.alone = req.alone;
+    job.caller_waits = req.caller_waits;
     job.describe = StrCat("agent '", agent_, "': ", OpName(req.op), " with '", p->name, "' (pid ",
                           p->pid, ", shm)");
     job.pieces.reserve(req.segments.size());

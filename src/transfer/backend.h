@@ -102,8 +102,8 @@ struct PartOptions {
   // Notifications to a peer of this host through its inbox, not the network (UCX:
   // ucx_local.cc); EPLBX_LOCAL_NOTIFY=0 turns it off.
   bool local_notify = true;
-  // shm / cma: copy a job posted among others on the posting thread when the host is busy
-  // (ShmCopier; EPLBX_INLINE_WHEN_BUSY=0 turns it off, for measuring).
+  // shm / cma: on a busy host, copy a transfer whose caller waits for it (caller_waits) on
+  // the caller's thread (ShmCopier; EPLBX_INLINE_WHEN_BUSY=0 turns it off, for measuring).
   bool inline_when_busy = true;
 };
 

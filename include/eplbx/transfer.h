@@ -253,7 +253,7 @@ class Agent {
   // (a synchronous rearrangement). Then, on a busy host (at least as many agents on it as
   // cores), same-host copies of up to 1 MiB each are made here too, in order: every core
   // already has an agent copying, and a hand-off to a copy thread would add a wake-up per
-  // READ, not parallelism (docs/transfer.md, "Copy threads").
+  // READ, not parallelism (docs/transfer.md, "On a busy host the caller that waits copies").
   std::vector<Result<TransferId>> ReadMany(std::span<const ReadRequest> requests,
                                            bool caller_waits = false);
 

@@ -85,8 +85,9 @@ class ShmCopier {
   // `when_busy`, a job whose caller waits for it with nothing else to do (caller_waits: a
   // synchronous rearrangement; not an engine thread that posts and goes on serving), not
   // alone, of at most kBusyInlineBytes, is copied on the submitting thread too
-  // (docs/transfer.md, "Copy threads"). Off while `inline_max_bytes` is 0 (copy threads
-  // only). `cores` 0: the CPUs of this process's affinity mask.
+  // (docs/transfer.md, "On a busy host the caller that waits copies"). Off while
+  // `inline_max_bytes` is 0 (copy threads only). `cores` 0: the CPUs of this process's
+  // affinity mask.
   static constexpr uint64_t kBusyInlineBytes = 1u << 20;
   explicit ShmCopier(int threads, uint64_t inline_max_bytes = 0, bool when_busy = true,
                      int cores = 0);

@@ -347,7 +347,9 @@ class RepointEvaluator {
     int bad = 0, bad_rank = -1;
   };
   // Expert e's Part for this step (each expert is asked with one step in a search: one
-  // replica fewer as an x, one more as a y, and the two are kept apart by their step).
+  // replica fewer as an x, a positive step; one more as a y, negative, or positive only for
+  // a y without replicas, which is never an x; zero only for a zero weight, the same Part
+  // either way), kept apart by the step's sign.
   const Part& Of(int32_t e, double step) {
     const bool as_x = step > 0;
     std::vector<Part>& parts = as_x ? x_part_ : y_part_;

@@ -87,6 +87,10 @@ struct DemoOptions {
   // Rearrange with the asynchronous pipeline (Begin, Commit back to back) instead of the
   // synchronous loop.
   bool pipeline = false;
+  // Measure the copy limit around every step (rank 0, before the first step and after every
+  // step, the other ranks waiting) instead of once before the ranks start: each step's ratio
+  // is to the mean of the two samples around it.
+  bool limit_each_step = false;
   // --serve: forward steps of real expert work with EPLB off, synchronous, asynchronous.
   bool serve = false;
   bool steps_given = false;  // --steps was passed (else 3, or 300 with --serve)

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <iostream>
 #include <map>
@@ -313,6 +314,10 @@ Status ParseDemo(DemoOptions& o) {
   if (!o.resize.empty() && !o.serve) {
     return Status::InvalidArgument("--resize drills the serving demo (--serve)");
   }
+  if (o.limit_each_step && o.serve) {
+    return Status::InvalidArgument(
+        "--limit-each-step measures the rearrangement demo's steps (without --serve)");
+  }
   if ((!o.inject.empty() && o.serve) || !o.resize.empty()) {  // membership events
     EPLBX_RETURN_IF_ERROR(ParseServeEvents(o));
   } else if (!o.inject.empty()) {
@@ -354,7 +359,8 @@ namespace {
 Status RunDemo(DemoOptions o) {
   EPLBX_RETURN_IF_ERROR(ParseDemo(o));
   const double memcpy_gbps = internal::MeasureMemcpyGbps();
-  const double copy_limit_gbps = o.serve ? 0.0 : internal::MeasureCopyLimitGbps(2);
+  const double copy_limit_gbps =
+      o.serve || o.limit_each_step ? 0.0 : internal::MeasureCopyLimitGbps(2);
   std::vector<int> fds(o.ranks);
   std::vector<pid_t> pids(o.ranks);
   if (o.serve) {
@@ -695,6 +701,25 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
   // The coordinator's failure (a rank that never joined, a refused token) explains the rest.
   if (!served.ok())
     error = error.empty() ? served.message() : StrCat(served.message(), "; ", error);
+  // --limit-each-step: rank 0's samples, one before the first step and one after each; a
+  // step's yardstick is the mean of the two around it, the run's their median.
+  std::vector<double> limits;
+  if (o.limit_each_step && reports.count(0) != 0 &&
+      reports.at(0).contains("copy_limit_samples_gbps")) {
+    // A rank's report is read like any peer's: finite, positive, at most one per step and
+    // one more; the rest is dropped.
+    for (const auto& v : reports.at(0)["copy_limit_samples_gbps"]) {
+      if (!v.is_number() || !(v.get<double>() > 0) || !std::isfinite(v.get<double>()) ||
+          static_cast<int>(limits.size()) > o.steps)
+        break;
+      limits.push_back(v.get<double>());
+    }
+  }
+  if (!limits.empty()) {
+    std::vector<double> sorted = limits;
+    std::sort(sorted.begin(), sorted.end());
+    copy_limit_gbps = sorted[sorted.size() / 2];
+  }
   nlohmann::json steps = nlohmann::json::array();
   for (int s = 0; s < o.steps; ++s) {
     uint64_t bytes = 0, experts = 0, cross = 0, copied = 0, swapped = 0;
@@ -721,6 +746,9 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
     }
     if (!any) break;
     const double gbps = seconds > 0 ? bytes / seconds / 1e9 : 0.0;
+    const double limit = static_cast<size_t>(s) + 1 < limits.size()
+                             ? (limits[s] + limits[s + 1]) / 2
+                             : (o.limit_each_step ? 0.0 : copy_limit_gbps);
     steps.push_back({{"balancedness_before", first.value("balancedness_before", 0.0)},
                      {"balancedness_after", first.value("balancedness_after", 0.0)},
                      {"experts_moved", experts},
@@ -732,7 +760,8 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
                      {"seconds", seconds},
                      {"gbps", gbps},
                      {"memcpy_ratio", memcpy_gbps > 0 ? gbps / memcpy_gbps : 0.0},
-                     {"copy_limit_ratio", copy_limit_gbps > 0 ? gbps / copy_limit_gbps : 0.0}});
+                     {"copy_limit_gbps", limit},
+                     {"copy_limit_ratio", limit > 0 ? gbps / limit : 0.0}});
   }
   verified = verified && error.empty() && static_cast<int>(steps.size()) == o.steps;
   out["verified"] = verified;
@@ -741,6 +770,7 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
   out["steps"] = steps;
   out["memcpy_gbps"] = memcpy_gbps;
   out["copy_limit_gbps"] = copy_limit_gbps;
+  if (o.limit_each_step) out["copy_limit_samples_gbps"] = limits;
   out["pipeline"] = o.pipeline;
   out["layers_in_flight"] = o.pipeline ? StagingLayers(o) : o.layers_in_flight;
   out["commit_mode"] = o.spare_rows > 0 ? "swap" : "in place";
@@ -785,12 +815,16 @@ Status ReportDemo(const DemoOptions& o, const std::map<int, nlohmann::json>& rep
           PathsText(st).c_str());
     }
     std::printf(
-        "verified: %s, weights intact: %s, memcpy %.2f GB/s, copy limit %.2f GB/s, wall %.2f s, "
-        "resident memory growth "
+        "verified: %s, weights intact: %s, memcpy %.2f GB/s, copy limit %.2f GB/s%s, wall %.2f "
+        "s, resident memory growth "
         "after the first step %.1f MiB, heap growth after step 10 %.0f KiB (largest rank)\n",
         verified ? "yes" : "NO",
         with_weights == 0 ? "n/a (no rank created its weights)" : (intact ? "yes" : "NO"),
-        memcpy_gbps, copy_limit_gbps, wall, growth, heap_growth);
+        memcpy_gbps, copy_limit_gbps,
+        limits.empty()
+            ? ""
+            : StrCat(" (median of ", limits.size(), " samples around the steps)").c_str(),
+        wall, growth, heap_growth);
   }
   if (!error.empty()) return Status::Aborted(error);
   if (!verified) return Status::Internal("the demo did not verify (see the report)");
@@ -912,6 +946,10 @@ void AddDemoCommand(CLI::App& app, Action& run) {
                  "rearrange with the asynchronous pipeline (Begin, then Commit whenever "
                  "AwaitCommit says one is due: layers in flight together, no budget) instead "
                  "of the synchronous loop");
+  demo->add_flag("--limit-each-step", o->limit_each_step,
+                 "measure the copy limit before the first step and after every step (rank 0, the "
+                 "other ranks waiting) and give each step's ratio to the mean of the two "
+                 "samples around it, instead of measuring once before the ranks start");
   demo->callback([&run, o] { run = [o] { return RunDemo(*o); }; });
 }
 

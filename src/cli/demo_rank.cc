@@ -11,6 +11,7 @@
 #include <fstream>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -26,6 +27,7 @@
 #include "eplbx/rearrange.h"
 #include "eplbx/transfer.h"
 #include "protocol/records.h"
+#include "tools/measure.h"
 #include "transfer/fault/fault_path.h"
 
 namespace eplbx::cli {
@@ -382,9 +384,28 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann:
   };
   std::vector<StepFigures> steps;
   steps.reserve(static_cast<size_t>(o.steps));
+  // --limit-each-step: rank 0 measures the copy limit before the first step and after every
+  // step (every rank past it, none checking its weights yet) while the other ranks wait, so
+  // the yardstick is taken on the machine state of the steps around it. Not right before a
+  // step: steps that started right after a measurement ran 14% slower (docs/perf.md); here
+  // each starts after the checking and planning, as without the flag.
+  std::vector<double> limits;
+  limits.reserve(static_cast<size_t>(o.steps) + 1);
+  std::optional<internal::CopyLimitProbe> probe;
+  if (o.limit_each_step && rank == 0) probe.emplace(2);
+  auto sample_limit = [&]() -> Status {
+    if (!o.limit_each_step) return Status::OK();
+    EPLBX_RETURN_IF_ERROR(boot.Barrier(deadline));
+    if (probe) limits.push_back(probe->Sample(3));
+    return boot.Barrier(deadline);  // nobody checks its weights meanwhile
+  };
   bool ok = true;
   double rss_warm = 0, heap_warm = 0;
   const int heap_warm_step = std::min(o.steps, 10);  // UCX's pools fill in the first steps
+  if (Status sampled = sample_limit(); !sampled.ok()) {
+    report["error"] = sampled.message();
+    ok = false;
+  }
   for (int s = 1; s <= o.steps && ok; ++s) {
     Drift(load_values, rng);
     Result<LoadMatrix> load = LoadMatrix::Create(o.layers, o.experts, load_values);
@@ -437,6 +458,7 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann:
     // still finishing the last layer, and the step's time would count that checking.
     if (rr.status.ok()) {
       Status done = boot.Barrier(deadline);
+      if (done.ok()) done = sample_limit();
       if (!done.ok()) rr.status = done.WithPrefix("after the rearrangement");
     }
     std::vector<const Placement*> published(o.layers, &*current);
@@ -497,6 +519,7 @@ int RunDemoRank(const DemoOptions& o, int rank, SocketBootstrap& boot, nlohmann:
     js.back()["bytes_by_path"] = std::move(paths);
   }
   report["steps"] = std::move(js);
+  if (!limits.empty()) report["copy_limit_samples_gbps"] = limits;
   report["rss_mib_after_first_step"] = rss_warm;
   report["rss_mib_end"] = rss_end;
   report["heap_kib_warm"] = heap_warm;

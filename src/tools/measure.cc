@@ -34,28 +34,31 @@ double MeasureMemcpyGbps() {
   return Median(rates);
 }
 
-double MeasureCopyLimitGbps(int threads) {
-  threads = std::max(threads, 1);
-  constexpr size_t kPiece = 4u << 20;
-  std::vector<std::vector<uint8_t>> src, dst;
-  for (int t = 0; t < threads; ++t) {
-    src.emplace_back(kBlock, 1);
-    dst.emplace_back(kBlock, 2);
+double MeasureCopyLimitGbps(int threads) { return CopyLimitProbe(threads).Sample(7); }
+
+CopyLimitProbe::CopyLimitProbe(int threads) : threads_(std::max(threads, 1)) {
+  for (int t = 0; t < threads_; ++t) {
+    src_.emplace_back(kBlock, 1);
+    dst_.emplace_back(kBlock, 2);
   }
+}
+
+double CopyLimitProbe::Sample(int rounds) {
+  constexpr size_t kPiece = 4u << 20;
   std::vector<double> rates;
-  for (int round = 0; round < 7; ++round) {
+  for (int round = 0; round < std::max(rounds, 1); ++round) {
     const auto t0 = std::chrono::steady_clock::now();
     std::vector<std::thread> workers;
-    for (int t = 0; t < threads; ++t) {
+    for (int t = 0; t < threads_; ++t) {
       workers.emplace_back([&, t] {
         for (size_t off = 0; off < kBlock; off += kPiece)
-          CopyBytes(dst[t].data() + off, src[t].data() + off, kPiece);
+          CopyBytes(dst_[t].data() + off, src_[t].data() + off, kPiece);
       });
     }
     for (auto& w : workers) w.join();
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    rates.push_back(static_cast<double>(kBlock) * threads / s / 1e9);
-    std::swap(src, dst);
+    rates.push_back(static_cast<double>(kBlock) * threads_ / s / 1e9);
+    std::swap(src_, dst_);
   }
   return Median(rates);
 }

@@ -17,6 +17,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "../unit/etcd_cluster.h"
 #include "../unit/joined_store.h"  // Port()
@@ -200,6 +201,34 @@ TEST(DemoTest, PipelineRearrangesAndVerifiesEveryByte) {
     EXPECT_EQ(pipe.report["steps"][i]["bytes_moved"], sync.report["steps"][i]["bytes_moved"]);
     EXPECT_GT(pipe.report["steps"][i]["copy_limit_ratio"].get<double>(), 0);
   }
+}
+
+// --limit-each-step: the copy limit sampled by rank 0 before the first step and after each;
+// each step's yardstick is the mean of the two samples around it, the run's their median.
+TEST(DemoTest, TheCopyLimitSampledAroundEveryStepIsEachStepsYardstick) {
+  DemoRun r = Demo(std::string(kSmall) + " --spare-rows 7 --limit-each-step");
+  ASSERT_FALSE(r.report.is_discarded());
+  EXPECT_EQ(r.exit_code, 0) << r.report.dump();
+  EXPECT_TRUE(r.report["verified"].get<bool>()) << r.report.dump();
+  ASSERT_TRUE(r.report.contains("copy_limit_samples_gbps")) << r.report.dump();
+  std::vector<double> samples = r.report["copy_limit_samples_gbps"].get<std::vector<double>>();
+  ASSERT_EQ(samples.size(), 3u) << r.report.dump();  // 2 steps
+  for (double g : samples) EXPECT_GT(g, 0.1);
+  ASSERT_EQ(r.report["steps"].size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    const auto& s = r.report["steps"][i];
+    const double limit = (samples[i] + samples[i + 1]) / 2;
+    EXPECT_DOUBLE_EQ(s["copy_limit_gbps"].get<double>(), limit) << s.dump();
+    EXPECT_DOUBLE_EQ(s["copy_limit_ratio"].get<double>(), s["gbps"].get<double>() / limit);
+  }
+  std::sort(samples.begin(), samples.end());
+  EXPECT_DOUBLE_EQ(r.report["copy_limit_gbps"].get<double>(), samples[1]);
+  // Without the flag: one sample before the ranks start, the yardstick of every step.
+  DemoRun once = Demo(kSmall);
+  EXPECT_EQ(once.exit_code, 0) << once.report.dump();
+  EXPECT_FALSE(once.report.contains("copy_limit_samples_gbps"));
+  for (const auto& s : once.report["steps"])
+    EXPECT_EQ(s["copy_limit_gbps"], once.report["copy_limit_gbps"]) << s.dump();
 }
 
 // Rows above the 256 KiB copied inline anyway and up to 1 MiB: with as many ranks as cores
@@ -597,6 +626,8 @@ TEST(DemoTest, BadFlagsAreRejectedBeforeAnythingStarts) {
       {"--paths cma,cma", "--paths: 'cma' listed twice"},
       {"--serve --modes off,turbo", "--modes: unknown mode 'turbo' (expected off, sync, async)"},
       {"--serve --modes sync,sync", "--modes: 'sync' listed twice"},
+      {"--serve --limit-each-step",
+       "--limit-each-step measures the rearrangement demo's steps (without --serve)"},
       {"--serve --interval 0", "--interval 0: expected 1..--steps (300)"},
       {"--serve --steps 10 --interval 20", "--interval 20: expected 1..--steps (10)"},
       {"--serve --top-k 65", "--tokens 512 and --top-k 65: expected >= 1, and top-k <= --experts"},

@@ -5,13 +5,44 @@
 namespace eplbx::protocol {
 
 Votes::Votes(uint64_t id, uint32_t layers, uint32_t world, uint32_t self)
-    : id_(id), layers_(layers), world_(world), self_(self) {}
+    : id_(id),
+      layers_(layers),
+      world_(world),
+      self_(self),
+      finals_(world),
+      final_step_(world, 0) {}
 
 void Votes::Take(uint32_t from, const Record& vote) {
   if (vote.generation < id_ || from >= world_) return;
-  auto& v = votes_[{vote.generation, static_cast<int64_t>(vote.layer)}];
+  const int64_t step = vote.layer;
+  if (vote.generation == id_ && step < floor_) {  // a forgotten step: only a final vote counts
+    if (Final(vote) && !finals_[from]) {
+      finals_[from] = vote;
+      final_step_[from] = step;
+    }
+    forgotten_failure_ = forgotten_failure_ || vote.reader != 0;
+    return;
+  }
+  auto& v = votes_[{vote.generation, step}];
   v.resize(world_);
   if (!v[from]) v[from] = vote;  // a duplicate changes nothing
+}
+
+void Votes::Forget(int64_t step) {
+  if (step <= floor_) return;
+  for (auto it = votes_.lower_bound({id_, 0});
+       it != votes_.end() && it->first.first == id_ && it->first.second < step;) {
+    for (uint32_t r = 0; r < it->second.size() && r < world_; ++r) {
+      const std::optional<Record>& v = it->second[r];
+      if (v && Final(*v) && !finals_[r]) {
+        finals_[r] = *v;
+        final_step_[r] = it->first.second;
+      }
+      forgotten_failure_ = forgotten_failure_ || (v && v->reader != 0);
+    }
+    it = votes_.erase(it);
+  }
+  floor_ = step;
 }
 
 void Votes::TakeLater(Votes& earlier) {
@@ -33,6 +64,7 @@ const Record* Votes::Of(int64_t step, uint32_t r) const {
        f != votes_.end() && f->first.first == id_ && f->first.second < step; ++f) {
     if (r < f->second.size() && f->second[r] && Final(*f->second[r])) return &*f->second[r];
   }
+  if (r < world_ && finals_[r] && final_step_[r] < step) return &*finals_[r];
   return nullptr;
 }
 
@@ -91,8 +123,12 @@ Votes::Outcome Votes::Agreed(int64_t step, const std::vector<bool>& members) con
 }
 
 bool Votes::Due(uint32_t applied, const std::vector<bool>& members) const {
+  if (forgotten_failure_) return true;  // a rank failed: every rank ends
   // The latest vote known of every rank (by step, in order).
   std::vector<const Record*> latest(world_, nullptr);
+  for (uint32_t r = 0; r < world_; ++r) {  // a final vote among the forgotten steps
+    if (finals_[r]) latest[r] = &*finals_[r];
+  }
   for (auto it = votes_.lower_bound({id_, 0}); it != votes_.end() && it->first.first == id_; ++it) {
     for (uint32_t r = 0; r < it->second.size() && r < world_; ++r) {
       if (!it->second[r]) continue;

@@ -44,6 +44,14 @@ class Votes {
   void Take(uint32_t from, const Record& vote);
   // The votes of rearrangements after this one's, kept by `earlier`.
   void TakeLater(Votes& earlier);
+  // Forgets the votes of this rearrangement's steps before `step` (after a Commit() number s
+  // no rule reads a vote before s - 1 again), keeping each rank's final vote among them, which
+  // stands for every later step, and whether one said its rank failed: what is kept grows
+  // with how far peers vote ahead, not with the steps a rearrangement takes. A vote of a
+  // forgotten step that comes later changes nothing unless it is final or failed.
+  void Forget(int64_t step);
+  // Steps kept, of this rearrangement and later ones (for tests).
+  size_t kept() const { return votes_.size(); }
 
   // Whether `vote` is final: every layer ready, not failed.
   bool Final(const Record& vote) const { return vote.expert >= layers_ && vote.reader == 0; }
@@ -83,6 +91,11 @@ class Votes {
   uint32_t layers_, world_, self_;
   // By (rearrangement, step), per rank.
   std::map<std::pair<uint64_t, int64_t>, std::vector<std::optional<Record>>> votes_;
+  // Forget: steps before `floor_` are gone; each rank's final vote among them, and its step.
+  int64_t floor_ = 0;
+  std::vector<std::optional<Record>> finals_;
+  std::vector<int64_t> final_step_;
+  bool forgotten_failure_ = false;  // a vote that said its rank failed was among them
   int64_t vote_sent_ = 0, final_sent_ = 0;
   uint32_t voted_ready_ = 0;
 };

@@ -46,7 +46,7 @@ struct RearrangerImpl::Pipeline {
   // The votes (src/protocol/votes.h); those of a later pipeline are kept for it (a faster
   // peer may vote in the next one before this rank began it).
   protocol::Votes votes{0, 0, 1, 0};
-  std::string refused_note;  // the first VOTE of another epoch, for the deadline error
+  std::string refused_note;  // the first VOTE of another epoch, for the deadline errors
   bool active = false;
   Status failure;  // this rank failed: its next vote says so
   protocol::Clock::time_point deadline, started;
@@ -388,7 +388,8 @@ CommitResult RearrangerImpl::Commit() {
       lost = Status::Timeout(StrCat("rank ", self(),
                                     ": deadline passed waiting for the vote of "
                                     "step ",
-                                    p.step - 1, " from rank ", missing));
+                                    p.step - 1, " from rank ", missing,
+                                    p.refused_note.empty() ? "" : "; ", p.refused_note));
       break;
     }
     // As in Poll: the records this wait's events call for leave together, each peer's as
@@ -439,6 +440,7 @@ CommitResult RearrangerImpl::Commit() {
                                   " layers, the rest keep their old weights and maps")),
            true);
   } else {
+    p.votes.Forget(p.step - 1);  // no rule reads the steps before again
     (void)Poll();
   }
   return out;

@@ -114,6 +114,41 @@ TEST(VotesTest, DueOnTheVotes) {
   EXPECT_TRUE(f.Due(0, all));  // a layer to apply
 }
 
+// A rearrangement that takes thousands of steps keeps the votes of two (a final vote of a
+// forgotten step stands on); a late vote of a forgotten step changes nothing unless it is
+// final or failed.
+TEST(VotesTest, ForgottenStepsKeepWhatStandsAndNothingElse) {
+  const std::vector<bool> all;
+  Votes v(3, /*layers=*/2, /*world=*/3, /*self=*/0);
+  v.Take(2, VoteRecord(3, 1, 2, 0));
+  v.Take(2, VoteRecord(3, 2, 2, 2));  // rank 2: final at step 2
+  for (int64_t s = 1; s <= 5000; ++s) {
+    ASSERT_TRUE(v.Cast(s, 0, "", 0, all).has_value()) << s;
+    v.Take(1, VoteRecord(3, s, 1, 1));
+    if (s == 1) continue;
+    ASSERT_EQ(v.Missing(s - 1, all), -1) << s;
+    ASSERT_NE(v.Of(s - 1, 2), nullptr) << s;
+    EXPECT_EQ(v.Of(s - 1, 2)->layer, s - 1 < 2 ? 1u : 2u) << s;
+    ASSERT_EQ(v.Agreed(s, all).ready, 0u) << s;
+    v.Forget(s - 1);
+    ASSERT_LE(v.kept(), 2u) << s;
+  }
+  EXPECT_FALSE(v.Due(0, all));
+  Votes late(3, 2, 3, 0);
+  late.Forget(10);
+  late.Take(1, VoteRecord(3, 4, 1, 1));
+  EXPECT_EQ(late.kept(), 0u);
+  EXPECT_EQ(late.Of(11, 1), nullptr);
+  late.Take(1, VoteRecord(3, 5, 1, 2));
+  ASSERT_NE(late.Of(11, 1), nullptr);
+  EXPECT_EQ(late.Of(11, 1)->layer, 5u);
+  EXPECT_EQ(late.Of(5, 1), nullptr);  // it stands for later steps only
+  EXPECT_FALSE(late.Due(0, all));
+  late.Take(2, VoteRecord(3, 6, 2, 0, /*failed=*/true));
+  EXPECT_TRUE(late.Due(0, all));
+  EXPECT_EQ(late.kept(), 0u);
+}
+
 // One random world: ranks whose leading ready layers grow at random (a rank may fail), votes in
 // flight per (sender, receiver) in order, delivered at random, and Commit() started at random times
 // (`drained`: only when due, as Rearranger::AwaitCommit does) and finished once the votes it waits
@@ -121,6 +156,10 @@ TEST(VotesTest, DueOnTheVotes) {
 struct VotesWorld {
   struct RankState {
     Votes votes{1, 0, 1, 0};
+    // The same votes never forgotten (Forget after every Commit() that goes on): every
+    // answer must be the same from both.
+    Votes all{1, 0, 1, 0};
+    size_t most_kept = 0;
     uint32_t ready = 0;
     bool failed = false, waiting = false, finished = false, ended_failed = false;
     int64_t step = 0;
@@ -145,7 +184,10 @@ struct VotesWorld {
     if (rng() % 4 == 0) members[rng() % world] = false;  // a rank that is not a member
     if (std::count(members.begin(), members.end(), true) < 2) members.assign(world, true);
     rank.resize(world);
-    for (uint32_t r = 0; r < world; ++r) rank[r].votes = Votes(9, layers, world, r);
+    for (uint32_t r = 0; r < world; ++r) {
+      rank[r].votes = Votes(9, layers, world, r);
+      rank[r].all = Votes(9, layers, world, r);
+    }
     net.resize(static_cast<size_t>(world) * world);
   }
 
@@ -160,7 +202,9 @@ struct VotesWorld {
     if (s.failed && !s.votes.final_sent()) return true;  // its failure: the next vote says so
     // News, once no other layer can get ready before a commit (RearrangerImpl::CommitDue).
     if (s.ready == Started(r) && s.ready > s.votes.voted_ready()) return true;
-    return s.votes.Due(s.applied, members);
+    const bool due = s.votes.Due(s.applied, members);
+    EXPECT_EQ(due, s.all.Due(s.applied, members)) << "rank " << r << " at step " << s.step;
+    return due;
   }
 
   void StartCommit(uint32_t r) {
@@ -169,6 +213,12 @@ struct VotesWorld {
     const bool was_final = s.votes.final_sent();
     const std::optional<Record> v =
         s.votes.Cast(s.step, s.ready, s.failed ? "failed here" : "", 0, members);
+    const std::optional<Record> u =
+        s.all.Cast(s.step, s.ready, s.failed ? "failed here" : "", 0, members);
+    EXPECT_EQ(v.has_value(), u.has_value()) << "rank " << r << " at step " << s.step;
+    if (v && u) {
+      EXPECT_EQ(EncodeRecord(*v), EncodeRecord(*u));
+    }
     if (v) {
       if (was_final) ++s.votes_after_final;
       for (uint32_t to = 0; to < world; ++to) {
@@ -185,8 +235,16 @@ struct VotesWorld {
   // Finishes rank r's Commit() if the votes it waits for are here; false otherwise.
   bool TryFinish(uint32_t r, const std::string& where) {
     RankState& s = rank[r];
-    if (s.votes.Missing(s.step - 1, members) >= 0) return false;
+    const int missing = s.votes.Missing(s.step - 1, members);
+    EXPECT_EQ(missing, s.all.Missing(s.step - 1, members)) << where << ": rank " << r;
+    if (missing >= 0) return false;
     const Votes::Outcome o = s.votes.Agreed(s.step, members);
+    const Votes::Outcome o_all = s.all.Agreed(s.step, members);
+    EXPECT_EQ(o.ready, o_all.ready) << where << ": rank " << r;
+    EXPECT_EQ(o.failed == nullptr, o_all.failed == nullptr) << where << ": rank " << r;
+    if (o.failed != nullptr && o_all.failed != nullptr) {
+      EXPECT_EQ(o.failed->source, o_all.failed->source) << where << ": rank " << r;
+    }
     for (uint32_t l = s.applied; l < o.ready; ++l) {
       for (uint32_t q = 0; q < world; ++q) {  // only a layer ready everywhere is applied
         if (member(q)) {
@@ -200,6 +258,14 @@ struct VotesWorld {
     if (s.applied == layers || o.failed != nullptr) {
       s.finished = true;
       s.ended_failed = s.applied < layers;
+    } else {
+      s.votes.Forget(s.step - 1);  // as the pipeline does after a Commit() that goes on
+      // Only the steps from s.step - 1 to the furthest any rank voted are kept.
+      int64_t furthest = s.step;
+      for (const RankState& q : rank) furthest = std::max(furthest, q.step);
+      EXPECT_LE(s.votes.kept(), static_cast<size_t>(furthest - (s.step - 1) + 1))
+          << where << ": rank " << r;
+      s.most_kept = std::max(s.most_kept, s.all.kept());
     }
     return true;
   }
@@ -244,6 +310,7 @@ struct VotesWorld {
           const Record v = net[x].front();
           net[x].pop_front();
           rank[x % world].votes.Take(x / world, v);
+          rank[x % world].all.Take(x / world, v);
           break;
         }
       }
@@ -277,7 +344,7 @@ void ExpectAgreement(const VotesWorld& w, const std::string& where) {
 // skew between ranks), and only when due (a drained rearrangement).
 TEST(VotesTest, RandomWorldsApplyTheSameLayersAtTheSameStepAndEnd) {
   std::mt19937 rng(2026);
-  int failed_endings = 0, finals_skipping = 0;
+  int failed_endings = 0, finals_skipping = 0, forgot = 0;
   for (int trial = 0; trial < 6000; ++trial) {
     const bool drained = trial % 2 == 1;
     const std::string where =
@@ -292,11 +359,13 @@ TEST(VotesTest, RandomWorldsApplyTheSameLayersAtTheSameStepAndEnd) {
       // A final vote cast before the last step: later steps went without a vote of its rank.
       finals_skipping +=
           w.rank[r].votes.final_sent() && w.rank[r].votes.vote_sent() < w.rank[r].step - 1;
+      forgot += w.rank[r].most_kept > 2;  // the votes never forgotten grew past two steps
     }
   }
   // The worlds reach both endings, and final votes stand in for later ones.
   EXPECT_GT(failed_endings, 500);
   EXPECT_GT(finals_skipping, 1000);
+  EXPECT_GT(forgot, 1000);
 }
 
 }  // namespace

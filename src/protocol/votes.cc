@@ -5,12 +5,7 @@
 namespace eplbx::protocol {
 
 Votes::Votes(uint64_t id, uint32_t layers, uint32_t world, uint32_t self)
-    : id_(id),
-      layers_(layers),
-      world_(world),
-      self_(self),
-      finals_(world),
-      final_step_(world, 0) {}
+    : id_(id), layers_(layers), world_(world), self_(self), finals_(world), final_step_(world, 0) {}
 
 void Votes::Take(uint32_t from, const Record& vote) {
   if (vote.generation < id_ || from >= world_) return;

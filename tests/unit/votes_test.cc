@@ -142,7 +142,7 @@ TEST(VotesTest, ForgottenStepsKeepWhatStandsAndNothingElse) {
   late.Take(1, VoteRecord(3, 5, 1, 2));
   ASSERT_NE(late.Of(11, 1), nullptr);
   EXPECT_EQ(late.Of(11, 1)->layer, 5u);
-  EXPECT_EQ(late.Of(5, 1), nullptr);  // it stands for later steps only
+  EXPECT_EQ(late.Of(5, 1), nullptr);  // step 5 itself is forgotten (no rule asks for it)
   EXPECT_FALSE(late.Due(0, all));
   late.Take(2, VoteRecord(3, 6, 2, 0, /*failed=*/true));
   EXPECT_TRUE(late.Due(0, all));

@@ -46,7 +46,7 @@ struct RearrangerImpl::Pipeline {
   // The votes (src/protocol/votes.h); those of a later pipeline are kept for it (a faster
   // peer may vote in the next one before this rank began it).
   protocol::Votes votes{0, 0, 1, 0};
-  std::string refused_note;  // the first VOTE of another epoch, for the deadline errors
+  std::string refused_note;  // the first VOTE of another epoch, for the deadline error
   bool active = false;
   Status failure;  // this rank failed: its next vote says so
   protocol::Clock::time_point deadline, started;
@@ -388,8 +388,7 @@ CommitResult RearrangerImpl::Commit() {
       lost = Status::Timeout(StrCat("rank ", self(),
                                     ": deadline passed waiting for the vote of "
                                     "step ",
-                                    p.step - 1, " from rank ", missing,
-                                    p.refused_note.empty() ? "" : "; ", p.refused_note));
+                                    p.step - 1, " from rank ", missing));
       break;
     }
     // As in Poll: the records this wait's events call for leave together, each peer's as

@@ -1,5 +1,6 @@
 #include "transfer/metadata.h"
 
+#include <charconv>
 #include <cstring>
 
 #include "common/bytes.h"
@@ -196,9 +197,15 @@ Result<std::vector<std::string>> DecodeNotifyBatch(std::string_view body) {
   }
   std::vector<std::string> out;
   out.reserve(std::min<size_t>(count, r.remaining() / 4));
+  // Each field's name ("notification 7", for a message) on the stack: a batch arrives with
+  // every notification, and an ostringstream per name was work on each.
+  char field[32] = "notification ";
+  constexpr size_t kPrefix = sizeof("notification ") - 1;
   for (uint32_t i = 0; i < count; ++i) {
+    const size_t n =
+        static_cast<size_t>(std::to_chars(field + kPrefix, field + sizeof(field), i).ptr - field);
     std::string payload;
-    if (!r.Str32(StrCat("notification ", i), Agent::kMaxNotificationBytes, &payload))
+    if (!r.Str32(std::string_view(field, n), Agent::kMaxNotificationBytes, &payload))
       return r.status();
     out.push_back(std::move(payload));
   }

@@ -191,7 +191,7 @@ TEST(CopyBytesTest, AShrunkSharedFileFailsTheCopyInsteadOfKillingTheProcess) {
   internal::CopyJob job;
   job.id = 1;
   job.pid = getpid();
-  job.describe = "READ from 'peer'";
+  job.describe = internal::JobName("READ from 'peer'");
   job.pieces.push_back({local.data(), 0, m + (512 << 10), 256 << 10});
   job.done = [&](Status s) { result.set_value(std::move(s)); };
   copier.Submit(std::move(job));
@@ -238,7 +238,7 @@ TEST(ShmCopierTest, JobsAloneAreHelpedByTheCallerAndEveryByteLandsOnce) {
       job.read = true;
       job.alone = rng() % 3 != 0;
       job.caller_waits = rng() % 2 == 0;
-      job.describe = "READ from 'self'";
+      job.describe = internal::JobName("READ from 'self'");
       std::vector<std::pair<size_t, size_t>> ranges;  // (offset, bytes), disjoint
       size_t at = 0;
       for (int k = 1 + static_cast<int>(rng() % 5); k > 0; --k) {
@@ -265,7 +265,7 @@ TEST(ShmCopierTest, JobsAloneAreHelpedByTheCallerAndEveryByteLandsOnce) {
     bad.id = 999;
     bad.pid = getpid();
     bad.alone = true;
-    bad.describe = "READ from 'self'";
+    bad.describe = internal::JobName("READ from 'self'");
     bad.pieces.push_back({dst.data(), 8, nullptr, 2u << 20});  // address 8: never mapped
     std::atomic<int> calls{0};
     const Status s = SubmitAndWait(copier, std::move(bad), &calls);
@@ -289,7 +289,7 @@ TEST(ShmCopierTest, OnABusyHostAJobItsCallerWaitsForIsCopiedByTheCaller) {
     job.id = 1;
     job.pid = getpid();
     job.caller_waits = waits;
-    job.describe = "READ from 'self'";
+    job.describe = internal::JobName("READ from 'self'");
     job.pieces.push_back({dst.data(), reinterpret_cast<uint64_t>(src.data()), nullptr, bytes});
     auto ran_on = std::make_shared<std::promise<std::thread::id>>();
     job.done = [ran_on](Status s) {

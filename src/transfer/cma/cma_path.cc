@@ -80,8 +80,11 @@ class CmaPath final : public DataPath {
     job.read = req.op == XferOp::kRead;
     job.alone = req.alone;
     job.caller_waits = req.caller_waits;
-    job.describe = StrCat("agent '", agent_, "': ", OpName(req.op), " with '", p.name, "' (pid ",
-                          p.pid, ", cma)");
+    job.describe.agent = agent_;
+    job.describe.op = OpName(req.op);
+    job.describe.peer = p.name;
+    job.describe.pid = p.pid;
+    job.describe.path = "cma";
     job.pieces.reserve(req.segments.size());
     for (const Segment& s : req.segments) {
       CopyPiece piece;

@@ -45,6 +45,12 @@ __attribute__((target("avx2"))) void StreamAvx2(uint8_t* d, const uint8_t* s, si
 
 }  // namespace
 
+std::ostream& operator<<(std::ostream& out, const JobName& name) {
+  if (!name.text.empty()) return out << name.text;
+  return out << "agent '" << name.agent << "': " << name.op << " with '" << name.peer << "' (pid "
+             << name.pid << ", " << name.path << ")";
+}
+
 void CopyBytes(void* dst, const void* src, size_t n) {
 #if defined(__x86_64__)
   static const bool avx2 = __builtin_cpu_supports("avx2");

@@ -15,6 +15,9 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <ostream>
+#include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -57,11 +60,24 @@ struct CopyPiece {
   uint64_t bytes = 0;
 };
 
+// A job's name in messages ("agent 'a': READ with 'b' (pid 123, shm)"), put together only
+// when a message needs it: a job is posted for every transfer, and formatting its name each
+// time (an ostringstream) was work on every READ of a rearrangement.
+struct JobName {
+  JobName() = default;
+  explicit JobName(std::string whole) : text(std::move(whole)) {}  // a name given whole
+  std::string text;  // when set, the name as it is; else made from the parts below
+  std::string agent, peer;
+  std::string_view op, path;  // OpName(), the data path's name (static strings)
+  pid_t pid = 0;
+};
+std::ostream& operator<<(std::ostream& out, const JobName& name);
+
 struct CopyJob {
   uint64_t id = 0;
   pid_t pid = 0;
-  bool read = true;      // peer -> local
-  std::string describe;  // "READ from 'b' (pid 123)" for messages
+  bool read = true;  // peer -> local
+  JobName describe;
   std::vector<CopyPiece> pieces;
   bool alone = false;         // PathRequest::alone
   bool caller_waits = false;  // PathRequest::caller_waits

@@ -153,8 +153,11 @@ class ShmPath final : public DataPath {
     job.read = req.op == XferOp::kRead;
     job.alone = req.alone;
     job.caller_waits = req.caller_waits;
-    job.describe = StrCat("agent '", agent_, "': ", OpName(req.op), " with '", p->name, "' (pid ",
-                          p->pid, ", shm)");
+    job.describe.agent = agent_;
+    job.describe.op = OpName(req.op);
+    job.describe.peer = p->name;
+    job.describe.pid = p->pid;
+    job.describe.path = "shm";
     job.pieces.reserve(req.segments.size());
     for (const Segment& s : req.segments) {
       if (s.remote_region >= p->regions.size() || p->regions[s.remote_region].ptr == nullptr) {

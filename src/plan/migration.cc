@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <span>
 #include <tuple>
 
 #include "common/strings.h"
@@ -30,14 +31,30 @@ Result<LayerMigration> PlanLayer(int layer, const int32_t* from, const int32_t* 
   // Holders of each expert in the old placement: (rank, lowest row), ranks ascending.
   int32_t max_expert = -1;
   for (int s = 0; s < shape.ranks * rows; ++s) max_expert = std::max({max_expert, from[s], to[s]});
-  std::vector<std::vector<std::pair<int32_t, int32_t>>> holders(
-      static_cast<size_t>(max_expert + 1));
+  // Held flat, expert by expert (holders(e) is a span of one array: a layer is planned at
+  // every rearrangement, and a vector per expert was most of its allocations).
+  std::vector<int32_t> first(static_cast<size_t>(max_expert + 2), 0);
+  std::vector<int32_t> last_rank(static_cast<size_t>(max_expert + 1), -1);
   for (int s = 0; s < shape.ranks * rows; ++s) {
     const int32_t e = from[s];
-    if (e < 0) continue;
-    auto& h = holders[e];
-    if (h.empty() || h.back().first != s / rows) h.emplace_back(s / rows, s % rows);
+    if (e < 0 || last_rank[e] == s / rows) continue;
+    last_rank[e] = s / rows;
+    ++first[static_cast<size_t>(e) + 1];
   }
+  for (size_t e = 1; e < first.size(); ++e) first[e] += first[e - 1];
+  std::vector<std::pair<int32_t, int32_t>> held(static_cast<size_t>(first.back()));
+  std::fill(last_rank.begin(), last_rank.end(), -1);
+  std::vector<int32_t> fill(first.begin(), first.end() - 1);
+  for (int s = 0; s < shape.ranks * rows; ++s) {
+    const int32_t e = from[s];
+    if (e < 0 || last_rank[e] == s / rows) continue;
+    last_rank[e] = s / rows;
+    held[fill[e]++] = {s / rows, s % rows};
+  }
+  auto holders = [&](int32_t e) {
+    return std::span<const std::pair<int32_t, int32_t>>(held).subspan(
+        first[e], static_cast<size_t>(first[e + 1] - first[e]));
+  };
 
   struct PendingRead {
     int32_t dst, dst_row, expert;
@@ -64,7 +81,7 @@ Result<LayerMigration> PlanLayer(int layer, const int32_t* from, const int32_t* 
         continue;
       }
       // 3. Otherwise one remote read into this row.
-      if (holders[e].empty()) {
+      if (holders(e).empty()) {
         return Status::InvalidArgument(
             StrCat("layer ", layer, ": expert ", e, " is placed on rank ", r, " (row ", i,
                    ") in the new placement but no rank holds it in the old placement; a migration "
@@ -77,7 +94,7 @@ Result<LayerMigration> PlanLayer(int layer, const int32_t* from, const int32_t* 
   // Source candidates: holders on the reader's node when there are any, else all holders.
   std::vector<std::vector<int32_t>> candidates(reads.size());
   for (size_t k = 0; k < reads.size(); ++k) {
-    const auto& h = holders[reads[k].expert];
+    const auto h = holders(reads[k].expert);
     for (const auto& [rank, row] : h) {
       if (shape.node_of(rank) == shape.node_of(reads[k].dst)) candidates[k].push_back(rank);
     }
@@ -98,7 +115,7 @@ Result<LayerMigration> PlanLayer(int layer, const int32_t* from, const int32_t* 
   std::vector<uint64_t> in(static_cast<size_t>(shape.ranks), 0), served(in);
   for (size_t k = 0; k < reads.size(); ++k) {
     const int32_t src = source[k];
-    const auto& h = holders[reads[k].expert];
+    const auto h = holders(reads[k].expert);
     const auto holder = std::find_if(h.begin(), h.end(), [&](auto& p) { return p.first == src; });
     const auto pair_at =
         std::lower_bound(pairs.begin(), pairs.end(), std::make_pair(reads[k].dst, src));

@@ -634,6 +634,8 @@ RearrangerImpl::LayerJob RearrangerImpl::MakeLayerJob(uint32_t l, const LayerMig
                                                       int slot) {
   LayerJob job;
   job.layer = l;
+  job.old_map.reserve(static_cast<size_t>(from.slots()));
+  job.new_map.reserve(static_cast<size_t>(from.slots()));
   for (int s = 0; s < from.slots(); ++s) {
     job.old_map.push_back(from.phy2log(static_cast<int>(l), s));
     job.new_map.push_back(to.phy2log(static_cast<int>(l), s));
@@ -642,6 +644,8 @@ RearrangerImpl::LayerJob RearrangerImpl::MakeLayerJob(uint32_t l, const LayerMig
   // Swap mode: every rank's rows after this layer, computed alike on every rank.
   std::vector<RowPlan> plans;
   if (layout.spare_rows != 0) {
+    plans.reserve(world());
+    job.row_map.reserve(static_cast<size_t>(from.slots()));
     for (uint32_t r = 0; r < world(); ++r) {
       plans.push_back(PlanRows(r, l, m));
       for (uint32_t row : tables[r][l]) job.row_map.push_back(static_cast<int32_t>(row));

@@ -588,19 +588,25 @@ RearrangerImpl::RowPlan RearrangerImpl::PlanRows(uint32_t rank, uint32_t layer,
   if (layout.spare_rows == 0) return out;
   const std::vector<uint32_t>& old = tables[rank][layer];
   const uint32_t rows = layout.layers[layer][0].rows;
-  std::vector<bool> used(rows, false), claimed(rows, false), changed(old.size(), false);
-  for (uint32_t row : old) used[row] = true;
+  // One allocation for the flags (every rank plans every rank's rows for every layer):
+  // rows used, rows claimed, slots changed.
+  std::vector<uint8_t> flags(2 * static_cast<size_t>(rows) + old.size(), 0);
+  uint8_t* const used = flags.data();
+  uint8_t* const claimed = used + rows;
+  uint8_t* const changed = claimed + rows;
+  for (uint32_t row : old) used[row] = 1;
   std::vector<uint32_t> free;  // rows no slot uses, lowest first
+  free.reserve(rows - std::min<size_t>(rows, old.size()));
   for (uint32_t row = 0; row < rows; ++row) {
     if (!used[row]) free.push_back(row);
   }
   size_t next = 0;
   const int32_t me = static_cast<int32_t>(rank);
   for (const RemoteRead& r : m.transfers) {
-    if (r.dst == me) changed[r.dst_row] = true;
+    if (r.dst == me) changed[r.dst_row] = 1;
   }
   for (const LocalCopy& c : m.local_copies) {
-    if (c.rank == me) changed[c.dst_row] = true;
+    if (c.rank == me) changed[c.dst_row] = 1;
   }
   out.table = old;
   for (const RemoteRead& r : m.transfers) {
@@ -616,7 +622,7 @@ RearrangerImpl::RowPlan RearrangerImpl::PlanRows(uint32_t rank, uint32_t layer,
       if (c.rank != me || c.source != pass) continue;
       const uint32_t src = pass == CopySource::kOld ? old[c.src_row] : out.table[c.src_row];
       if (pass == CopySource::kOld && changed[c.src_row] && !claimed[src]) {
-        claimed[src] = true;
+        claimed[src] = 1;
         out.table[c.dst_row] = src;
         continue;
       }

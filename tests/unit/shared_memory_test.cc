@@ -260,17 +260,24 @@ TEST(ShmCopierTest, JobsAloneAreHelpedByTheCallerAndEveryByteLandsOnce) {
       }
       EXPECT_EQ(calls.load(), 1);
     }
-    // A job alone whose source is not mapped in the peer: one named failure.
+    // A job alone whose source is not mapped in the peer: one named failure, the job named
+    // from its parts as a data path names it (put together only for the message).
     internal::CopyJob bad;
     bad.id = 999;
     bad.pid = getpid();
     bad.alone = true;
-    bad.describe = internal::JobName("READ from 'self'");
+    bad.describe.agent = "a";
+    bad.describe.op = "READ";
+    bad.describe.peer = "self";
+    bad.describe.pid = getpid();
+    bad.describe.path = "shm";
     bad.pieces.push_back({dst.data(), 8, nullptr, 2u << 20});  // address 8: never mapped
     std::atomic<int> calls{0};
     const Status s = SubmitAndWait(copier, std::move(bad), &calls);
     EXPECT_EQ(s.code(), Code::kIoError) << s.ToString();
-    EXPECT_NE(s.message().find("READ from 'self': cross-process copy moved"), std::string::npos)
+    EXPECT_NE(s.message().find("agent 'a': READ with 'self' (pid " + std::to_string(getpid()) +
+                               ", shm): cross-process copy moved"),
+              std::string::npos)
         << s.ToString();
     EXPECT_EQ(calls.load(), 1);
   }

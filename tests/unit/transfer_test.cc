@@ -302,6 +302,13 @@ TEST(MessageHeaderTest, NotificationBatchesRoundTripAndRejectEachMalformation) {
   const std::string big =
       internal::EncodeNotifyBatch({std::string(Agent::kMaxNotificationBytes + 1, 'b')});
   EXPECT_NE(message(big).find("the limit is 65536"), std::string::npos) << message(big);
+  // A bad notification is named by its index (two digits here), and so is a cut one.
+  std::vector<std::string> twelve(12, "n");
+  twelve[11] = std::string(Agent::kMaxNotificationBytes + 1, 'b');
+  const std::string bad_last = internal::EncodeNotifyBatch(twelve);
+  EXPECT_NE(message(bad_last).find("notification 11"), std::string::npos) << message(bad_last);
+  const std::string cut = body.substr(0, body.size() - 1);
+  EXPECT_NE(message(cut).find("notification 3"), std::string::npos) << message(cut);
   // The kind is known to the header decoder.
   const std::string h = internal::EncodeMessageHeader({internal::MessageKind::kNotifyBatch, "r"});
   size_t used = 0;

@@ -234,7 +234,10 @@ struct DevicePeer {
                                  "--seed", std::to_string(seed), "--timeout-ms",
                                  std::to_string(kPeerTimeoutMs), "--memory", memory},
         env);
-    p.blob = testing::FromHex(p.child->Expect("META "));
+    // The peer fills all of its memory before it prints META: 512 MiB took 30 s under TSan
+    // on a slow day of this 2-core VM, at the default 30 s wait (a start, not a speed, is
+    // what this waits for).
+    p.blob = testing::FromHex(p.child->Expect("META ", std::chrono::seconds(180)));
     p.base = std::stoull(p.child->Expect("BASE "));
     return p;
   }

@@ -191,13 +191,14 @@ TEST(CopyBytesTest, AShrunkSharedFileFailsTheCopyInsteadOfKillingTheProcess) {
   internal::CopyJob job;
   job.id = 1;
   job.pid = getpid();
-  job.describe = internal::JobName("READ from 'peer'");
+  job.describe = {.agent = "a", .peer = "peer", .op = "READ", .path = "shm", .pid = getpid()};
   job.pieces.push_back({local.data(), 0, m + (512 << 10), 256 << 10});
   job.done = [&](Status s) { result.set_value(std::move(s)); };
   copier.Submit(std::move(job));
   const Status s = result.get_future().get();
   EXPECT_EQ(s.code(), Code::kIoError) << s.ToString();
-  EXPECT_NE(s.message().find("READ from 'peer': the peer's shared file ends before the registered "
+  EXPECT_NE(s.message().find("agent 'a': READ with 'peer' (pid " + std::to_string(getpid()) +
+                             ", shm): the peer's shared file ends before the registered "
                              "region does (SIGBUS"),
             std::string::npos)
       << s.ToString();
@@ -238,7 +239,6 @@ TEST(ShmCopierTest, JobsAloneAreHelpedByTheCallerAndEveryByteLandsOnce) {
       job.read = true;
       job.alone = rng() % 3 != 0;
       job.caller_waits = rng() % 2 == 0;
-      job.describe = internal::JobName("READ from 'self'");
       std::vector<std::pair<size_t, size_t>> ranges;  // (offset, bytes), disjoint
       size_t at = 0;
       for (int k = 1 + static_cast<int>(rng() % 5); k > 0; --k) {
@@ -266,11 +266,7 @@ TEST(ShmCopierTest, JobsAloneAreHelpedByTheCallerAndEveryByteLandsOnce) {
     bad.id = 999;
     bad.pid = getpid();
     bad.alone = true;
-    bad.describe.agent = "a";
-    bad.describe.op = "READ";
-    bad.describe.peer = "self";
-    bad.describe.pid = getpid();
-    bad.describe.path = "shm";
+    bad.describe = {.agent = "a", .peer = "self", .op = "READ", .path = "shm", .pid = getpid()};
     bad.pieces.push_back({dst.data(), 8, nullptr, 2u << 20});  // address 8: never mapped
     std::atomic<int> calls{0};
     const Status s = SubmitAndWait(copier, std::move(bad), &calls);
@@ -296,7 +292,6 @@ TEST(ShmCopierTest, OnABusyHostAJobItsCallerWaitsForIsCopiedByTheCaller) {
     job.id = 1;
     job.pid = getpid();
     job.caller_waits = waits;
-    job.describe = internal::JobName("READ from 'self'");
     job.pieces.push_back({dst.data(), reinterpret_cast<uint64_t>(src.data()), nullptr, bytes});
     auto ran_on = std::make_shared<std::promise<std::thread::id>>();
     job.done = [ran_on](Status s) {

@@ -46,7 +46,6 @@ __attribute__((target("avx2"))) void StreamAvx2(uint8_t* d, const uint8_t* s, si
 }  // namespace
 
 std::ostream& operator<<(std::ostream& out, const JobName& name) {
-  if (!name.text.empty()) return out << name.text;
   return out << "agent '" << name.agent << "': " << name.op << " with '" << name.peer << "' (pid "
              << name.pid << ", " << name.path << ")";
 }

@@ -64,9 +64,6 @@ struct CopyPiece {
 // when a message needs it: a job is posted for every transfer, and formatting its name each
 // time (an ostringstream) was work on every READ of a rearrangement.
 struct JobName {
-  JobName() = default;
-  explicit JobName(std::string whole) : text(std::move(whole)) {}  // a name given whole
-  std::string text;  // when set, the name as it is; else made from the parts below
   std::string agent, peer;
   std::string_view op, path;  // OpName(), the data path's name (static strings)
   pid_t pid = 0;

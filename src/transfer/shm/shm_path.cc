@@ -153,11 +153,8 @@ class ShmPath final : public DataPath {
     job.read = req.op == XferOp::kRead;
     job.alone = req.alone;
     job.caller_waits = req.caller_waits;
-    job.describe.agent = agent_;
-    job.describe.op = OpName(req.op);
-    job.describe.peer = p->name;
-    job.describe.pid = p->pid;
-    job.describe.path = "shm";
+    job.describe = {
+        .agent = agent_, .peer = p->name, .op = OpName(req.op), .path = "shm", .pid = p->pid};
     job.pieces.reserve(req.segments.size());
     for (const Segment& s : req.segments) {
       if (s.remote_region >= p->regions.size() || p->regions[s.remote_region].ptr == nullptr) {

@@ -18,6 +18,7 @@ echo "== pip wheel . (scikit-build-core; build dir build-wheel) =="
 launcher=()
 if command -v ccache >/dev/null; then
   launcher=(--config-settings=cmake.define.CMAKE_CXX_COMPILER_LAUNCHER=ccache)
+  export CCACHE_BASEDIR=$root CCACHE_NOHASHDIR=true  # as scripts/build.sh
 fi
 "$venv/bin/pip" wheel -q --no-deps -w "$root/build-wheel/dist" --config-settings=build-dir=build-wheel/cmake \
   "${launcher[@]}" "$root"

@@ -27,7 +27,7 @@ for target in $targets; do
   while (($(jobs -rp | wc -l) >= parallel)); do wait -n || true; done
   work=build-fuzz/corpus/$target
   rm -rf "$work" build-fuzz/$target.rc && mkdir -p "$work" && cp tests/fuzz/corpus/$target/* "$work/"
-  echo "== $target (${seconds}s) =="
+  echo "fuzz: $target started (${seconds}s)"
   (
     status=0
     build-fuzz/bin/$target -max_total_time="$seconds" -max_len=65536 -print_final_stats=1 \

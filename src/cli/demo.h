@@ -112,9 +112,9 @@ struct DemoOptions {
   std::string plot;  // SVG file: step time over steps per mode
   uint64_t work_bytes_value = 0;
   std::vector<std::string> mode_list;
-  // A process-shared semaphore (value 1) the coordinator creates before forking: ranks do
-  // their expert work one at a time, so that a rank's CPU time is not its core sibling's.
-  void* work_turn = nullptr;
+  // The WorkTurns (serve_mode.h) the demo creates before forking: ranks do their expert work
+  // one at a time, and on each layer close together in time.
+  void* work_turns = nullptr;
 };
 
 // One rank's weights: every layer and tensor in one shared region, rows contiguous per

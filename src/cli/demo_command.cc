@@ -24,6 +24,7 @@
 #include "cli/commands.h"
 #include "cli/demo.h"
 #include "cli/flags.h"
+#include "cli/serve_mode.h"
 #include "common/strings.h"
 #include "eplbx/bootstrap.h"
 #include "eplbx/env.h"
@@ -364,11 +365,9 @@ Status RunDemo(DemoOptions o) {
   std::vector<int> fds(o.ranks);
   std::vector<pid_t> pids(o.ranks);
   if (o.serve) {
-    void* page =
-        mmap(nullptr, sizeof(sem_t), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-    if (page == MAP_FAILED || sem_init(static_cast<sem_t*>(page), 1, 1) != 0)
-      return Status::Unavailable(StrCat("a shared semaphore: ", std::strerror(errno)));
-    o.work_turn = page;
+    Result<WorkTurns*> turns = CreateWorkTurns();
+    if (!turns.ok()) return turns.status();
+    o.work_turns = *turns;
   }
   if (o.fault_step >= 0) {
     const std::string dir = Env::Default()->GetVar("EPLBX_BACKUP_DIR").value_or("/dev/shm");

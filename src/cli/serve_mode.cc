@@ -75,12 +75,14 @@ void Mode::TakeRowTables() {
 // pattern of the expert the placement in force names; after each layer, a Poll of the
 // rebalance in flight.
 void Work(const DemoOptions& o, int rank, int step, std::span<const double> counts, Mode& mode,
-          uint64_t work, uint64_t segments) {
+          int mode_index, uint64_t work, uint64_t segments, Meeting* meeting) {
+  const int modes = static_cast<int>(o.mode_list.size());
   const Weights& w = mode.w;
   const Placement& p = mode.group->placement();
   const uint64_t row0 = w.bytes[0];
   uint64_t sink = 0;
   for (int l = 0; l < o.layers; ++l) {
+    if (meeting != nullptr) meeting->Begin(LayerIndex(step, mode_index, modes, l, o.layers));
     const double cpu0 = ThreadCpuSeconds();
     const std::vector<int64_t> tokens = SlotTokens(p, counts, l, rank, w.rows);
     const TensorSpec& t0 = w.layout.layers[l][0];
@@ -120,6 +122,7 @@ void Work(const DemoOptions& o, int rank, int step, std::span<const double> coun
     // nothing otherwise): its cost counts in the layer's time.
     mode.group->Poll();
     mode.m.cpu_s.push_back(ThreadCpuSeconds() - cpu0);
+    if (meeting != nullptr) meeting->End();
   }
   mode.m.checksum += sink;
 }

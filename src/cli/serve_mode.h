@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/demo.h"
+#include "cli/work_turns.h"
 #include "eplbx/backup.h"
 #include "eplbx/serving.h"
 #include "eplbx/simulate.h"
@@ -50,11 +51,12 @@ struct Mode {
   void TakeRowTables();
 };
 
-// The expert work of one step on `mode`'s weights: every row this rank holds, each routed
-// token over `work` bytes of tensor 0 (which `segments` cycle through), checked against the
-// pattern of the expert the placement in force names.
+// The expert work of one step on `mode` (the `mode_index`-th of the run's modes): every row
+// this rank holds, each routed token over `work` bytes of tensor 0 (which `segments` cycle
+// through), checked against the pattern of the expert the placement in force names. With
+// a `meeting`, each layer after the ranks met at it and in this rank's turn.
 void Work(const DemoOptions& o, int rank, int step, std::span<const double> counts, Mode& mode,
-          uint64_t work, uint64_t segments);
+          int mode_index, uint64_t work, uint64_t segments, Meeting* meeting);
 nlohmann::json ModeReport(Mode& mode);
 // The node's host backup for a drill with losses (`joiner`: a backup of its own, every
 // expert loaded). On one host rank 0's file holds what every rank's slots hold under

@@ -211,7 +211,12 @@ int RunServeRank(const DemoOptions& o, int rank, Bootstrap& boot, bool joining,
   const uint64_t row0 = modes[0].w.bytes[0];
   const uint64_t work = std::max<uint64_t>(8, std::min<uint64_t>(o.work_bytes_value, row0) & ~7ull);
   const uint64_t segments = std::max<uint64_t>(1, row0 / work);
-  auto* turn = static_cast<sem_t*>(o.work_turn);
+  // Outside a drill the ranks meet at every layer (WorkTurns); in a drill, whose figures are
+  // wall-clock times around a loss, they only take turns: a lost rank would hold the others
+  // at its last layer until it went stale.
+  std::optional<Meeting> meeting;
+  if (o.work_turns != nullptr)
+    meeting.emplace(static_cast<WorkTurns*>(o.work_turns), rank, o.ranks, /*meet=*/!drill);
   bool stopped = false, left = false;
   bool coordinator_gone = false;  // no round can be answered any more: no final barrier
   int64_t asked_ns = 0;           // when the last `add` was asked for
@@ -229,12 +234,11 @@ int RunServeRank(const DemoOptions& o, int rank, Bootstrap& boot, bool joining,
     }
     if (stopped) break;
     const std::span<const double> counts = trace->step(step);
-    for (Mode& mode : modes) {
+    for (size_t mi = 0; mi < modes.size(); ++mi) {
+      Mode& mode = modes[mi];
       ModeRun& m = mode.m;
-      while (turn != nullptr && sem_wait(turn) != 0) {
-      }
-      Work(o, rank, step, counts, mode, work, segments);
-      if (turn != nullptr) sem_post(turn);
+      Work(o, rank, step, counts, mode, static_cast<int>(mi), work, segments,
+           meeting ? &*meeting : nullptr);
       ServingGroup& g = *mode.group;
       m.enter_ns.push_back(MonotonicNs());
       Result<BalancerStep> st = g.Step(counts);
@@ -267,6 +271,7 @@ int RunServeRank(const DemoOptions& o, int rank, Bootstrap& boot, bool joining,
       progress_ns = MonotonicNs();
     }
   }
+  if (meeting) meeting->Leave();  // nobody waits for this rank any more
   bool all_ok = true;
   nlohmann::json out = nlohmann::json::object();
   for (Mode& mode : modes) {

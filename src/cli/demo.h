@@ -112,7 +112,7 @@ struct DemoOptions {
   std::string plot;  // SVG file: step time over steps per mode
   uint64_t work_bytes_value = 0;
   std::vector<std::string> mode_list;
-  // The WorkTurns (serve_mode.h) the demo creates before forking: ranks do their expert work
+  // The WorkTurns (work_turns.h) the demo creates before forking: ranks do their expert work
   // one at a time, and on each layer close together in time.
   void* work_turns = nullptr;
 };

@@ -1,9 +1,7 @@
 // `eplbx demo`: spawns the ranks as processes on this machine (the parent is their
 // rendezvous), rearranges real weights over real UCX agents for a few steps of drifting load,
 // verifies every byte, and reports (docs/cli.md, "eplbx demo").
-#include <semaphore.h>
 #include <signal.h>
-#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>

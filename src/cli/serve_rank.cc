@@ -204,6 +204,14 @@ int RunServeRank(const DemoOptions& o, int rank, Bootstrap& boot, bool joining,
   // The joiner joined the members where they are; the members start together.
   const int first_step = joiner ? static_cast<int>(modes[0].group->step()) : 0;
   drill_log.step_ns.assign(static_cast<size_t>(first_step), 0);  // steps before it joined
+  // Outside a drill the ranks meet at every layer (WorkTurns); in a drill, whose figures are
+  // wall-clock times around a loss, they only take turns: a lost rank would hold the others
+  // at its last layer until it went stale. Each says where it starts before the barrier.
+  std::optional<Meeting> meeting;
+  if (o.work_turns != nullptr) {
+    meeting.emplace(static_cast<WorkTurns*>(o.work_turns), rank, o.ranks, /*meet=*/!drill);
+    meeting->Arrive(LayerIndex(first_step, 0, static_cast<int>(modes.size()), 0, o.layers));
+  }
   if (!joiner) {
     Status ready = boot.Barrier(round_wait);
     if (!ready.ok()) return fail(ready.message());
@@ -211,12 +219,6 @@ int RunServeRank(const DemoOptions& o, int rank, Bootstrap& boot, bool joining,
   const uint64_t row0 = modes[0].w.bytes[0];
   const uint64_t work = std::max<uint64_t>(8, std::min<uint64_t>(o.work_bytes_value, row0) & ~7ull);
   const uint64_t segments = std::max<uint64_t>(1, row0 / work);
-  // Outside a drill the ranks meet at every layer (WorkTurns); in a drill, whose figures are
-  // wall-clock times around a loss, they only take turns: a lost rank would hold the others
-  // at its last layer until it went stale.
-  std::optional<Meeting> meeting;
-  if (o.work_turns != nullptr)
-    meeting.emplace(static_cast<WorkTurns*>(o.work_turns), rank, o.ranks, /*meet=*/!drill);
   bool stopped = false, left = false;
   bool coordinator_gone = false;  // no round can be answered any more: no final barrier
   int64_t asked_ns = 0;           // when the last `add` was asked for

@@ -69,6 +69,10 @@ void Meeting::Set(int64_t value) {
           nullptr, 0);
 }
 
+void Meeting::Arrive(int64_t index) {
+  if (meet_) Set(index);
+}
+
 void Meeting::Begin(int64_t index) {
   if (meet_) Set(index);
   for (; meet_;) {

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -113,6 +114,7 @@ int64_t Now() {
 // layer, when it got the turn and when it gave it back.
 struct Log {
   static constexpr int kRanks = 4, kLayers = 120;
+  std::atomic<int> arrived;  // the start barrier
   int64_t announced[kRanks][kLayers];
   int64_t started[kRanks][kLayers];
   int64_t ended[kRanks][kLayers];
@@ -128,9 +130,15 @@ void RunRanks(Log* log, int kill_rank, int kill_layer) {
     ASSERT_GE(pid, 0);
     if (pid == 0) {
       Meeting meeting(*turns, r, Log::kRanks, /*meet=*/true);
+      // As the demo's ranks do: say where it starts, then a barrier (a child forked late would
+      // otherwise not be serving yet, so not waited for, while the others ran ahead).
+      log->announced[r][0] = Now();
+      meeting.Arrive(0);
+      log->arrived.fetch_add(1);
+      while (log->arrived.load() < Log::kRanks) usleep(100);
       for (int l = 0; l < Log::kLayers; ++l) {
         if (r == kill_rank && l == kill_layer) _exit(0);
-        log->announced[r][l] = Now();
+        if (l > 0) log->announced[r][l] = Now();
         meeting.Begin(l);
         log->started[r][l] = Now();
         // Work of uneven length: rank r takes (r + 1) x 0.2 ms, layer by layer.
@@ -162,9 +170,7 @@ Log* SharedLog() {
 TEST(WorkTurnsTest, RanksTakeTurnsAndMeetAtEveryLayer) {
   Log* log = SharedLog();
   RunRanks(log, -1, -1);
-  // (From layer 1: at layer 0 a rank not started yet is not serving, so not waited for; the
-  // demo's ranks start together after a barrier.)
-  for (int l = 1; l < Log::kLayers; ++l) {
+  for (int l = 0; l < Log::kLayers; ++l) {
     for (int r = 0; r < Log::kRanks; ++r) {
       for (int q = 0; q < Log::kRanks; ++q) {
         if (q == r) continue;

@@ -58,13 +58,12 @@ struct PeerSeen {
 bool MeetingWaits(std::span<const int64_t> at, std::span<PeerSeen> seen, int me, int64_t index,
                   int64_t now_ns, int64_t stale_ns);
 
-// This rank's part in WorkTurns. `Arrive` says which layer the rank will work on first
-// without waiting (before the ranks' start barrier, so that nobody starts without it);
-// `Begin` sets its `at` to the layer it is about to work on,
-// waits until it may (MeetingWaits, blocked on `moved` between looks, at most 10 ms) and then
-// for its turn (at most kStaleNs: a rank killed inside its turn never gives it back); `End`
-// gives the turn back; `Leave` marks the rank done (it serves no more). Without `meet`, Begin
-// only waits for the turn.
+// This rank's part in WorkTurns. `Arrive` says which layer the rank will work on first,
+// without waiting (before the ranks' start barrier, so that nobody starts without it).
+// `Begin` sets its `at` to the layer it is about to work on, waits until it may (MeetingWaits,
+// blocked on `moved` between looks, at most 10 ms), then for its turn (at most kStaleNs: a
+// rank killed inside its turn never gives it back). `End` gives the turn back; `Leave` marks
+// the rank done (it serves no more). Without `meet`, Begin only waits for the turn.
 class Meeting {
  public:
   // Stale after 200 ms (a layer takes a few milliseconds a rank).

@@ -57,12 +57,6 @@ nlohmann::json RecordJson(const RecoveryRecord& r) {
 
 }  // namespace
 
-int64_t MonotonicNs() {
-  timespec ts{};
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
-}
-
 void Mode::TakeRowTables() {
   if (w.spare == 0 || group == nullptr) return;
   for (int l = 0; l < static_cast<int>(w.row_of_slot.size()); ++l)

@@ -21,8 +21,6 @@
 
 namespace eplbx::cli {
 
-int64_t MonotonicNs();  // CLOCK_MONOTONIC: the same clock in every process
-
 // The gate's load of `eplbx demo --serve`: the simulator's skewed, drifting trace, the same
 // on every rank (and in the coordinator's report, for the hindsight ceiling).
 Result<LoadTrace> DemoTrace(const DemoOptions& o);

@@ -19,15 +19,11 @@ namespace eplbx::cli {
 
 using internal::StrCat;
 
-namespace {
-
-int64_t NowNs() {
+int64_t MonotonicNs() {
   timespec ts{};
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
 }
-
-}  // namespace
 
 Result<WorkTurns*> CreateWorkTurns() {
   void* page =
@@ -35,8 +31,11 @@ Result<WorkTurns*> CreateWorkTurns() {
   if (page == MAP_FAILED)
     return Status::Unavailable(StrCat("shared memory: ", std::strerror(errno)));
   auto* t = new (page) WorkTurns;
-  if (sem_init(&t->turn, 1, 1) != 0)
-    return Status::Unavailable(StrCat("a shared semaphore: ", std::strerror(errno)));
+  if (sem_init(&t->turn, 1, 1) != 0) {
+    const int err = errno;
+    munmap(page, sizeof(WorkTurns));
+    return Status::Unavailable(StrCat("a shared semaphore: ", std::strerror(err)));
+  }
   t->moved.store(0);
   for (std::atomic<int64_t>& a : t->at) a.store(WorkTurns::kNotServing);
   return t;
@@ -74,15 +73,17 @@ void Meeting::Arrive(int64_t index) {
 }
 
 void Meeting::Begin(int64_t index) {
-  if (meet_) Set(index);
-  for (; meet_;) {
-    const uint32_t moved = turns_->moved.load();
-    for (size_t r = 0; r < at_.size(); ++r) at_[r] = turns_->at[r].load();
-    if (!MeetingWaits(at_, seen_, rank_, index, NowNs(), kStaleNs)) break;
-    // Until an `at` moves (or 10 ms, to see a rank go stale).
-    const timespec wait{0, 10'000'000};
-    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&turns_->moved), FUTEX_WAIT, moved, &wait,
-            nullptr, 0);
+  if (meet_) {
+    Set(index);
+    for (;;) {
+      const uint32_t moved = turns_->moved.load();
+      for (size_t r = 0; r < at_.size(); ++r) at_[r] = turns_->at[r].load();
+      if (!MeetingWaits(at_, seen_, rank_, index, MonotonicNs(), kStaleNs)) break;
+      // Until an `at` moves (or 10 ms, to see a rank go stale).
+      const timespec wait{0, 10'000'000};
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&turns_->moved), FUTEX_WAIT, moved, &wait,
+              nullptr, 0);
+    }
   }
   // The turn, waited for up to kStaleNs: a rank that died inside its turn (the demo's drills
   // strike between steps, but a process can be killed from outside at any time) would hold it

@@ -14,6 +14,8 @@
 
 namespace eplbx::cli {
 
+int64_t MonotonicNs();  // CLOCK_MONOTONIC: the same clock in every process
+
 // What the rank processes of one `eplbx demo --serve` share to time their expert work (the
 // demo maps it before forking; none for `eplbx worker --serve`, whose ranks may be on other
 // hosts). Ranks work one at a time (`turn`), so that a rank's CPU time is not inflated by its

@@ -104,12 +104,6 @@ TEST(WorkTurnsTest, RandomWorldsFinishAndMeetAtEveryLayer) {
   }
 }
 
-int64_t Now() {
-  timespec ts{};
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
-}
-
 // What the children record, in shared memory: for each rank and layer, when it announced the
 // layer, when it got the turn and when it gave it back.
 struct Log {
@@ -132,20 +126,20 @@ void RunRanks(Log* log, int kill_rank, int kill_layer) {
       Meeting meeting(*turns, r, Log::kRanks, /*meet=*/true);
       // As the demo's ranks do: say where it starts, then a barrier (a child forked late would
       // otherwise not be serving yet, so not waited for, while the others ran ahead).
-      log->announced[r][0] = Now();
+      log->announced[r][0] = MonotonicNs();
       meeting.Arrive(0);
       log->arrived.fetch_add(1);
       while (log->arrived.load() < Log::kRanks) usleep(100);
       for (int l = 0; l < Log::kLayers; ++l) {
         if (r == kill_rank && l == kill_layer) _exit(0);
-        if (l > 0) log->announced[r][l] = Now();
+        if (l > 0) log->announced[r][l] = MonotonicNs();
         meeting.Begin(l);
-        log->started[r][l] = Now();
+        log->started[r][l] = MonotonicNs();
         // Work of uneven length: rank r takes (r + 1) x 0.2 ms, layer by layer.
-        const int64_t until = Now() + (r + 1) * 200'000;
-        while (Now() < until) {
+        const int64_t until = MonotonicNs() + (r + 1) * 200'000;
+        while (MonotonicNs() < until) {
         }
-        log->ended[r][l] = Now();
+        log->ended[r][l] = MonotonicNs();
         meeting.End();
         if (r == 0 && l % 7 == 0) usleep(1'000);  // a rank that dawdles between layers
       }
